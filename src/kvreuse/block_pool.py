@@ -1,0 +1,382 @@
+"""The paged KV block pool: block ids, reference counts, the prefix-cache index, eviction.
+
+The pool holds no tensors (the model runner owns ``[layers, 2, num_blocks, block_size,
+kv_heads, head_dim]`` storage indexed by ``block_id``), so the same pool runs the engine
+and the trace simulator. It does no IO: events go to an optional ``EventSink``.
+
+Every block is in exactly one state::
+
+    free      ref_count == 0, no key          (in ``_free``; handed out first)
+    cached    ref_count == 0, key registered  (reusable on a hit; evictable when a leaf)
+    in use    ref_count  > 0                  (never evicted; may or may not have a key)
+
+Eviction order: among cached blocks that no other cached block depends on (leaves of the
+prefix tree), the one with the smallest ``policy.sort_key``. Keys live in a lazy heap: an
+entry is valid only while its ``version`` matches the block's, so a hit or a priority
+change just bumps the version (O(1)) and eviction pops stale entries.
+
+Callers check before they commit (``num_free_blocks`` / ``can_allocate`` then
+``allocate``), so nothing is rolled back; ``allocate`` beyond capacity is a broken
+invariant and raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvreuse.eviction import EvictionPolicy, LRUPolicy
+from kvreuse.hashing import BlockHash
+from kvreuse.kv_events import (
+    DEVICE_LEVEL,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    BlockUpdated,
+    CacheCreated,
+    EventSink,
+    StoredBlock,
+)
+
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+Clock = Callable[[], float]  # seconds; injectable so expiry is tested without sleeping
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int  # index into the runner's KV storage; fixed for the pool's life
+    ref_count: int = 0  # running requests holding this block
+    block_hash: BlockHash | None = None  # set once full and registered in the prefix index
+    parent_hash: BlockHash | None = None  # key of the previous block in its chain
+    token_ids: tuple[int, ...] = ()  # tokens of a registered block, checked on every hit
+    depth: int = 0  # position of the block in its chain (0 = first block)
+    priority: int = DEFAULT_PRIORITY  # retention priority 0-100
+    expires_at: float | None = None  # clock time when priority falls back to the default
+    last_access: int = 0  # logical tick of the last acquire/release (LRU order, exact in tests)
+    access_count: int = 0  # hits + first use, for frequency-aware policies
+    num_cached_children: int = 0  # registered blocks whose parent is this one
+    version: int = 0  # bumps invalidate this block's heap entries
+
+
+class BlockPool:
+    """Allocation, reference counting and prefix-cache index over ``num_blocks`` blocks.
+
+    Not thread-safe: the engine loop is its only caller.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        clock: Clock = time.monotonic,
+        events: EventSink | None = None,
+        cache_level: str = DEVICE_LEVEL,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the pool needs at least one block, got {num_blocks} (raise --kv-cache-memory)")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size} (--block-size)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self.clock = clock
+        self.cache_level = cache_level
+        self._events = events
+        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
+        self._free: deque[KVBlock] = deque(self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._num_cached_free = 0  # registered blocks with ref_count == 0
+        self._heap: list[tuple[tuple, int, int, int]] = []  # (key, seq, version, block_id)
+        self._heap_seq = 0
+        self._expiry: list[tuple[float, int, int]] = []  # (expires_at, version, block_id)
+        self._tick = 0
+        self.num_evictions = 0
+        self.evictions_by_priority: dict[int, int] = {}
+        self._emit(CacheCreated({cache_level: num_blocks}))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an ``allocate`` can hand out now: free ones plus evictable cached ones."""
+        return len(self._free) + self._num_cached_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks not held by any request."""
+        return self._num_cached_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - self._num_cached_free
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
+        """The registered block with this key, or ``None``. Does not modify the pool."""
+        return self._cached.get(block_hash)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
+        """The longest run of leading blocks already registered whose stored tokens equal
+        ``token_blocks`` (a hash collision is a miss, never a wrong answer).
+
+        Does not modify the pool: acquire the result before anything can evict it.
+        """
+        hits: list[KVBlock] = []
+        for block_hash, tokens in zip(block_hashes, token_blocks):
+            block = self._cached.get(block_hash)
+            if block is None or block.token_ids != tuple(tokens):
+                break
+            hits.append(block)
+        return hits
+
+    def cached_hashes(self) -> list[KVBlock]:
+        """Every registered block (in use or not), for snapshots."""
+        return list(self._cached.values())
+
+    # ------------------------------------------------------------------ mutations
+    def acquire(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (a cache hit). A cached block stops being
+        evictable until released."""
+        for block in blocks:
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    raise RuntimeError(f"block {block.block_id} is free and uncached: allocate it instead")
+                self._num_cached_free -= 1
+                block.version += 1  # drops its heap entry
+            block.ref_count += 1
+            block.access_count += 1
+            block.last_access = self._next_tick()
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """``n`` blocks with ``ref_count == 1`` and no key, evicting cached leaves as needed.
+
+        Raises ``RuntimeError`` when ``n`` exceeds ``num_free_blocks`` (check first).
+        """
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free_blocks} free blocks: call can_allocate first")
+        self.expire()
+        out: list[KVBlock] = []
+        removed: list[BlockHash] = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block = self._pop_victim()
+                removed.append(block.block_hash)  # type: ignore[arg-type]
+                self._unregister(block)
+            block.ref_count = 1
+            block.access_count = 1
+            block.last_access = self._next_tick()
+            out.append(block)
+        if removed:
+            self._emit(BlocksRemoved(tuple(removed), self.cache_level))
+        return out
+
+    def register(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        *,
+        depth: int,
+        priority: int = DEFAULT_PRIORITY,
+        duration_s: float | None = None,
+    ) -> KVBlock:
+        """Enter a full, computed, in-use block into the prefix index.
+
+        If another block already holds ``block_hash`` (two requests computed the same
+        block at once), the pool keeps the existing one and returns it; ``block`` stays
+        unregistered and goes back to the free list on release. Returns the block that
+        holds the key.
+        """
+        if block.ref_count <= 0:
+            raise RuntimeError(f"register of block {block.block_id} that no request holds")
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            return existing
+        if block.block_hash is not None:
+            raise RuntimeError(f"block {block.block_id} is already registered")
+        block.block_hash = block_hash
+        block.parent_hash = parent_hash
+        block.token_ids = tuple(token_ids)
+        block.depth = depth
+        block.priority = priority
+        block.expires_at = None if duration_s is None else self.clock() + duration_s
+        self._cached[block_hash] = block
+        parent = self._cached.get(parent_hash) if parent_hash is not None else None
+        if parent is not None:
+            parent.num_cached_children += 1
+            parent.version += 1  # no longer a leaf
+        self._emit(
+            BlocksStored(
+                parent_hash,
+                (StoredBlock(block_hash, block.token_ids, priority, self.cache_level),),
+                self.block_size,
+            )
+        )
+        return block
+
+    def set_retention(self, block: KVBlock, priority: int | None, duration_s: float | None) -> None:
+        """Apply a reusing request's retention: its priority when given, and its duration
+        always (``None`` clears it). Emits ``BlockUpdated`` when the priority changes."""
+        if priority is not None and priority != block.priority:
+            self._set_priority(block, priority)
+        block.expires_at = None if duration_s is None else self.clock() + duration_s
+        if block.ref_count == 0:
+            self._make_evictable(block)
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block. Callers release a chain tail first, so
+        equal-tick ties still evict the deepest block first."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"release of block {block.block_id} with ref_count {block.ref_count}")
+            block.ref_count -= 1
+            block.last_access = self._next_tick()
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is None:
+                self._reset(block)
+                self._free.append(block)
+            else:
+                self._num_cached_free += 1
+                self._make_evictable(block)
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop every block whose duration has run out back to the default priority.
+        Returns how many changed."""
+        now = self.clock() if now is None else now
+        changed = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, version, block_id = heapq.heappop(self._expiry)
+            block = self.blocks[block_id]
+            if block.expires_at != expires_at or block.block_hash is None:
+                continue
+            block.expires_at = None
+            if block.priority != DEFAULT_PRIORITY:
+                self._set_priority(block, DEFAULT_PRIORITY)
+                changed += 1
+            if block.ref_count == 0:
+                self._make_evictable(block)
+        return changed
+
+    def evict_all_cached(self) -> int:
+        """Forget every cached block not in use (``reset_prefix_cache``). Returns how many."""
+        removed: list[BlockHash] = []
+        while self._num_cached_free:
+            block = self._pop_victim()
+            removed.append(block.block_hash)  # type: ignore[arg-type]
+            self._unregister(block)
+            self._free.append(block)
+        if not self._cached:
+            self._emit(AllBlocksCleared())
+        elif removed:
+            self._emit(BlocksRemoved(tuple(removed), self.cache_level))
+        return len(removed)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError`` if the bookkeeping is inconsistent:
+        free + cached + in use == total, ref counts >= 0, index and children agree."""
+        free_ids = {b.block_id for b in self._free}
+        if len(free_ids) != len(self._free):
+            raise RuntimeError("a block appears twice in the free list")
+        n_cached_free = n_used = 0
+        children: dict[BlockHash, int] = {}
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id} has ref_count {block.ref_count}")
+            if block.block_id in free_ids:
+                if block.ref_count or block.block_hash is not None:
+                    raise RuntimeError(f"free block {block.block_id} is held or keyed")
+            elif block.ref_count > 0:
+                n_used += 1
+            elif block.block_hash is not None:
+                n_cached_free += 1
+            else:
+                raise RuntimeError(f"block {block.block_id} is lost: unheld, unkeyed and not free")
+            if block.block_hash is not None:
+                if self._cached.get(block.block_hash) is not block:
+                    raise RuntimeError(f"block {block.block_id} is keyed but not in the index")
+                if block.parent_hash in self._cached:
+                    children[block.parent_hash] = children.get(block.parent_hash, 0) + 1  # type: ignore[index]
+        for block in self._cached.values():
+            if block.num_cached_children != children.get(block.block_hash, 0):  # type: ignore[arg-type]
+                raise RuntimeError(
+                    f"block {block.block_id} counts {block.num_cached_children} children, index has "
+                    f"{children.get(block.block_hash, 0)}"  # type: ignore[arg-type]
+                )
+        if n_cached_free != self._num_cached_free:
+            raise RuntimeError(f"cached-free count {self._num_cached_free} != actual {n_cached_free}")
+        if len(self._free) + n_cached_free + n_used != self.num_blocks:
+            raise RuntimeError("free + cached + in use != total")
+
+    # ------------------------------------------------------------------ internals
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _emit(self, event) -> None:
+        if self._events is not None:
+            self._events.append(event)
+
+    def _set_priority(self, block: KVBlock, priority: int) -> None:
+        old = block.priority
+        block.priority = priority
+        if block.block_hash is not None:
+            self._emit(BlockUpdated(block.block_hash, old_priority=old, new_priority=priority))
+
+    def _make_evictable(self, block: KVBlock) -> None:
+        """(Re)enter a released cached block into the eviction heap if it is a leaf, and
+        its expiry into the expiry heap."""
+        block.version += 1
+        if block.expires_at is not None:
+            heapq.heappush(self._expiry, (block.expires_at, block.version, block.block_id))
+        if block.num_cached_children == 0:
+            self._heap_seq += 1
+            heapq.heappush(self._heap, (self.policy.sort_key(block), self._heap_seq, block.version, block.block_id))
+
+    def _pop_victim(self) -> KVBlock:
+        while self._heap:
+            _, _, version, block_id = heapq.heappop(self._heap)
+            block = self.blocks[block_id]
+            if (
+                block.version == version
+                and block.ref_count == 0
+                and block.block_hash is not None
+                and block.num_cached_children == 0
+            ):
+                return block
+        raise RuntimeError("no evictable block although the free count says there is one")
+
+    def _unregister(self, block: KVBlock) -> None:
+        """Remove an unheld cached block from the index (it becomes a bare block)."""
+        del self._cached[block.block_hash]  # type: ignore[arg-type]
+        self._num_cached_free -= 1
+        self.num_evictions += 1
+        self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
+        parent = self._cached.get(block.parent_hash) if block.parent_hash is not None else None
+        if parent is not None:
+            parent.num_cached_children -= 1
+            if parent.num_cached_children == 0 and parent.ref_count == 0:
+                self._make_evictable(parent)
+        self._reset(block)
+
+    @staticmethod
+    def _reset(block: KVBlock) -> None:
+        block.block_hash = None
+        block.parent_hash = None
+        block.token_ids = ()
+        block.depth = 0
+        block.priority = DEFAULT_PRIORITY
+        block.expires_at = None
+        block.access_count = 0
+        block.num_cached_children = 0
+        block.version += 1
