@@ -1,0 +1,51 @@
+"""How to pick each next token: the knobs of the OpenAI and vLLM APIs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated at construction; ``ValueError`` names the offending field.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` means no top-k cut. ``seed`` makes a
+    request's sampling reproducible regardless of what else is batched with it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # not yet returned; accepted for API compatibility
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            if self.top_k == -1:  # vLLM spells "off" as -1
+                object.__setattr__(self, "top_k", 0)
+            else:
+                raise ValueError(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a string or a list of non-empty strings")
+        if len(self.stop) > 4:
+            raise ValueError(f"stop accepts at most 4 sequences, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
