@@ -1,0 +1,105 @@
+"""Paged attention for transformers models: reads and writes the block pool's KV storage.
+
+Registered with transformers' ``AttentionInterface`` under the name ``"kvreuse"``; the
+model then calls ``paged_attention`` in every layer with the new tokens' q/k/v (RoPE
+already applied). We write the new k/v into their pool slots and attend over each
+sequence's slots gathered by index from the pool: the pool is the only KV storage, there
+is no per-request cache object. No transformers mask function is registered for the
+name, so the model builds no mask and we build our own from the batch description.
+
+The batch is flattened to ``[1, T]`` (all sequences' new tokens back to back). Prefill
+chunks are attended one sequence at a time; single-token decodes are padded and batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "kvreuse"
+
+
+@dataclass
+class PrefillItem:
+    start: int  # first index of this sequence's new tokens in the flattened batch
+    num_new: int
+    kv_slots: torch.Tensor  # [L] slots of every key (context + new), in attention order
+    mask_full: torch.Tensor | None  # [num_new, L] bool, None = plain causal over new tokens only
+    mask_sliding: dict[int, torch.Tensor | None]  # window -> [num_new, L] bool
+
+
+@dataclass
+class DecodeBatch:
+    token_index: torch.Tensor  # [B] index of each decode token in the flattened batch
+    kv_slots: torch.Tensor  # [B, Lmax] slots, padded with 0
+    mask_full: torch.Tensor  # [B, 1, 1, Lmax] bool
+    mask_sliding: dict[int, torch.Tensor]  # window -> [B, 1, 1, Lmax] bool
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs to place and read KV for one forward pass."""
+
+    kv_cache: torch.Tensor  # [layers, 2, num_slots, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
+    prefills: list[PrefillItem]
+    decodes: DecodeBatch | None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    kv_context: ForwardContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the pool. Returns ``[1, T, heads, head_dim]`` as transformers expects."""
+    if kv_context is None:
+        raise RuntimeError("kvreuse attention called without kv_context: run the model through ModelRunner")
+    ctx = kv_context
+    layer_cache = ctx.kv_cache[module.layer_idx]  # [2, num_slots, kv_heads, head_dim]
+    k_cache, v_cache = layer_cache[0], layer_cache[1]
+    new_k = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
+    new_v = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, ctx.slot_mapping, new_k)
+    v_cache.index_copy_(0, ctx.slot_mapping, new_v)
+
+    out = torch.empty_like(query.transpose(1, 2))  # [1, T, heads, head_dim]
+    for item in ctx.prefills:
+        q = query[:, :, item.start : item.start + item.num_new]  # [1, heads, n, d]
+        mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
+        if item.mask_full is None and mask is None:
+            # Fresh prompt, no context: the same causal SDPA call plain transformers makes.
+            k = key[:, :, item.start : item.start + item.num_new]
+            v = value[:, :, item.start : item.start + item.num_new]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            k = k_cache.index_select(0, item.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, d]
+            v = v_cache.index_select(0, item.kv_slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[:, item.start : item.start + item.num_new] = o.transpose(1, 2)
+    if ctx.decodes is not None:
+        d = ctx.decodes
+        b, lmax = d.kv_slots.shape
+        q = query[0, :, d.token_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
+        flat = d.kv_slots.reshape(-1)
+        k = k_cache.index_select(0, flat).view(b, lmax, *k_cache.shape[1:]).transpose(1, 2)  # [B, kv_heads, Lmax, d]
+        v = v_cache.index_select(0, flat).view(b, lmax, *v_cache.shape[1:]).transpose(1, 2)
+        mask = d.mask_sliding[sliding_window] if sliding_window else d.mask_full
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[0, d.token_index] = o.squeeze(2)  # [B, heads, d]
+    return out, None
+
+
+def register() -> str:
+    """Make ``paged_attention`` available as ``attn_implementation="kvreuse"``. Idempotent."""
+    AttentionInterface.register(ATTN_NAME, paged_attention)
+    return ATTN_NAME

@@ -1,0 +1,145 @@
+"""Runs the model over a batch of scheduled chunks, with KV living in the pool's storage.
+
+The runner owns the KV tensor (``[layers, 2, num_blocks * block_size, kv_heads,
+head_dim]``, allocated once) and turns a list of ``SeqChunk`` into one flattened forward
+pass; logits are computed only at the positions that sample a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvreuse import attention
+from kvreuse.attention import DecodeBatch, ForwardContext, PrefillItem
+
+
+@dataclass
+class SeqChunk:
+    """New tokens of one sequence to compute in this step.
+
+    ``context_slots`` are the slots of every key before these tokens, in attention order
+    (cached prefix, PML modules, earlier chunks); the new tokens attend to all of them and
+    causally to each other. ``context_positions`` matter only for sliding-window layers
+    (``None`` = ``0..len-1``).
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    new_slots: list[int]
+    context_slots: list[int]
+    context_positions: list[int] | None
+    sample: bool
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_windows: tuple[int, ...]  # distinct sliding windows used by some layer
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model and the KV storage; not thread-safe (engine thread only)."""
+
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.layout = layout
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        name = attention.register()
+        model.set_attn_implementation(name)
+        num_slots = num_blocks * block_size
+        self.kv_cache = torch.zeros(  # [layers, 2, slots, kv_heads, head_dim]
+            layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim, dtype=self.dtype, device=self.device
+        )
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Compute every chunk; returns fp32 logits ``[num_sampling_chunks, vocab]`` in chunk
+        order (only chunks with ``sample=True`` get a row)."""
+        dev = self.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        new_slots: list[int] = []
+        sample_index: list[int] = []
+        prefills: list[PrefillItem] = []
+        decode_rows: list[tuple[int, SeqChunk]] = []
+        for chunk in chunks:
+            start = len(token_ids)
+            token_ids += chunk.token_ids
+            positions += chunk.positions
+            new_slots += chunk.new_slots
+            if chunk.sample:
+                sample_index.append(len(token_ids) - 1)
+            if len(chunk.token_ids) == 1 and chunk.context_slots:
+                decode_rows.append((start, chunk))
+            else:
+                prefills.append(self._prefill_item(start, chunk))
+        ctx = ForwardContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=dev),
+            prefills=prefills,
+            decodes=self._decode_batch(decode_rows) if decode_rows else None,
+        )
+        out = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=dev),  # [1, T]
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),  # [1, T]
+            use_cache=False,
+            logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=dev),
+            kv_context=ctx,
+        )
+        return out.logits[0].float()  # [num_sampled, vocab]
+
+    # ------------------------------------------------------------------ masks
+    def _prefill_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
+        dev = self.device
+        n, c = len(chunk.token_ids), len(chunk.context_slots)
+        length = c + n
+        kv_slots = torch.tensor(chunk.context_slots + chunk.new_slots, dtype=torch.long, device=dev)
+        q_idx = torch.arange(n, device=dev)[:, None] + c  # [n, 1] index of each query among keys
+        k_idx = torch.arange(length, device=dev)[None, :]  # [1, L]
+        causal = k_idx <= q_idx  # [n, L]
+        mask_full = None if c == 0 else causal
+        mask_sliding: dict[int, torch.Tensor | None] = {}
+        if self.layout.sliding_windows:
+            ctx_pos = chunk.context_positions if chunk.context_positions is not None else list(range(c))
+            k_pos = torch.tensor(ctx_pos + chunk.positions, dtype=torch.long, device=dev)[None, :]  # [1, L]
+            q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
+            for window in self.layout.sliding_windows:
+                if c == 0 and n <= window and chunk.context_positions is None:
+                    mask_sliding[window] = None  # the window never cuts: plain causal
+                else:
+                    mask_sliding[window] = causal & (k_pos > q_pos - window)
+        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding)
+
+    def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
+        dev = self.device
+        lengths = [len(c.context_slots) + 1 for _, c in rows]
+        lmax = max(lengths)
+        slots = torch.zeros(len(rows), lmax, dtype=torch.long, device=dev)  # [B, Lmax]
+        for i, (_, c) in enumerate(rows):
+            slots[i, : lengths[i]] = torch.tensor(c.context_slots + c.new_slots, dtype=torch.long, device=dev)
+        lens = torch.tensor(lengths, device=dev)
+        valid = torch.arange(lmax, device=dev)[None, :] < lens[:, None]  # [B, Lmax]
+        mask_sliding: dict[int, torch.Tensor] = {}
+        if self.layout.sliding_windows:
+            k_pos = torch.zeros(len(rows), lmax, dtype=torch.long, device=dev)
+            for i, (_, c) in enumerate(rows):
+                ctx_pos = c.context_positions if c.context_positions is not None else list(range(len(c.context_slots)))
+                k_pos[i, : lengths[i]] = torch.tensor(ctx_pos + c.positions, dtype=torch.long, device=dev)
+            q_pos = torch.tensor([c.positions[0] for _, c in rows], device=dev)[:, None]  # [B, 1]
+            for window in self.layout.sliding_windows:
+                mask_sliding[window] = (valid & (k_pos > q_pos - window))[:, None, None, :]
+        return DecodeBatch(
+            token_index=torch.tensor([start for start, _ in rows], dtype=torch.long, device=dev),
+            kv_slots=slots,
+            mask_full=valid[:, None, None, :],  # [B, 1, 1, Lmax]
+            mask_sliding=mask_sliding,
+        )

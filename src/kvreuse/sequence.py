@@ -1,0 +1,78 @@
+"""One request's state as it moves through the engine: tokens, blocks, progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvreuse.block_pool import KVBlock
+from kvreuse.hashing import BlockHash
+from kvreuse.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable request state, owned by the engine thread.
+
+    Token index ``i`` (prompt then output) lives in KV slot ``slots()[i]`` and has RoPE
+    position ``position(i)``. ``context_blocks`` are read-only blocks assembled in front
+    of the sequence's own tokens (PML modules); they are not part of ``token_ids``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    retention: object | None = None  # KvCacheRetentionConfig, applied by the cache manager
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    blocks: list[KVBlock] = field(default_factory=list)  # own blocks, in token order
+    block_hashes: list[BlockHash] = field(default_factory=list)  # keys of full blocks so far
+    num_registered_blocks: int = 0  # leading own blocks already entered in the prefix index
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
+    num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
+    prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
+    context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
+    context_positions: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    text: str = ""  # detokenized output so far (stop strings cut)
+    generator: object | None = None  # torch.Generator when params.seed is set
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def position(self, i: int) -> int:
+        """RoPE position of token index ``i``; generated tokens follow the last prompt one."""
+        if self.prompt_positions is None:
+            return i
+        if i < len(self.prompt_positions):
+            return self.prompt_positions[i]
+        return self.prompt_positions[-1] + 1 + (i - len(self.prompt_positions))
+
+    def slot(self, i: int, block_size: int) -> int:
+        return self.blocks[i // block_size].block_id * block_size + i % block_size
+
+    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
