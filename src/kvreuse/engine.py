@@ -1,0 +1,280 @@
+"""The synchronous engine: requests in, one scheduling step at a time, outputs out.
+
+Data flows one way: ``add_request`` -> scheduler -> cache manager -> model runner ->
+sampler -> ``RequestOutput``. Everything here runs on one thread (the async wrapper's
+engine thread, or the caller's thread for ``LLM``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvreuse.block_pool import BlockPool
+from kvreuse.eviction import make_policy
+from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn
+from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
+from kvreuse.sampler import make_generator, sample_one
+from kvreuse.sampling_params import SamplingParams
+from kvreuse.scheduler import Scheduler
+from kvreuse.sequence import Sequence
+from kvreuse.stop_checker import check_stop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; each maps to a ``kvreuse serve`` flag of the same name."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"
+    kv_cache_memory_gib: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = "sha256"
+    eviction_policy: str = "lru"
+    event_buffer_max_size: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # cumulative
+    new_token_ids: list[int]  # sampled this step
+    text: str  # cumulative, stop strings cut
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output_token_ids
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_running: int
+    num_waiting: int
+    evictions_by_priority: dict[int, int] = field(default_factory=dict)
+    blocks_by_priority: dict[int, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+    tokens_computed: int = 0
+
+
+class LLMEngine:
+    """One executor. Not thread-safe: one thread calls ``add_request``/``step``/``abort``."""
+
+    def __init__(self, config: EngineConfig, loaded=None, *, events=None, retention_fn: RetentionFn | None = None):
+        from kvreuse.model_loader import load_model  # heavy import kept off the router's path
+
+        self.config = config
+        if loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = loaded.name
+        self.model_id: str = loaded.model_id
+        self.max_model_len: int = config.max_model_len or loaded.shape.max_model_len
+        self.block_size = config.block_size
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        shape = loaded.shape
+        layout = KVLayout(
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            sliding_windows=tuple(sorted({w for w in shape.sliding_window if w is not None})),
+        )
+        self.kv_bytes_per_token = layout.bytes_per_token(loaded.dtype)
+        bytes_per_block = self.kv_bytes_per_token * config.block_size
+        num_blocks = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds no block of {bytes_per_block} bytes"
+            )
+        self.pool = BlockPool(
+            num_blocks, config.block_size, policy=make_policy(config.eviction_policy), events=events
+        )
+        kv_kwargs = {} if retention_fn is None else {"retention_fn": retention_fn}
+        self.kv = KVCacheManager(
+            self.pool,
+            model_id=self.model_id,
+            hash_algorithm=config.hash_algorithm,
+            enable_prefix_caching=config.enable_prefix_caching,
+            **kv_kwargs,
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
+        self._requests: dict[str, Sequence] = {}
+        self.tokens_computed = 0
+        torch.manual_seed(config.seed)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        retention=None,
+        prompt_positions: list[int] | None = None,
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` (naming the field) if it can never run."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                "(shorten the prompt or start the server with a larger --max-model-len)"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the model's context of "
+                f"{self.max_model_len} tokens: lower max_tokens to at most {self.max_model_len - n}"
+            )
+        vocab = self.loaded.shape.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        needed = self.kv.blocks_needed(n + params.max_tokens)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
+                f"has {self.pool.num_blocks}: lower max_tokens or raise --kv-cache-memory"
+            )
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt=cache_salt,
+            retention=retention,
+            prompt_positions=prompt_positions,
+            generator=make_generator(params.seed, self.runner.device),
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        bs = self.block_size
+        chunks = []
+        for item in plan:
+            seq, c, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            chunks.append(
+                SeqChunk(
+                    token_ids=seq.token_ids[c : c + n],
+                    positions=[seq.position(i) for i in range(c, c + n)],
+                    new_slots=[seq.slot(i, bs) for i in range(c, c + n)],
+                    context_slots=seq.context_slots + [seq.slot(i, bs) for i in range(c)],
+                    context_positions=(
+                        seq.context_positions + [seq.position(i) for i in range(c)] if seq.context_slots else None
+                    ),
+                    sample=c + n == seq.num_tokens,
+                )
+            )
+        logits = self.runner.execute(chunks)
+        outputs: list[RequestOutput] = []
+        row = 0
+        now = time.perf_counter()
+        for item, chunk in zip(plan, chunks):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.tokens_computed += item.num_new_tokens
+            self.kv.commit_computed(seq)
+            if not chunk.sample:
+                continue
+            token = sample_one(logits[row], seq.params, seq.generator)
+            row += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(token)
+            new_text, reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq, [token], new_text))
+        return outputs
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=list(seq.output_token_ids),
+            new_token_ids=new_ids,
+            text=seq.text,
+            new_text=new_text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        blocks_by_priority = pool.blocks_by_priority() if hasattr(pool, "blocks_by_priority") else {}
+        return EngineStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            prefix_cache_queries_tokens=self.kv.queries_tokens,
+            prefix_cache_hits_tokens=self.kv.hits_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            evictions_by_priority=dict(pool.evictions_by_priority),
+            blocks_by_priority=dict(blocks_by_priority),
+            num_preemptions=self.scheduler.num_preemptions,
+            tokens_computed=self.tokens_computed,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block not in use; returns how many were dropped."""
+        return self.pool.evict_all_cached()

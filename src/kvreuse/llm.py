@@ -1,0 +1,95 @@
+"""The offline Python API, in vLLM's shape::
+
+    from kvreuse import LLM, SamplingParams
+    llm = LLM(model="default")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].ttft_s
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from kvreuse.engine import EngineConfig, LLMEngine, RequestOutput
+from kvreuse.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Runs requests to completion on the caller's thread.
+
+    ``loaded`` takes an already loaded model (tests pass tiny random-weight ones); any
+    other keyword is an ``EngineConfig`` field (``kv_cache_memory_gib``, ``block_size``...).
+    """
+
+    def __init__(self, model: str = "default", *, loaded=None, events=None, **config) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **config), loaded=loaded, events=events)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        retention=None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids), batched; results in prompt order.
+        Raises ``ValueError`` for a prompt that can never run (too long, empty)."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = []
+        for prompt in prompts:
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=retention)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        **kwargs,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_token_ids(conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generating", unit="req")
+        try:
+            while len(final) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+            for rid in request_ids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
+        self.engine.pool.check_integrity()
+        return [final[rid] for rid in request_ids]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()

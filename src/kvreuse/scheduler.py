@@ -1,0 +1,84 @@
+"""Continuous batching: every step mixes decodes and (chunks of) prefills under a token
+budget; waiting requests are admitted first-come first-served when their blocks fit.
+
+A sequence always computes the tokens ``[num_computed_tokens, num_tokens)``: a prefill
+is the whole prompt (minus cache hits), a decode is the one token sampled last step, and
+a preempted sequence simply recomputes everything it had (vLLM's recompute preemption).
+Memory pressure therefore never crashes: the youngest running request goes back to the
+front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvreuse.kv_cache_manager import KVCacheManager
+from kvreuse.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for ``seq`` this step, from its num_computed_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a running or waiting sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        plan: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted by an older sequence in this loop
+                continue
+            while not self.kv.grow(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running or budget == 0:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            plan.append(ScheduledChunk(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            first_time = seq.first_token_time is None and not seq.output_token_ids
+            if not self.kv.admit(seq, first_time=first_time):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            plan.append(ScheduledChunk(seq, n))
+            budget -= n
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
