@@ -1,0 +1,163 @@
+"""A hardened XML reader: PML text in, a located element tree out.
+
+This is the only place that touches XML. It uses expat directly with every feature that
+can reach outside the document or blow up its size refused:
+
+- any ``<!DOCTYPE>`` (and therefore every entity and notation declaration) is refused, so
+  "billion laughs" and external entities cannot happen; only the five predefined entities
+  and character references are understood;
+- external entity references and parameter entities are refused;
+- the document size (characters), element nesting depth and element count are capped by
+  ``MarkupLimits``.
+
+Every failure is a ``PMLSyntaxError`` with a 1-based line and column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from xml.parsers import expat
+
+from kvreuse.pml.errors import PMLSyntaxError
+
+
+@dataclass(frozen=True)
+class MarkupLimits:
+    """Caps applied while reading one document. Validated where built."""
+
+    max_chars: int = 2_000_000  # whole document, in characters
+    max_depth: int = 32  # element nesting, the root element is depth 1
+    max_elements: int = 20_000  # elements in one document
+
+    def __post_init__(self) -> None:
+        for field_name in ("max_chars", "max_depth", "max_elements"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"MarkupLimits.{field_name} must be >= 1")
+
+
+@dataclass(frozen=True)
+class CharData:
+    """A maximal run of character data between two tags (comments do not split it)."""
+
+    text: str
+    line: int
+    column: int
+
+
+@dataclass(frozen=True)
+class Element:
+    """An XML element: tag, attributes in document order, children in document order."""
+
+    tag: str
+    attrs: tuple[tuple[str, str], ...]
+    children: tuple["Element | CharData", ...]
+    line: int
+    column: int
+
+    def attr(self, name: str) -> str | None:
+        for key, value in self.attrs:
+            if key == name:
+                return value
+        return None
+
+
+class _Builder:
+    """Expat callbacks that build the tree; one instance per document."""
+
+    def __init__(self, parser: expat.XMLParserType, limits: MarkupLimits) -> None:
+        self._parser = parser
+        self._limits = limits
+        # Each open element: (tag, attrs, children list, line, column).
+        self._stack: list[tuple[str, tuple[tuple[str, str], ...], list, int, int]] = []
+        self._text: list[str] = []
+        self._text_at: tuple[int, int] | None = None
+        self._count = 0
+        self.root: Element | None = None
+
+    def _where(self) -> tuple[int, int]:
+        return self._parser.CurrentLineNumber, self._parser.CurrentColumnNumber + 1
+
+    def _flush_text(self) -> None:
+        if self._text and self._stack:
+            line, column = self._text_at or (1, 1)
+            self._stack[-1][2].append(CharData("".join(self._text), line, column))
+        self._text = []
+        self._text_at = None
+
+    def start(self, tag: str, attrs: list[str]) -> None:
+        self._flush_text()
+        line, column = self._where()
+        self._count += 1
+        if self._count > self._limits.max_elements:
+            raise PMLSyntaxError(
+                f"more than {self._limits.max_elements} elements", line, column
+            )
+        if len(self._stack) + 1 > self._limits.max_depth:
+            raise PMLSyntaxError(
+                f"elements nested deeper than {self._limits.max_depth}", line, column
+            )
+        pairs = tuple(zip(attrs[0::2], attrs[1::2]))
+        self._stack.append((tag, pairs, [], line, column))
+
+    def end(self, tag: str) -> None:
+        self._flush_text()
+        name, attrs, children, line, column = self._stack.pop()
+        element = Element(name, attrs, tuple(children), line, column)
+        if self._stack:
+            self._stack[-1][2].append(element)
+        else:
+            self.root = element
+
+    def chars(self, data: str) -> None:
+        if self._text_at is None:
+            self._text_at = self._where()
+        self._text.append(data)
+
+    def refuse(self, what: str):
+        def handler(*_args) -> None:
+            line, column = self._where()
+            raise PMLSyntaxError(f"{what} is not allowed in PML", line, column)
+
+        return handler
+
+
+def read_markup(text: str, limits: MarkupLimits = MarkupLimits()) -> Element:
+    """Parse ``text`` into an ``Element`` tree.
+
+    Raises ``PMLSyntaxError`` (with line and column) for malformed XML, a DTD, entity
+    declarations or references other than the predefined ones, external references, or
+    when a ``MarkupLimits`` cap is exceeded.
+    """
+    if not isinstance(text, str):
+        raise TypeError("PML text must be str")
+    if len(text) > limits.max_chars:
+        raise PMLSyntaxError(
+            f"document is {len(text)} characters, more than the limit {limits.max_chars}",
+            1,
+            1,
+        )
+    parser = expat.ParserCreate(encoding="utf-8")
+    builder = _Builder(parser, limits)
+    parser.buffer_text = False  # one callback per chunk, so positions mark where text starts
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+    parser.StartElementHandler = builder.start
+    parser.EndElementHandler = builder.end
+    parser.CharacterDataHandler = builder.chars
+    parser.ordered_attributes = True
+    parser.StartDoctypeDeclHandler = builder.refuse("a DOCTYPE declaration")
+    parser.EntityDeclHandler = builder.refuse("an entity declaration")
+    parser.UnparsedEntityDeclHandler = builder.refuse("an unparsed entity")
+    parser.NotationDeclHandler = builder.refuse("a notation declaration")
+    parser.ExternalEntityRefHandler = builder.refuse("an external entity reference")
+    # Without a DTD, expat reports unknown entities as errors; this handler catches the
+    # case where it would otherwise pass them through silently.
+    parser.SkippedEntityHandler = builder.refuse("an entity reference")
+    try:
+        parser.Parse(text.encode("utf-8"), True)
+    except expat.ExpatError as exc:
+        reason = expat.ErrorString(exc.code)
+        raise PMLSyntaxError(f"malformed markup: {reason}", exc.lineno, exc.offset + 1) from None
+    except RecursionError:  # defensive: the depth cap should make this unreachable
+        raise PMLSyntaxError("markup nested too deeply", 1, 1) from None
+    assert builder.root is not None  # expat guarantees a root element on success
+    return builder.root
