@@ -245,7 +245,7 @@ class _SchemaReader:
             raise refuse(f"cannot be read as UTF-8 text ({exc.__class__.__name__})") from None
         if len(content) > self._limits.max_chars:
             raise refuse(f"is larger than the limit of {self._limits.max_chars} characters")
-        normalised = ws.normalise(content)
+        normalised = ws.normalise(content, whole_file=True)
         return (Text(normalised, lead, _loc(element)),) if normalised else ()
 
 

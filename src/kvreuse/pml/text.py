@@ -24,13 +24,18 @@ from __future__ import annotations
 import os
 
 
-def normalise(raw: str) -> str:
-    """Apply rules 1 and 2 to one run of character data."""
+def normalise(raw: str, *, whole_file: bool = False) -> str:
+    """Apply rules 1 and 2 to one run of character data.
+
+    In markup, text that starts on the tag's own line is not part of the indentation
+    (like ``inspect.cleandoc``), so put code on its own line after the tag. With
+    ``whole_file`` (a ``src`` file) every line, the first included, is dedented.
+    """
     lines = [line.rstrip() for line in raw.split("\n")]
-    rest = lines[1:]
+    head, rest = ([], lines) if whole_file else (lines[:1], lines[1:])
     indents = [line[: len(line) - len(line.lstrip())] for line in rest if line]
     common = os.path.commonprefix(indents) if indents else ""
-    body = [lines[0]] + [line[len(common) :] for line in rest]
+    body = head + [line[len(common) :] for line in rest]
     return "\n".join(body).strip()
 
 

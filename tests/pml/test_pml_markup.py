@@ -1,0 +1,90 @@
+"""The hardened XML reader: refusals, limits, and error locations."""
+
+import pytest
+
+from kvreuse.pml import MarkupLimits, PMLSyntaxError, parse_prompt, parse_schema
+from kvreuse.pml.markup import read_markup
+
+
+def test_predefined_entities_character_references_and_cdata_are_text():
+    root = read_markup('<a>x &lt; y &amp;&#65;<![CDATA[<b>&amp;]]></a>')
+    assert root.children[0].text == "x < y &A<b>&amp;"
+
+
+def test_comments_do_not_split_a_text_run():
+    root = read_markup("<a>one <!-- note --> two</a>")
+    assert [c.text for c in root.children] == ["one  two"]
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ('<!DOCTYPE schema [<!ENTITY e "boom">]><schema name="s">&e;</schema>', "DOCTYPE"),
+        ('<!DOCTYPE schema SYSTEM "file:///etc/passwd"><schema name="s"/>', "DOCTYPE"),
+        (
+            '<?xml version="1.0"?>\n<!DOCTYPE lolz [\n <!ENTITY lol "lol">\n'
+            ' <!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">\n]>\n<lolz>&lol2;</lolz>',
+            "DOCTYPE",
+        ),
+    ],
+)
+def test_dtds_and_entities_are_refused_with_a_location(text, what):
+    with pytest.raises(PMLSyntaxError) as info:
+        read_markup(text)
+    assert what in str(info.value)
+    assert info.value.line >= 1 and info.value.column >= 1
+
+
+def test_undefined_entity_is_a_syntax_error_with_line_and_column():
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema('<schema name="s">\n  <module name="m">a &nope; b</module>\n</schema>')
+    assert (info.value.line, info.value.column) == (2, 22)
+    assert "undefined entity" in info.value.reason
+
+
+def test_malformed_markup_reports_line_and_column():
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema('<schema name="s">\n  <module name="m">text</modul>\n</schema>')
+    assert info.value.line == 2
+    assert info.value.column == 26  # expat points into the bad closing tag
+    assert isinstance(info.value, ValueError)
+
+
+def test_unclosed_document():
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_prompt('<prompt schema="s">\n<a>')
+    assert info.value.line == 2
+
+
+def test_depth_limit():
+    deep = "<a>" * 5 + "</a>" * 5
+    read_markup(deep, MarkupLimits(max_depth=5))
+    with pytest.raises(PMLSyntaxError) as info:
+        read_markup(deep, MarkupLimits(max_depth=4))
+    assert "deeper than 4" in info.value.reason
+    assert (info.value.line, info.value.column) == (1, 13)
+
+
+def test_default_depth_limit_stops_deep_nesting_before_recursion():
+    deep = "<a>" * 10_000 + "</a>" * 10_000
+    with pytest.raises(PMLSyntaxError):
+        read_markup(deep)
+
+
+def test_size_limit():
+    text = '<schema name="s">' + "x" * 100 + "</schema>"
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema(text, limits=MarkupLimits(max_chars=50))
+    assert "limit 50" in info.value.reason
+
+
+def test_element_count_limit():
+    text = "<a>" + "<b/>" * 10 + "</a>"
+    with pytest.raises(PMLSyntaxError) as info:
+        read_markup(text, MarkupLimits(max_elements=5))
+    assert "more than 5 elements" in info.value.reason
+
+
+def test_limits_are_validated_where_built():
+    with pytest.raises(ValueError):
+        MarkupLimits(max_depth=0)
