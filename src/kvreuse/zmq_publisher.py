@@ -1,0 +1,236 @@
+"""ZMQ publisher: the event buffer, on the wire in vLLM's KV-event format.
+
+Follows vLLM's ``ZmqEventPublisher`` (``vllm/distributed/kv_events.py``, positional
+encoding of vLLM 0.10/0.11; see docs/events.md) so routers built for vLLM consume it::
+
+    PUB     [topic, seq (8-byte big-endian), msgpack(EventBatch)]
+    ROUTER  request [b"", start_seq] -> [b"", seq, payload] per kept batch, then [b"", -1, b""]
+
+    EventBatch  = [ts, [event, ...], data_parallel_rank]
+    BlockStored = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    BlockRemoved = ["BlockRemoved", block_hashes, medium]
+    AllBlocksCleared = ["AllBlocksCleared"]
+
+``event_encoding="map"`` writes events as maps tagged by ``"type"`` (vLLM after PR #42892).
+Hashes are unsigned 64-bit ints, the low 64 bits of our hash (vLLM's default,
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), or the full bytes with ``hash_format="bytes"``.
+vLLM has no priorities and no "created"/"updated" events: those are not sent.
+
+The publisher is one more reader of the ``EventBuffer``, in its own thread: the buffer is
+its bounded queue, so the engine never waits for it, and ZMQ's high-water mark drops
+(never blocks) for slow subscribers. If the thread falls behind far enough to lose
+events, it counts them and, given a ``snapshot_fn``, publishes a resync batch
+(``AllBlocksCleared`` then ``BlockStored`` for every cached block) and carries on after
+the snapshot's event id; without one it skips a sequence number so subscribers see a gap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import msgpack
+import zmq
+
+from kvreuse.event_buffer import EventBuffer
+from kvreuse.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_U64 = (1 << 64) - 1
+
+
+def wire_hash(block_hash: bytes, hash_format: str) -> int | bytes:
+    """Our block hash as vLLM puts it on the wire (``maybe_convert_block_hash``)."""
+    return int.from_bytes(block_hash, "big") & _U64 if hash_format == "int" else bytes(block_hash)
+
+
+def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[dict]:
+    """vLLM events (as field dicts with a ``type`` tag) for a run of our events, merging a
+    stored chain that continues the previous stored event and consecutive removals."""
+    out: list[dict] = []
+    for event in events:
+        data = event.data
+        prev = out[-1] if out else None
+        if isinstance(data, BlocksStored):
+            parent = data.parent_hash
+            for b in data.blocks:
+                h = wire_hash(b.block_hash, hash_format)
+                p = None if parent is None else wire_hash(parent, hash_format)
+                same_kind = prev is not None and prev["type"] == "BlockStored" and (
+                    prev["medium"], prev["lora_id"], prev["block_size"]
+                ) == (b.cache_level, b.lora_id, data.block_size)
+                if same_kind and prev["block_hashes"][-1] == p:  # type: ignore[index]
+                    prev["block_hashes"].append(h)  # type: ignore[index]
+                    prev["token_ids"].extend(b.token_ids)  # type: ignore[index]
+                else:
+                    prev = {
+                        "type": "BlockStored", "block_hashes": [h], "parent_block_hash": p,
+                        "token_ids": list(b.token_ids), "block_size": data.block_size,
+                        "lora_id": b.lora_id, "medium": b.cache_level,
+                    }
+                    out.append(prev)
+                parent = b.block_hash
+        elif isinstance(data, BlocksRemoved):
+            hashes = [wire_hash(h, hash_format) for h in data.block_hashes]
+            if prev is not None and prev["type"] == "BlockRemoved" and prev["medium"] == data.cache_level:
+                prev["block_hashes"].extend(hashes)
+            else:
+                out.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": data.cache_level})
+        elif isinstance(data, AllBlocksCleared):
+            out.append({"type": "AllBlocksCleared"})
+        # CacheCreated / BlockUpdated have no vLLM counterpart
+    return out
+
+
+def snapshot_to_vllm_events(snapshot: KVSnapshot, hash_format: str = "int") -> list[dict]:
+    """A resync batch: forget everything, then store every block (parents first)."""
+    out: list[dict] = [{"type": "AllBlocksCleared"}]
+    for b in snapshot.blocks:
+        out.append({
+            "type": "BlockStored", "block_hashes": [wire_hash(b.block_hash, hash_format)],
+            "parent_block_hash": None if b.parent_hash is None else wire_hash(b.parent_hash, hash_format),
+            "token_ids": list(b.token_ids), "block_size": snapshot.block_size, "lora_id": None, "medium": b.cache_level,
+        })
+    return out
+
+
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def encode_batch(ts: float, events: list[dict], data_parallel_rank: int, event_encoding: str = "array") -> bytes:
+    """msgpack of ``[ts, [events], data_parallel_rank]``; events positional (tag first) or maps."""
+    if event_encoding == "array":
+        wire = [[e["type"], *(e[f] for f in _FIELDS[e["type"]])] for e in events]
+    else:
+        wire = events
+    return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)
+
+
+class ZmqEventPublisher:
+    """Reads ``buffer`` from its own thread and publishes vLLM event batches.
+
+    ``endpoint``: ``tcp://*:5557`` binds (any ``*``, ipc or inproc binds), ``tcp://host:port``
+    connects. ``replay_endpoint``: a ROUTER serving the last ``replay_steps`` batches.
+    ``start()`` launches the thread; ``close()`` stops it and closes the sockets.
+    """
+
+    def __init__(
+        self,
+        buffer: EventBuffer,
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        snapshot_fn: Callable[[], KVSnapshot] | None = None,
+        hash_format: str = "int",
+        event_encoding: str = "array",
+        replay_steps: int = 10_000,
+        hwm: int = 100_000,
+        poll_interval_s: float = 0.05,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if hash_format not in ("int", "bytes"):
+            raise ValueError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
+        if event_encoding not in ("array", "map"):
+            raise ValueError(f"event_encoding must be 'array' or 'map', got {event_encoding!r}")
+        self.buffer = buffer
+        self.topic = topic.encode()
+        self.data_parallel_rank = data_parallel_rank
+        self.snapshot_fn = snapshot_fn
+        self.hash_format = hash_format
+        self.event_encoding = event_encoding
+        self.poll_interval_s = poll_interval_s
+        self.num_batches = 0  # batches published
+        self.num_events_lost = 0  # events dropped by the buffer before this thread read them
+        self.num_resyncs = 0
+        self.last_event_id = -1  # newest buffer event this thread has handled
+        self._replay_log: deque[tuple[int, bytes]] = deque(maxlen=replay_steps)
+        self._seq = 0
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self.endpoint = self._attach(self._pub, endpoint)
+        self._replay: zmq.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
+
+    def start(self) -> "ZmqEventPublisher":
+        self._thread.start()
+        return self
+
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the newest batch sent; -1 before the first."""
+        return self._seq - 1
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    # ------------------------------------------------------------------ thread
+    def _run(self) -> None:
+        cursor = -1
+        while not self._stop.is_set():
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            events = self.buffer.get_events(after_id=cursor, timeout=self.poll_interval_s)
+            if not events:
+                continue
+            if events[0].event_id > cursor + 1:
+                self.num_events_lost += events[0].event_id - cursor - 1
+                if self.snapshot_fn is not None:
+                    snapshot = self.snapshot_fn()
+                    self._send(snapshot_to_vllm_events(snapshot, self.hash_format), events[-1].timestamp)
+                    self.num_resyncs += 1
+                    cursor = self.last_event_id = snapshot.last_event_id
+                    continue
+                self._seq += 1  # leave a hole in the sequence: subscribers see the loss
+            self._send(to_vllm_events(events, self.hash_format), events[-1].timestamp)
+            cursor = self.last_event_id = events[-1].event_id
+
+    def _send(self, wire_events: list[dict], ts: float) -> None:
+        if not wire_events:
+            return
+        payload = encode_batch(ts, wire_events, self.data_parallel_rank, self.event_encoding)
+        seq = self._seq.to_bytes(8, "big")
+        self._pub.send_multipart((self.topic, seq, payload))  # PUB drops at HWM, never blocks
+        self._replay_log.append((self._seq, payload))
+        self._seq += 1
+        self.num_batches += 1
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            return  # not [identity, b"", start_seq]: ignore, as vLLM does
+        identity, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._replay_log):
+            if seq >= start_seq:
+                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+
+    @staticmethod
+    def _attach(sock: zmq.Socket, endpoint: str) -> str:
+        """Bind wildcard, ipc and inproc endpoints (vLLM's rule); connect to the rest.
+        Returns the endpoint actually bound (``tcp://127.0.0.1:*`` picks a free port)."""
+        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock.connect(endpoint)
+        return endpoint
