@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from pml_helpers import CharTokenizer
+from tests.pml.pml_helpers import CharTokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse")) / "tokenizers" / "smollm2"

@@ -6,7 +6,7 @@ import pytest
 
 from kvreuse.pml import PMLSemanticError, PMLSyntaxError, parse_schema
 from kvreuse.pml.syntax import Module, Parameter, Role, RoleBlock, Schema, Text, Union
-from pml_helpers import SCHEMAS
+from tests.pml.pml_helpers import SCHEMAS
 
 
 def test_tree_of_a_small_schema():
