@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTN_NAME = "kvreuse"
 
@@ -63,7 +64,17 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention over the pool. Returns ``[1, T, heads, head_dim]`` as transformers expects."""
     if kv_context is None:
-        raise RuntimeError("kvreuse attention called without kv_context: run the model through ModelRunner")
+        # A plain forward of the same model object (a reference run, a baseline): behave
+        # exactly like transformers' SDPA attention so sharing the model is harmless. No
+        # mask was built for our implementation name: make the causal (+ window) one here.
+        if attention_mask is None and sliding_window and key.shape[2] > sliding_window:
+            q_pos = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
+            k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
+            attention_mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [q, k]
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+            sliding_window=sliding_window, **kwargs,
+        )
     ctx = kv_context
     layer_cache = ctx.kv_cache[module.layer_idx]  # [2, num_slots, kv_heads, head_dim]
     k_cache, v_cache = layer_cache[0], layer_cache[1]

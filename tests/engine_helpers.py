@@ -1,0 +1,28 @@
+"""Shared helpers for engine tests: a logits spy and a plain transformers reference."""
+
+import torch
+
+from kvreuse import LLM
+
+
+class LogitsSpy:
+    """Records every logits row the runner returns (a spy on the real runner, not a mock)."""
+
+    def __init__(self, llm: LLM):
+        self.rows: list[torch.Tensor] = []
+        runner = llm.engine.runner
+        original = runner.execute
+
+        def execute(chunks):
+            logits = original(chunks)
+            self.rows.extend(logits.clone())
+            return logits
+
+        runner.execute = execute
+
+
+@torch.inference_mode()
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Plain transformers forward over the whole prompt: ``[len, vocab]`` fp32."""
+    ids = torch.tensor([token_ids])
+    return model(input_ids=ids, use_cache=False).logits[0].float()

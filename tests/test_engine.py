@@ -1,0 +1,124 @@
+"""Engine behaviour on tiny random-weight models: exactness of reuse, batching, memory
+pressure, aborts. Integrity of the pool is checked after every step."""
+
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from tests.engine_helpers import LogitsSpy, reference_logits
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def run_steps(llm: LLM):
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            outs[o.request_id] = o
+        llm.engine.pool.check_integrity()
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_prefix_hit_is_exact(arch, request):
+    loaded = request.getfixturevalue(arch)
+    prompt = [(i * 37) % 4000 + 10 for i in range(45)]  # crosses the tiny Gemma window (8)
+    cached = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4)
+    spy = LogitsSpy(cached)
+    first = cached.generate(prompt, GREEDY)[0]
+    second = cached.generate(prompt, GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 44  # all full blocks but the one holding the last token
+    assert second.token_ids == first.token_ids
+    n = len(spy.rows) // 2
+    for a, b in zip(spy.rows[:n], spy.rows[n:]):
+        assert (a - b).abs().max().item() <= 1e-4
+    ref = reference_logits(loaded.model, prompt)
+    assert (spy.rows[n] - ref[-1]).abs().max().item() <= 1e-4
+
+    uncached = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, enable_prefix_caching=False)
+    assert uncached.generate(prompt, GREEDY)[0].token_ids == first.token_ids
+
+
+def test_hit_ending_mid_prompt_at_block_boundary(tiny_gemma3):
+    llm = LLM(loaded=tiny_gemma3, kv_cache_memory_gib=0.01, block_size=4)
+    spy = LogitsSpy(llm)
+    base = list(range(300, 337))
+    llm.generate(base, GREEDY)
+    other = base[:20] + list(range(900, 913))  # shares 5 full blocks then diverges
+    out = llm.generate(other, SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out.num_cached_tokens == 20
+    ref = reference_logits(tiny_gemma3.model, other)
+    assert (spy.rows[-1] - ref[-1]).abs().max().item() <= 1e-4
+
+
+def test_chunked_prefill_matches_single_pass(tiny_llama):
+    prompt = list(range(500, 563))
+    whole = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    chunked = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, max_num_batched_tokens=10)
+    assert whole.generate(prompt, GREEDY)[0].token_ids == chunked.generate(prompt, GREEDY)[0].token_ids
+
+
+def test_concurrent_batch_equals_one_by_one(tiny_llama):
+    prompts = [list(range(100 + 7 * i, 120 + 9 * i)) for i in range(12)]
+    one = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    alone = [one.generate(p, GREEDY)[0].token_ids for p in prompts]
+    batch = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    together = [o.token_ids for o in batch.generate(prompts, GREEDY)]
+    assert together == alone
+
+
+def test_memory_pressure_queues_and_preempts_without_crash(tiny_llama):
+    # 40 blocks of 4 tokens: 8 requests of ~30 tokens + 16 generated cannot all run at once
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * bytes_per_block / 2**30, block_size=4)
+    assert llm.engine.pool.num_blocks == 40
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(8)]
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, params)
+    outs = run_steps(llm)
+    assert all(len(outs[f"r{i}"].token_ids) == 16 for i in range(8))
+    roomy = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    assert [outs[f"r{i}"].token_ids for i in range(8)] == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_abort_frees_blocks(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    llm.engine.add_request("a", list(range(10, 60)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.step()
+    assert llm.engine.pool.num_used_blocks > 0
+    llm.engine.abort_request("a")
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_requests_that_can_never_run_are_value_errors(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.0001, block_size=4)
+    with pytest.raises(ValueError, match="max_model_len|context"):
+        llm.generate(list(range(5000)), GREEDY)
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        llm.generate(list(range(100, 1100)), GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+
+
+def test_sampling_seed_stop_strings_and_max_tokens(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = llm.generate("hello world", p)[0]
+    b = llm.generate(["x y z", "hello world"], p)[1]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12 and a.finish_reason == "length"
+    stop = a.text[3:6]
+    c = llm.generate("hello world", SamplingParams(**{**p.__dict__, "stop": (stop,)}))[0]
+    assert c.finish_reason == "stop" and stop not in c.text and a.text.startswith(c.text)
+
+
+def test_cache_salt_isolates(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    prompt = list(range(700, 740))
+    llm.generate(prompt, GREEDY, cache_salt="tenant-a")
+    assert llm.generate(prompt, GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 36
