@@ -1,0 +1,350 @@
+"""The asyncio face of the engine: one background thread owns the ``LLMEngine``.
+
+::
+
+    asyncio callers ──generate()──▶ inbox (thread-safe) ──▶ engine thread: add / abort / step
+          ▲                                                        │
+          └──── per-request asyncio.Queue ◀── loop.call_soon_threadsafe ◀──┘
+
+The engine thread is the only thread that touches the engine, its block pool and the
+model. It drains the inbox, steps while there is work and otherwise sleeps on an event;
+whenever it goes idle it runs ``pool.check_integrity()`` and logs loudly on failure.
+
+Failure containment: a ``ValueError`` from ``add_request`` reaches only that caller (as
+``ValueError``); any other exception while adding or delivering fails only that request;
+an exception from ``step()`` fails every in-flight request with ``EngineError`` and aborts
+them so their blocks return to the pool. The loop itself keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvreuse.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvreuse.engine import EngineStats, LLMEngine, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (an internal error, HTTP 500)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine thread is not running (never started, or shut down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    """Where one request's outputs go: an asyncio queue living on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # items: RequestOutput, or an exception to raise in the caller
+
+    def put(self, item: Any) -> None:
+        """Called from the engine thread. Raises ``RuntimeError`` if the loop is closed."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    retention: Any
+    stream: _Stream
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run ``fn(engine)`` in the engine thread and resolve ``future`` with the result."""
+
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Serves ``generate`` calls from any asyncio loop over one engine thread.
+
+    ``start()`` launches the thread (idempotent); ``shutdown()`` stops it, failing whatever
+    is still in flight with ``EngineDeadError``.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # Read-only facts, safe to share: they never change after the engine is built.
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.block_size: int = engine.block_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stats_lock = threading.Lock()
+        self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
+        self._integrity_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; in-flight requests get ``EngineDeadError``."""
+        if self._thread is None:
+            return
+        self._inbox.put(_Stop())
+        self._wake.set()
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ public API
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        cache_salt: str | None = None,
+        retention: Any = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (cumulative text/tokens plus the new delta) until one
+        has ``finished``.
+
+        Raises ``ValueError`` when the engine rejects the request (message names the field),
+        ``EngineError`` if the engine fails while serving it. If the consumer stops early
+        (client disconnect: ``GeneratorExit`` or ``CancelledError``) the request is aborted
+        and its blocks freed.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine thread has already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken by the engine thread after its latest step (never blocks on it)."""
+        with self._stats_lock:
+            return self._stats
+
+    @property
+    def integrity_error(self) -> str | None:
+        """The message of the latest failed idle integrity check, or ``None`` if it passed."""
+        return self._integrity_error
+
+    async def check_integrity(self) -> None:
+        """Run ``pool.check_integrity()`` in the engine thread; raises its ``RuntimeError``."""
+        await self.call(lambda engine: engine.pool.check_integrity())
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` in the engine thread between steps and return its result
+        (or raise its exception). For tests, admin endpoints and snapshots."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(_Call(fn, loop, future))
+        return await future
+
+    # ------------------------------------------------------------------ engine thread
+    def _send(self, command: object) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        logger.debug("engine thread started")
+        try:
+            while self._running:
+                self._drain_inbox()
+                if not self._running:
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    continue
+                self._publish_stats()
+                self._idle_integrity_check()
+                # Clear before re-checking the inbox so a command sent in between is not missed.
+                self._wake.clear()
+                if self._inbox.empty():
+                    self._wake.wait()
+        except BaseException:  # noqa: BLE001 - the loop must never die silently
+            logger.critical("engine thread crashed; failing every in-flight request", exc_info=True)
+            raise
+        finally:
+            self._running = False
+            self._fail_all(EngineDeadError("the engine has stopped"))
+            self._drain_after_stop()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            elif isinstance(command, _Call):
+                self._call(command)
+            elif isinstance(command, _Stop):
+                self._running = False
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        if cmd.request_id in self._streams:
+            self._deliver(cmd.stream, ValueError(f"request_id {cmd.request_id!r} is already in flight"))
+            return
+        try:
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
+            )
+        except ValueError as exc:
+            self._deliver(cmd.stream, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
+            logger.exception("add_request(%s) failed", cmd.request_id)
+            self._safe_engine_abort(cmd.request_id)
+            self._deliver(cmd.stream, EngineError(f"internal error adding request: {exc}"))
+            return
+        self._streams[cmd.request_id] = cmd.stream
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._safe_engine_abort(request_id)
+
+    def _call(self, cmd: _Call) -> None:
+        try:
+            result = cmd.fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            self._resolve(cmd, exc, failed=True)
+        else:
+            self._resolve(cmd, result, failed=False)
+
+    @staticmethod
+    def _resolve(cmd: _Call, value: Any, *, failed: bool) -> None:
+        def settle() -> None:
+            if cmd.future.done():  # the caller was cancelled
+                return
+            if failed:
+                cmd.future.set_exception(value)
+            else:
+                cmd.future.set_result(value)
+
+        try:
+            cmd.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            logger.warning("caller's event loop closed before its engine call returned")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
+            logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+            for request_id in list(self._streams):
+                self._safe_engine_abort(request_id)
+            self._fail_all(EngineError(f"internal engine error: {exc}"))
+            self._publish_stats()
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while this step ran; the engine has already been told
+            if output.finished:
+                del self._streams[output.request_id]
+            if not self._deliver(stream, output) and not output.finished:
+                self._abort(output.request_id)
+        self._publish_stats()
+
+    def _deliver(self, stream: _Stream, item: Any) -> bool:
+        try:
+            stream.put(item)
+            return True
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            return False
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            self._deliver(stream, exc)
+
+    def _drain_after_stop(self) -> None:
+        """Answer whatever arrived after the loop stopped, so no caller waits forever."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            dead = EngineDeadError("the engine has stopped")
+            if isinstance(command, _Add):
+                self._deliver(command.stream, dead)
+            elif isinstance(command, _Call):
+                self._resolve(command, dead, failed=True)
+
+    def _safe_engine_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # noqa: BLE001
+            logger.exception("abort_request(%s) failed", request_id)
+
+    def _publish_stats(self) -> None:
+        try:
+            snapshot = self.engine.stats()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine.stats() failed")
+            return
+        with self._stats_lock:
+            self._stats = snapshot
+
+    def _idle_integrity_check(self) -> None:
+        try:
+            self.engine.pool.check_integrity()
+        except Exception as exc:  # noqa: BLE001 - report, do not crash the server
+            if self._integrity_error is None:
+                logger.error("BLOCK POOL INTEGRITY CHECK FAILED while idle: %s", exc, exc_info=True)
+            self._integrity_error = str(exc)
+        else:
+            self._integrity_error = None

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server. Entry point: :func:`kvreuse.server.api_server.build_app`."""

@@ -1,0 +1,79 @@
+"""The OpenAI-compatible HTTP app: ``build_app(engine) -> FastAPI``.
+
+::
+
+    client ─▶ BodyLimit ─▶ APIKey ─▶ routes (completions / chat / info / events)
+                                        │ generate()
+                                        ▼
+                                   AsyncEngine ─▶ engine thread ─▶ LLMEngine
+
+The app holds its state on ``app.state.ctx`` (a ``ServerContext``); each app has its own
+metrics registry, so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Sequence
+
+from fastapi import FastAPI
+
+from kvreuse import __version__
+from kvreuse.async_engine import AsyncEngine
+from kvreuse.server import chat_routes, completions_routes, info_routes
+from kvreuse.server.errors import install_error_handlers
+from kvreuse.server.metrics import ServerMetrics
+from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.server.serving import ServerContext, ServerLimits
+
+logger = logging.getLogger(__name__)
+
+
+def _served_names(engine: AsyncEngine, served_model_name: str | Sequence[str] | None) -> tuple[str, ...]:
+    if served_model_name is None:
+        return (engine.model_name,)
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    if not names or any(not n for n in names):
+        raise ValueError("--served-model-name must be one or more non-empty names")
+    return names
+
+
+def _include_optional_routes(app: FastAPI) -> None:
+    """KV event endpoints live in ``kvreuse.server.events_routes`` (its own owner); include
+    its ``router`` when the module exists. It finds the engine on ``app.state.engine``."""
+    try:
+        module = importlib.import_module("kvreuse.server.events_routes")
+    except ModuleNotFoundError as exc:
+        if exc.name != "kvreuse.server.events_routes":
+            raise
+        logger.debug("kvreuse.server.events_routes not present; no KV event endpoints")
+        return
+    app.include_router(module.router)
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
+    limits: ServerLimits = ServerLimits(),
+) -> FastAPI:
+    """An app serving ``engine`` (started here if it is not running; its owner shuts it
+    down). ``served_model_name`` defaults to the engine's model name; requests naming
+    another model get 404. Raises ``ValueError`` for an empty served name."""
+    names = _served_names(engine, served_model_name)
+    engine.start()
+    app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.ctx = ServerContext(engine, ServerMetrics(engine, names[0]), names, limits, api_key)
+    install_error_handlers(app)
+    app.include_router(completions_routes.router)
+    app.include_router(chat_routes.router)
+    app.include_router(info_routes.router)
+    _include_optional_routes(app)
+    # Added last = outermost: the size limit runs before the key check reads nothing.
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    return app

@@ -1,0 +1,90 @@
+"""Chat messages -> prompt token ids, and each message's token range for per-message retention.
+
+The prompt is the tokenizer's chat template rendered to text (``add_generation_prompt``)
+and encoded without adding special tokens (the template already holds them). Message
+boundaries come from rendering each prefix ``messages[:i+1]``: message i spans from the end
+of prefix i-1 to the end of prefix i, so template glue (role markers, a default system
+prompt) belongs to the message it introduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvreuse.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
+from kvreuse.server.errors import APIError
+from kvreuse.server.protocol import ChatMessage
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    token_ids: list[int]
+    retention: KvCacheRetentionConfig | None  # from per-message ``retention``, if any
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+            template_kwargs: dict[str, Any]) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_tokens: int,
+                       template_kwargs: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(token_start, token_end)`` of each message in a prompt of ``num_tokens`` tokens,
+    clipped to be monotonic (a template whose prefixes tokenize differently cannot
+    produce overlapping ranges)."""
+    bounds, start = [], 0
+    for i in range(len(messages)):
+        end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs))
+        end = min(max(end, start), num_tokens)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+    """Raises a 400 ``APIError`` naming ``messages`` when the template rejects them (e.g.
+    roles that must alternate) or naming ``messages[i].retention`` for bad retention."""
+    kwargs = dict(template_kwargs or {})
+    for reserved in ("tokenize", "add_generation_prompt", "conversation", "messages"):
+        kwargs.pop(reserved, None)
+    try:
+        dicts = [m.template_dict() for m in messages]
+        token_ids = _render(tokenizer, dicts, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs)
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", param="messages") from None
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the client's messages
+        raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
+    retentions = [m.retention for m in messages]
+    if not any(r is not None for r in retentions):
+        return ChatPrompt(token_ids, None)
+    bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs)
+    try:
+        return ChatPrompt(token_ids, ranges_from_message_boundaries(bounds, retentions))
+    except ValueError as exc:
+        raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
+
+
+def merge_retention(from_messages: KvCacheRetentionConfig | None,
+                    from_request: KvCacheRetentionConfig | None) -> KvCacheRetentionConfig | None:
+    """Per-message ranges plus the request's decode retention. Token ranges on both is
+    ambiguous: a 400 naming ``kv_cache_retention_config``."""
+    if from_messages is None:
+        return from_request
+    if from_request is None:
+        return from_messages
+    if from_request.token_range_retention_configs:
+        raise APIError(
+            "kv_cache_retention_config.token_range_retention_configs: give token ranges or per-message "
+            "retention, not both", param="kv_cache_retention_config",
+        )
+    return KvCacheRetentionConfig(
+        from_messages.token_range_retention_configs,
+        from_request.decode_retention_priority,
+        from_request.decode_duration_ms,
+    )

@@ -1,0 +1,88 @@
+"""``POST /v1/chat/completions``: the chat template, per-message retention, ``n`` choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvreuse.async_engine import EngineError
+from kvreuse.server.chat_prompt import merge_retention, render_chat
+from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
+from kvreuse.server.serving import (
+    SSE_DONE, EngineRequest, check_model, check_prompt, context_of, new_request_id, parse_retention,
+    run_to_completion, sampling_params, sse, start_streams,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    """Raises 400 (bad field or messages, prompt too long), 404 (unknown model); 500 on
+    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default)."""
+    ctx = context_of(request)
+    model = check_model(ctx, body.model)
+    request_retention = parse_retention(body.kv_cache_retention_config)
+    prompt = render_chat(ctx.engine.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
+                         template_kwargs=body.chat_template_kwargs)
+    retention = merge_retention(prompt.retention, request_retention)
+    check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
+    default_max = ctx.engine.max_model_len - len(prompt.token_ids)
+    base_id = body.request_id or new_request_id("chatcmpl")
+    requests = [
+        EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
+                      body.cache_salt, retention)
+        for j in range(body.n)
+    ]
+    header = {"id": base_id, "created": now_s(), "model": model}
+    if body.stream:
+        streams = await start_streams(ctx, requests)
+        return StreamingResponse(_stream(body, header, streams), media_type="text/event-stream")
+    finals = await run_to_completion(ctx, requests)
+    choices = [
+        {"index": j, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+         "finish_reason": out.finish_reason}
+        for j, out in enumerate(finals)
+    ]
+    first = finals[0]
+    usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens)
+    return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage})
+
+
+def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {**header, "object": "chat.completion.chunk",
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams) -> AsyncIterator[str]:
+    last: dict[int, Any] = {}
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    try:
+        for j in range(body.n):  # OpenAI opens every choice with the role
+            yield sse(_chunk(header, j, {"role": "assistant", "content": ""}, None))
+        async for index, out in streams:
+            last[index] = out
+            if not out.new_text and not out.finished:
+                continue
+            chunk = _chunk(header, index, {"content": out.new_text} if out.new_text else {},
+                           out.finish_reason if out.finished else None)
+            if continuous:
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)
+            yield sse(chunk)
+        if body.include_usage:
+            outs = [last[i] for i in sorted(last)]
+            usage = usage_dict(outs[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in outs),
+                               outs[0].num_cached_tokens)
+            yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+    except ValueError as exc:
+        err = from_value_error(exc)
+        yield sse(error_body(err.message, param=err.param))
+    except EngineError as exc:
+        yield sse(error_body(str(exc), type="internal_server_error"))
+    finally:
+        await streams.aclose()
+    yield SSE_DONE

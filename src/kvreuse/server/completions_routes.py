@@ -1,0 +1,95 @@
+"""``POST /v1/completions``: one choice per (prompt, sample), streamed or whole.
+
+A list prompt (strings or token-id lists) gives one choice per prompt and per ``n``,
+numbered ``prompt_index * n + sample``, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvreuse.async_engine import EngineError
+from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict
+from kvreuse.server.serving import (
+    SSE_DONE, EngineRequest, ServerContext, check_model, check_prompt, context_of, new_request_id,
+    parse_retention, run_to_completion, sampling_params, sse, start_streams,
+)
+
+router = APIRouter()
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    """Raises 400 (bad field, prompt too long), 404 (unknown model); 500 on engine failure."""
+    ctx = context_of(request)
+    model = check_model(ctx, body.model)
+    retention = parse_retention(body.kv_cache_retention_config)
+    tokenizer = ctx.engine.tokenizer
+    prompt_ids: list[list[int]] = []
+    for prompt in body.prompts():
+        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        check_prompt(ctx, ids, body.max_tokens, param="prompt")
+        prompt_ids.append(ids)
+    base_id = body.request_id or new_request_id("cmpl")
+    requests = []
+    for i, ids in enumerate(prompt_ids):
+        default_max = min(_DEFAULT_MAX_TOKENS, ctx.engine.max_model_len - len(ids))
+        for j in range(body.n):
+            index = i * body.n + j
+            requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
+                                          f"{base_id}-{index}", body.cache_salt, retention))
+    echo_text = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
+    header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
+    if body.stream:
+        streams = await start_streams(ctx, requests)
+        return StreamingResponse(_stream(ctx, body, header, streams, echo_text), media_type="text/event-stream")
+    finals = await run_to_completion(ctx, requests)
+    choices = [
+        {"index": req.index, "text": echo_text[req.index // body.n] + out.text, "logprobs": None,
+         "finish_reason": out.finish_reason}
+        for req, out in zip(requests, finals)
+    ]
+    firsts = finals[:: body.n]  # one per prompt: prompt tokens are counted once per prompt
+    usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
+                       sum(o.num_cached_tokens for o in firsts))
+    return JSONResponse({**header, "choices": choices, "usage": usage})
+
+
+async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str, Any], streams,
+                  echo_text: list[str]) -> AsyncIterator[str]:
+    last: dict[int, Any] = {}
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    try:
+        async for index, out in streams:
+            text = out.new_text
+            if index not in last and echo_text[index // body.n]:
+                text = echo_text[index // body.n] + text
+            last[index] = out
+            if not text and not out.finished:
+                continue
+            chunk = {**header, "choices": [{"index": index, "text": text, "logprobs": None,
+                                            "finish_reason": out.finish_reason if out.finished else None}]}
+            if continuous:
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)
+            yield sse(chunk)
+        if body.include_usage:
+            outs = [last[i] for i in sorted(last)]
+            firsts = outs[:: body.n]
+            usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in outs),
+                               sum(o.num_cached_tokens for o in firsts))
+            yield sse({**header, "choices": [], "usage": usage})
+    except ValueError as exc:
+        err = from_value_error(exc)
+        yield sse(error_body(err.message, param=err.param))
+    except EngineError as exc:
+        yield sse(error_body(str(exc), type="internal_server_error"))
+    finally:
+        await streams.aclose()
+    yield SSE_DONE

@@ -1,0 +1,134 @@
+"""Errors in OpenAI's JSON shape, and the handlers that put every failure into it.
+
+Every error response is::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+FastAPI's default 422 for an invalid body becomes a 400 whose message names the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvreuse.async_engine import EngineError
+
+logger = logging.getLogger(__name__)
+
+# Request fields, most specific first: used to name the ``param`` of an engine ValueError.
+_KNOWN_PARAMS = (
+    "kv_cache_retention_config", "max_completion_tokens", "max_tokens", "cache_salt", "messages",
+    "prompt", "temperature", "top_p", "top_k", "stop", "seed", "model", "n",
+)
+# Location parts pydantic adds for union members and validators: not field names.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "json-or-python", "function-after", "function-before"}
+
+
+class APIError(Exception):
+    """An error the client caused (or a server failure) with its HTTP status and OpenAI fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, status=self.status, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status, headers=headers)
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A 400 for an engine or parameter ``ValueError``; ``param`` is the field its message names."""
+    message = str(exc)
+    lowered = message.lower()
+    hits = [(lowered.find(name), name) for name in _KNOWN_PARAMS if name in lowered]
+    param = min(hits)[1] if hits else None
+    return APIError(message, param=param)
+
+
+def _loc_path(loc: tuple[Any, ...]) -> str:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in str(part) or "-" in str(part):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """One 400 naming the first offending field (a union reports all its members' failures;
+    the first says enough)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(f"malformed JSON body: {detail}".rstrip(": "), param=None)
+    path = _loc_path(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        return APIError(f"{path}: field required" if path else "request body is required", param=path or None)
+    if not path:
+        return APIError(f"request body: {first.get('msg')}")
+    got = first.get("input")
+    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    return APIError(f"{path}: {first.get('msg')} (got {shown})", param=path)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every failure through OpenAI's error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError) -> JSONResponse:
+        return from_value_error(exc).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        return error_response(str(exc), status=500, type="internal_server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(str(exc.detail or phrase), status=exc.status_code, type=kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(f"internal server error: {type(exc).__name__}", status=500, type="internal_server_error")

@@ -1,0 +1,42 @@
+"""``GET /v1/models``, ``GET /health``, ``GET /metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from kvreuse.server.protocol import now_s
+from kvreuse.server.serving import context_of
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    ctx = context_of(request)
+    created = now_s()
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "kvreuse",
+         "root": ctx.engine.model_name, "max_model_len": ctx.engine.max_model_len}
+        for name in ctx.served_model_names
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while the engine thread runs and the last idle integrity check passed, else 503
+    (so a router takes this executor out of rotation)."""
+    engine = context_of(request).engine
+    if not engine.is_running:
+        return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503)
+    if engine.integrity_error is not None:
+        return JSONResponse({"status": "error", "detail": f"block pool integrity: {engine.integrity_error}"},
+                            status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = context_of(request).metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,146 @@
+"""Prometheus metrics for one server app, in a registry of its own (no process globals).
+
+Two sources:
+
+* the engine's cumulative ``EngineStats`` snapshot, read at scrape time by a collector
+  (prefix-cache queries/hits in tokens, hit rate, blocks free/cached/in use, requests
+  running/waiting, evictions and blocks by ``priority``);
+* per-request observations the routes make as outputs stream out (TTFT, inter-token
+  latency, end-to-end latency, tokens computed vs reused, finished requests by reason).
+
+Names follow vLLM's with the ``kvreuse:`` prefix (``vllm:prefix_cache_queries`` ->
+``kvreuse:prefix_cache_queries_total``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvreuse.async_engine import AsyncEngine
+    from kvreuse.engine import RequestOutput
+
+# vLLM's TTFT buckets, trimmed; CPU prefill of long prompts runs into seconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's latest stats snapshot on every scrape."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self._engine = engine
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats()
+        labels, values = ["model_name"], [self._model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield counter("kvreuse:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries_tokens)
+        yield counter("kvreuse:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits_tokens)
+        rate = s.prefix_cache_hits_tokens / s.prefix_cache_queries_tokens if s.prefix_cache_queries_tokens else 0.0
+        yield gauge("kvreuse:prefix_cache_hit_rate", "Cumulative prefix-cache hit rate (tokens).", rate)
+        yield gauge("kvreuse:num_blocks_total", "KV blocks in the device pool.", s.num_blocks)
+        yield gauge("kvreuse:num_blocks_free", "Blocks an allocation can take now (free + evictable cached).",
+                    s.num_free_blocks)
+        yield gauge("kvreuse:num_blocks_cached", "Cached blocks no request holds.", s.num_cached_blocks)
+        yield gauge("kvreuse:num_blocks_used", "Blocks held by running requests.", s.num_used_blocks)
+        yield gauge("kvreuse:kv_cache_usage_perc", "Fraction of blocks held by running requests.",
+                    s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0)
+        yield gauge("kvreuse:num_requests_running", "Requests being prefilled or decoded.", s.num_running)
+        yield gauge("kvreuse:num_requests_waiting", "Requests queued for memory or a batch slot.", s.num_waiting)
+        evictions = CounterMetricFamily("kvreuse:evictions", "Cached blocks evicted, by retention priority.",
+                                        labels=[*labels, "priority"])
+        for priority, count in sorted(s.evictions_by_priority.items()):
+            evictions.add_metric([*values, str(priority)], count)
+        yield evictions
+        held = GaugeMetricFamily("kvreuse:blocks_by_priority", "Registered blocks, by retention priority.",
+                                 labels=[*labels, "priority"])
+        for priority, count in sorted(s.blocks_by_priority.items()):
+            held.add_metric([*values, str(priority)], count)
+        yield held
+        dropped = getattr(s, "events_dropped", None)  # present once the event buffer reports it
+        if dropped is not None:
+            yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.", dropped)
+        yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
+                    0.0 if self._engine.integrity_error else 1.0)
+
+
+class RequestTracker:
+    """Observes one request's outputs as they stream; call ``observe`` for each output."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._start = time.monotonic()
+        self._last: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        if output.new_token_ids:
+            if self._last is None:
+                self._m.ttft.labels(self._m.model_name).observe(now - self._start)
+            else:
+                # One output may carry several tokens (stop-string holdback): spread the gap.
+                self._m.itl.labels(self._m.model_name).observe((now - self._last) / len(output.new_token_ids))
+            self._last = now
+        if output.finished:
+            m, name = self._m, self._m.model_name
+            m.e2e.labels(name).observe(now - self._start)
+            m.prompt_tokens.labels(name).inc(output.num_prompt_tokens)
+            m.generation_tokens.labels(name).inc(len(output.output_token_ids))
+            m.tokens_reused.labels(name).inc(output.num_cached_tokens)
+            m.tokens_computed.labels(name).inc(output.num_prompt_tokens - output.num_cached_tokens)
+            m.finished.labels(name, output.finish_reason or "unknown").inc()
+
+
+class ServerMetrics:
+    """The app's registry and the request-level instruments."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.ttft = Histogram("kvreuse:time_to_first_token_seconds", "Time from request arrival to first token.",
+                              labels, registry=r, buckets=_TTFT_BUCKETS)
+        self.itl = Histogram("kvreuse:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("kvreuse:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, registry=r, buckets=_E2E_BUCKETS)
+        self.prompt_tokens = Counter("kvreuse:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("kvreuse:generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r)
+        self.tokens_computed = Counter("kvreuse:prompt_tokens_computed", "Prompt tokens prefilled from scratch.",
+                                       labels, registry=r)
+        self.tokens_reused = Counter("kvreuse:prompt_tokens_reused", "Prompt tokens served from the prefix cache.",
+                                     labels, registry=r)
+        self.finished = Counter("kvreuse:request_success", "Finished requests by finish reason.",
+                                [*labels, "finished_reason"], registry=r)
+        r.register(_EngineCollector(engine, model_name))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,81 @@
+"""ASGI guards in front of every route: the body-size limit and the API key.
+
+Both answer in OpenAI's error shape before any route (or JSON parsing) runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvreuse.server.errors import error_body
+
+
+async def _send_error(send: Send, status: int, message: str, *, code: str | None = None,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413, whether or not Content-Length
+    is declared. The body is buffered (the JSON parser needs all of it anyway) and replayed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        too_big = f"request body exceeds the {self.max_bytes}-byte limit"
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await _send_error(send, 413, too_big, code="request_too_large")
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _send_error(send, 413, too_big, code="request_too_large")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the server would say it
+
+        await self.app(scope, replay, send)
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer <api_key>`` on ``/v1/*`` (``/health`` and
+    ``/metrics`` stay open for probes and scrapers, as in vLLM)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self._expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", ())).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self._expected):
+            await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,152 @@
+"""Request and response bodies of the OpenAI API, with vLLM's extras.
+
+Requests are pydantic models: a wrong type or out-of-range value fails validation and the
+server answers 400 with a message naming the field (see ``errors.py``). Booleans are strict
+(``"yes"`` is not ``true``). Unknown fields are ignored, as OpenAI and vLLM do.
+
+Responses are plain dicts built by ``usage_dict`` and the route modules: they are
+serialised once per SSE chunk, and dicts keep that cheap.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from kvreuse.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None  # None: the served model (vLLM accepts it missing)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=-1)  # vLLM extra; -1 and 0 mean off
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM extra
+    ignore_eos: StrictBool = False  # vLLM extra
+    include_stop_str_in_output: StrictBool = False  # vLLM extra
+    n: StrictInt = Field(default=1, ge=1, le=16)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # kvreuse / vLLM extras
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
+    kv_cache_retention_config: dict[str, Any] | None = None
+    request_id: StrictStr | None = None
+
+    def sampling_params(self, default_max_tokens: int, *, seed_offset: int = 0) -> SamplingParams:
+        """The engine's ``SamplingParams``; ``seed_offset`` separates the ``n`` samples.
+
+        Raises ``ValueError`` (naming the field) for combinations the model cannot check.
+        """
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=None if self.seed is None else self.seed + seed_offset,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
+    ids, or a list of token-id lists (each list element is a separate prompt)."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)  # accepted; returned as null
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: strings or token-id lists. Raises ``ValueError`` if empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        if isinstance(p[0], list) and any(not ids for ids in p):
+            raise ValueError("prompt: token-id lists must not be empty")
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``content`` may be OpenAI's list of text parts. ``retention`` is a
+    kvreuse extra: ``{"priority": 0-100, "duration_ms": int}`` for this message's tokens."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    retention: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        """The message's text; list content keeps its ``{"type": "text"}`` parts.
+        Raises ``ValueError`` for other part types (images are not supported)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+    def template_dict(self) -> dict[str, str]:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False  # accepted; returned as null
+    add_generation_prompt: StrictBool = True  # vLLM extra
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra
+
+    def model_post_init(self, __context: Any) -> None:
+        # OpenAI renamed max_tokens; honour either, the new name winning.
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def now_s() -> int:
+    return int(time.time())

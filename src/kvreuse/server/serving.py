@@ -1,0 +1,223 @@
+"""What completions and chat share: checks before the engine, running requests, SSE framing.
+
+``ServerContext`` is the app's state (held on ``app.state.ctx``); the route modules take it
+from there, so nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from kvreuse.async_engine import AsyncEngine
+from kvreuse.retention import FIELD as RETENTION_FIELD
+from kvreuse.retention import KvCacheRetentionConfig
+from kvreuse.sampling_params import SamplingParams
+from kvreuse.server.errors import APIError, from_value_error
+from kvreuse.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from kvreuse.engine import RequestOutput
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Request limits (SPEC 9). ``max_prompt_tokens`` ``None`` means the model's context."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_names: tuple[str, ...]  # the first is the name responses report
+    limits: ServerLimits
+    api_key: str | None = None
+
+    @property
+    def prompt_limit(self) -> int:
+        model_len = self.engine.max_model_len
+        return model_len if self.limits.max_prompt_tokens is None else min(model_len, self.limits.max_prompt_tokens)
+
+
+def context_of(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def check_model(ctx: ServerContext, name: str | None) -> str:
+    """The served name to report. Raises a 404 ``model_not_found`` naming ``model``."""
+    if name is None or name in ctx.served_model_names:
+        return ctx.served_model_names[0]
+    raise APIError(
+        f"model: the model `{name}` does not exist; this server serves {', '.join(ctx.served_model_names)}",
+        status=404, param="model", code="model_not_found",
+    )
+
+
+def check_prompt(ctx: ServerContext, token_ids: Sequence[int], max_tokens: int | None, *, param: str) -> None:
+    """Raise a 400 naming ``param`` if the prompt is empty or cannot fit the context."""
+    n = len(token_ids)
+    if n == 0:
+        raise APIError(f"{param}: the prompt is empty", param=param)
+    if n > ctx.prompt_limit or n >= ctx.engine.max_model_len:
+        raise APIError(
+            f"{param}: the prompt is {n} tokens, but this model's context is {ctx.engine.max_model_len} tokens "
+            f"(prompt limit {ctx.prompt_limit}); shorten it", param=param, code="context_length_exceeded",
+        )
+    if max_tokens is not None and n + max_tokens > ctx.engine.max_model_len:
+        raise APIError(
+            f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
+            f"{ctx.engine.max_model_len} tokens", param="max_tokens", code="context_length_exceeded",
+        )
+
+
+def parse_retention(raw: dict[str, Any] | None) -> KvCacheRetentionConfig | None:
+    """Validate ``kv_cache_retention_config``; a 400 names the field path."""
+    if raw is None:
+        return None
+    try:
+        return KvCacheRetentionConfig.from_dict(raw)
+    except ValueError as exc:
+        raise APIError(str(exc), param=RETENTION_FIELD) from None
+
+
+def sampling_params(body: Any, default_max_tokens: int, *, seed_offset: int = 0) -> SamplingParams:
+    """``body.sampling_params(...)`` with its ``ValueError`` turned into a 400."""
+    try:
+        return body.sampling_params(default_max_tokens, seed_offset=seed_offset)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request behind a response choice."""
+
+    index: int  # the choice index
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    cache_salt: str | None
+    retention: Any
+
+
+async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+    tracker = ctx.metrics.track()
+    async for output in ctx.engine.generate(
+        req.prompt_token_ids, req.params, request_id=req.request_id,
+        cache_salt=req.cache_salt, retention=req.retention,
+    ):
+        tracker.observe(output)
+        yield output
+
+
+async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest]) -> list[RequestOutput]:
+    """The final output of each request, run concurrently. Raises ``ValueError`` /
+    ``EngineError`` of the first that fails (the others are cancelled and aborted)."""
+
+    async def last(req: EngineRequest) -> RequestOutput:
+        final = None
+        async for output in _tracked(ctx, req):
+            final = output
+        assert final is not None and final.finished
+        return final
+
+    tasks = [asyncio.ensure_future(last(r)) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class ChoiceStreams:
+    """Outputs of several requests as ``(choice index, output)`` in arrival order.
+    ``aclose()`` aborts whatever is unfinished; call it in a ``finally``."""
+
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
+    _gens: list[AsyncIterator[RequestOutput]]
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self.outputs
+
+    async def aclose(self) -> None:
+        await self.outputs.aclose()  # type: ignore[attr-defined]
+        for gen in self._gens:  # covers a stream closed before it was ever iterated
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
+async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest]) -> ChoiceStreams:
+    """Admit every request and wait for its first output *before* the response starts, so
+    a rejected request is still a plain 4xx (raises ``ValueError`` / ``EngineError``)."""
+    gens = [_tracked(ctx, r) for r in requests]
+    firsts = [asyncio.ensure_future(anext(g)) for g in gens]
+    try:
+        first_outputs = await asyncio.gather(*firsts)
+    except BaseException:
+        for task in firsts:
+            task.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        raise
+    return ChoiceStreams(_merge(requests, gens, first_outputs), gens)
+
+
+async def _merge(requests, gens, first_outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, gen: AsyncIterator[RequestOutput], first: RequestOutput) -> None:
+        try:
+            await queue.put((index, first))
+            if not first.finished:
+                async for output in gen:
+                    await queue.put((index, output))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(r.index, g, f)) for r, g, f in zip(requests, gens, first_outputs)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
