@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence as Seq
 
 from kvreuse.engine import EngineConfig, LLMEngine, RequestOutput
+from kvreuse.kv_events import event_to_json
 from kvreuse.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -93,3 +94,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def get_kv_cache_events(self, timeout: float = 0.0) -> list[dict]:
+        """KV cache events since the previous call, as JSON-ready dicts (TensorRT-LLM's
+        shape; docs/events.md), waiting up to ``timeout`` s for one. ``[]`` when events are
+        off (``event_buffer_max_size=0``)."""
+        events = getattr(self.engine, "events", None)  # the engine's EventBuffer, if any
+        return [] if events is None else [event_to_json(e) for e in events.drain_since_last(timeout)]
