@@ -33,8 +33,12 @@ from kvreuse.pml.errors import PMLSemanticError
 from kvreuse.pml.syntax import ModuleRef, Prompt, PromptText, Role
 
 
-def _error(message: str, ref: ModuleRef | Prompt, *, module: str | None, parameter: str | None = None) -> PMLSemanticError:
-    return PMLSemanticError(message, module=module, parameter=parameter, line=ref.loc.line or None, column=ref.loc.column or None)
+def _error(
+    message: str, ref: ModuleRef | Prompt | None, *, module: str | None, parameter: str | None = None
+) -> PMLSemanticError:
+    line = ref.loc.line or None if ref is not None else None
+    column = ref.loc.column or None if ref is not None else None
+    return PMLSemanticError(message, module=module, parameter=parameter, line=line, column=column)
 
 
 def _select(prompt: Prompt, schema: CompiledSchema) -> dict[str, ModuleRef | None]:

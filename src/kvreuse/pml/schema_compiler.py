@@ -116,6 +116,10 @@ class _Layout:
         return max(ends)
 
     def _parameter(self, draft: _Draft, parameter: Parameter, offset: int) -> int:
+        if draft.qualified_name == ROOT_MODULE:  # trees built in code skip the parser's check
+            raise PMLSemanticError(
+                f"parameter {parameter.name!r} is outside any module", parameter=parameter.name
+            )
         scaffold = self._encoder.text(parameter.lead + parameter.scaffold) if parameter.scaffold else ()
         if len(scaffold) > parameter.length:
             raise PMLSemanticError(
