@@ -184,3 +184,19 @@ def test_argument_may_fill_its_slot_exactly_or_be_empty(trip, tokenizer):
     assert "is 5 tokens" in str(error)
     empty = compile_prompt(parse_prompt('<prompt schema="trip"><planner nights=""/></prompt>'), trip, tokenizer)
     assert empty.segments == ()
+
+
+def test_docs_rag_example_numbers_hold(tokenizer):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "pml.md").read_text()
+    schema_text, prompt_text = re.findall(r"```xml\n(.*?)```", doc, re.S)[-2:]
+    rag = compile_schema(parse_schema(schema_text), tokenizer, tokenizer_id="smollm2")
+    assert rag.length == 88
+    assert {rag.module(n).start for n in ("rules", "routes", "fees")} == {54}
+    assert rag.module("").attends_to == ("rules",)
+    assert rag.module("reader").slot("who").start == 77
+    prompt = compile_prompt(parse_prompt(prompt_text), rag, tokenizer)
+    assert prompt.selected_modules == ("", "tools", "routes", "reader")
+    assert prompt.next_position == 106
