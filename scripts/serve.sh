@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (if needed) and serve the default model on http://127.0.0.1:8000 (OpenAI API).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/kvreuse serve "$@"
