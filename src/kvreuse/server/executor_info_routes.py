@@ -1,0 +1,59 @@
+"""``GET /v1/kvreuse/info``: what a router needs to know to compute this executor's block keys.
+
+A router must hash a request exactly as this executor does (``kvreuse.hashing``): same
+model identity, block size, hash algorithm and tokenizer. It also learns where the
+executor publishes KV events. ``tokenizer_probe`` holds the token ids of a fixed text and
+of a fixed chat, so a router can check that its own tokenizer and chat template agree
+before it trusts its keys.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+router = APIRouter()
+
+PROBE_TEXT = "kvreuse tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
+PROBE_CHAT = ({"role": "system", "content": "You are a probe."}, {"role": "user", "content": PROBE_TEXT})
+
+
+def tokenizer_probe(tokenizer) -> dict:
+    """Token ids of ``PROBE_TEXT`` (as completions encode it) and of ``PROBE_CHAT`` (as
+    chat renders it: template text, then encoded without special tokens); the chat entry
+    is ``None`` when the tokenizer has no chat template."""
+    chat = None
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(list(PROBE_CHAT), add_generation_prompt=True, tokenize=False)
+        chat = list(tokenizer.encode(text, add_special_tokens=False))
+    return {"text": list(tokenizer.encode(PROBE_TEXT)), "chat": chat}
+
+
+@router.get("/v1/kvreuse/info")
+async def kvreuse_info(request: Request) -> dict:
+    """Model identity, cache geometry, hash settings, event transports and a tokenizer probe."""
+    state = request.app.state
+    engine = state.engine.engine  # the LLMEngine behind the AsyncEngine
+    config = engine.config
+    tokenizer = engine.tokenizer
+    loaded = engine.loaded
+    events = getattr(state, "event_buffer", None) or getattr(engine, "events", None)
+    return {
+        "model": state.ctx.served_model_names[0],
+        "model_name": engine.model_name,
+        "model_id": engine.model_id,
+        "model_path": None if loaded.path is None else str(loaded.path),
+        "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
+        "block_size": engine.block_size,
+        "hash_algorithm": config.hash_algorithm,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "max_model_len": engine.max_model_len,
+        "num_blocks": engine.pool.num_blocks,
+        "events": {
+            "http": events is not None,
+            "zmq_endpoint": getattr(state, "kv_events_endpoint", None),
+            "zmq_replay_endpoint": getattr(state, "kv_events_replay_endpoint", None),
+            "zmq_topic": getattr(state, "kv_events_topic", ""),
+            "zmq_hash_format": getattr(state, "kv_events_hash_format", "int"),
+        },
+        "tokenizer_probe": tokenizer_probe(tokenizer),
+    }
