@@ -227,7 +227,9 @@ def test_gemma3_270m_loads():
     assert m.shape.num_layers == 18 and m.shape.num_kv_heads == 1 and m.shape.head_dim == 256
     assert m.shape.sliding_window.count(512) == 15 and m.shape.sliding_window.count(None) == 3
     assert m.shape.vocab_size == 262144
-    assert m.has_chat_template and len(m.eos_token_ids) >= 1
+    # The packaged GGUF is the base (pretrained) model: no chat template, EOS is <eos> (id 1).
+    assert not m.has_chat_template and 1 in m.eos_token_ids
+    assert m.tokenizer.encode("Hi")[0] == m.tokenizer.bos_token_id == 2  # Gemma needs <bos> first
     with torch.inference_mode():
         logits = m.model(m.tokenizer.encode("The capital of France is", return_tensors="pt")).logits
     assert torch.isfinite(logits).all()

@@ -1,1 +1,7 @@
-"""Model helpers split out of :mod:`kvreuse.model_loader` (tiny random-weight test models)."""
+"""Model helpers behind :mod:`kvreuse.model_loader`: spec resolution, the conversion cache and
+identity, tiny random-weight test models."""
+
+import os
+
+# Nothing may reach a model hub: set before transformers/huggingface_hub read it at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

