@@ -57,7 +57,8 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
         dicts = [m.template_dict() for m in messages]
         token_ids = _render(tokenizer, dicts, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs)
     except ValueError as exc:
-        raise APIError(f"messages: {exc}", param="messages") from None
+        message = str(exc) if str(exc).startswith("messages") else f"messages: {exc}"
+        raise APIError(message, param="messages") from None
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the client's messages
         raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
     retentions = [m.retention for m in messages]

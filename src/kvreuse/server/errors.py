@@ -28,6 +28,12 @@ _KNOWN_PARAMS = (
     "prompt", "temperature", "top_p", "top_k", "stop", "seed", "model", "n",
 )
 # Location parts pydantic adds for union members and validators: not field names.
+# Fields that are unions: pydantic reports one failure per member; say what is accepted.
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "expected a string or a list of strings",
+    "content": "expected a string or a list of text parts",
+}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "json-or-python", "function-after", "function-before"}
 
 
@@ -97,8 +103,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "missing":
         return APIError(f"{path}: field required" if path else "request body is required", param=path or None)
     if not path:
-        return APIError(f"request body: {first.get('msg')}")
+        return APIError(f"request body must be a JSON object (Content-Type: application/json): {first.get('msg')}")
     got = first.get("input")
+    top = path.rsplit(".", 1)[-1]
+    union_failures = sum(1 for e in errors if _loc_path(tuple(e.get("loc", ()))) == path)
+    if top in _UNION_HINTS and union_failures > 1:
+        shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+        return APIError(f"{path}: {_UNION_HINTS[top]} (got {shown})", param=path)
     shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
     return APIError(f"{path}: {first.get('msg')} (got {shown})", param=path)
 

@@ -1,0 +1,110 @@
+"""Every bad input gets a 4xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from .helpers import MAX_MODEL_LEN, words
+
+
+def _error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def _still_serving(client) -> None:
+    r = client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_malformed_json(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ', headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert "malformed JSON" in err["message"] and err["type"] == "invalid_request_error"
+    _still_serving(client)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ("/v1/completions", {"prompt": 123}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "cache_salt": 7}, "cache_salt"),
+        ("/v1/completions", {"prompt": "x", "kv_cache_retention_config": [1]}, "kv_cache_retention_config"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ],
+)
+def test_wrong_types_name_the_field(client, path, body, param):
+    err = _error(client.post(path, json=body), 400)
+    assert err["param"] == param and err["message"].startswith(param), err
+    _still_serving(client)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_negative_max_tokens(client, path):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    err = _error(client.post(path, json={**body, "max_tokens": -5}), 400)
+    assert err["param"] == "max_tokens" and "-5" in err["message"]
+    _still_serving(client)
+
+
+def test_prompt_longer_than_the_context(client):
+    err = _error(client.post("/v1/completions", json={"prompt": words(3 * MAX_MODEL_LEN, 20), "max_tokens": 4}), 400)
+    assert err["param"] == "prompt" and str(MAX_MODEL_LEN) in err["message"]
+    ids = list(range(100, 100 + MAX_MODEL_LEN - 2))
+    err = _error(client.post("/v1/completions", json={"prompt": ids, "max_tokens": 10}), 400)
+    assert err["param"] == "max_tokens"
+    chat = {"messages": [{"role": "user", "content": words(3 * MAX_MODEL_LEN, 21)}], "max_tokens": 4}
+    assert _error(client.post("/v1/chat/completions", json=chat), 400)["param"] == "messages"
+    _still_serving(client)
+
+
+def test_token_ids_outside_the_vocabulary(client):
+    err = _error(client.post("/v1/completions", json={"prompt": [1, 2, 10**9], "max_tokens": 2}), 400)
+    assert "prompt" in err["message"]
+    _still_serving(client)
+
+
+def test_unknown_model(client):
+    err = _error(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-9" in err["message"]
+    chat = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+    assert _error(client.post("/v1/chat/completions", json=chat), 404)["code"] == "model_not_found"
+    _still_serving(client)
+
+
+def test_unknown_route_and_method(client):
+    assert _error(client.get("/v1/nothing"), 404)["type"] == "not_found_error"
+    _error(client.get("/v1/completions"), 405)
+
+
+def test_body_size_limit(client):
+    err = _error(client.post("/v1/completions", json={"prompt": "x" * 70_000}), 413)
+    assert err["code"] == "request_too_large"
+    _still_serving(client)
+
+
+def test_api_key(async_engine):
+    from fastapi.testclient import TestClient
+
+    from kvreuse.server.api_server import build_app
+
+    app = build_app(async_engine, api_key="sekrit", served_model_name="tiny")
+    with TestClient(app) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        assert _error(c.post("/v1/completions", json=body), 401)["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer nope"}
+        assert _error(c.post("/v1/completions", json=body, headers=wrong), 401)["code"] == "invalid_api_key"
+        assert _error(c.get("/v1/models", headers=wrong), 401)
+        right = {"Authorization": "Bearer sekrit"}
+        assert c.post("/v1/completions", json=body, headers=right).status_code == 200
+        assert c.get("/health").status_code == 200  # probes need no key
+        assert c.get("/metrics").status_code == 200
