@@ -1,0 +1,161 @@
+"""Decode throughput with KV events published over ZMQ vs events off, side by side.
+
+Both engines share one loaded model and run the same greedy batch, alternating rounds
+(off, on, off, on, ...) so drift hits both; the prefix cache is reset before every round
+so each round stores (and the reset removes) the same blocks. Rounds come in adjacent
+off/on pairs, the order alternating; the JSON has the ratio of medians and the median of
+the per-pair ratios (the steadier figure on a shared machine). "On" means the full path:
+EventBuffer -> ZmqEventPublisher thread -> PUB socket -> a subscriber in another process.
+
+    .venv/bin/python bench/events.py --model default --rounds 5
+    -> bench/results/events.json, bench/results/events.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.event_buffer import EventBuffer
+from kvreuse.zmq_publisher import ZmqEventPublisher
+
+SUBSCRIBER = r"""
+import sys, msgpack, zmq
+sock = zmq.Context().socket(zmq.SUB); sock.setsockopt(zmq.SUBSCRIBE, b""); sock.connect(sys.argv[1])
+poller = zmq.Poller(); poller.register(sock, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
+batches = events = 0
+print("ready", flush=True)
+while True:
+    ready = dict(poller.poll())
+    if sock in ready:
+        _, seq, payload = sock.recv_multipart()
+        batches += 1; events += len(msgpack.unpackb(payload)[1])
+    elif ready:  # stdin closed: the bench is done
+        break
+print(batches, events, flush=True)
+"""
+
+
+def load(model: str, device: str):
+    if model.startswith("tiny"):
+        from kvreuse.models.tiny import tiny_model
+
+        return tiny_model("llama", seed=0)
+    from kvreuse.model_loader import load_model
+
+    return load_model(model, device=device)
+
+
+def prompts(batch: int, prefix_len: int, tokenizer) -> list[list[int]]:
+    """A shared system prefix plus a distinct question each, as token ids."""
+    system = tokenizer.encode("You are a careful assistant. " * (prefix_len // 6 + 1))[:prefix_len]
+    return [system + tokenizer.encode(f" Question {i}: name a colour.") for i in range(batch)]
+
+
+def one_round(llm: LLM, batch: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    """(tokens per wall second, tokens per CPU second of this process, all threads: the
+    publisher thread's work included, other tenants of a shared machine excluded)."""
+    llm.reset_prefix_cache()
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate(batch, params)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.output_token_ids) for o in outs)
+    return tokens / elapsed, tokens / cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="a --model spec, or 'tiny' (random 2-layer Llama)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--buffer-size", type=int, default=10_000)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "events"))
+    args = ap.parse_args()
+    if args.rounds < 5:
+        ap.error("--rounds must be >= 5 (the result is a median)")
+
+    loaded = load(args.model, args.device)
+    cfg = dict(block_size=args.block_size, kv_cache_memory_gib=0.25, device=args.device)
+    llm_off = LLM(args.model, loaded=loaded, events=None, **cfg)
+    buffer = EventBuffer(args.buffer_size)
+    llm_on = LLM(args.model, loaded=loaded, events=buffer, **cfg)
+    publisher = ZmqEventPublisher(buffer, "tcp://127.0.0.1:*", topic="kv-events").start()
+    sub = subprocess.Popen(
+        [sys.executable, "-c", SUBSCRIBER, publisher.endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert sub.stdout.readline().strip() == "ready"
+    time.sleep(0.3)  # let the SUB connection finish (ZMQ slow joiner)
+
+    batch = prompts(args.batch, args.prefix_len, loaded.tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    one_round(llm_off, batch, params), one_round(llm_on, batch, params)  # warm-up, not counted
+    off, on = [], []
+    for i in range(args.rounds):  # adjacent pairs, order alternated, so drift cancels
+        if i % 2 == 0:
+            off.append(one_round(llm_off, batch, params))
+            on.append(one_round(llm_on, batch, params))
+        else:
+            on.append(one_round(llm_on, batch, params))
+            off.append(one_round(llm_off, batch, params))
+    off_cpu, on_cpu = [c for _, c in off], [c for _, c in on]
+    off, on = [w for w, _ in off], [w for w, _ in on]
+    deadline = time.monotonic() + 10
+    while publisher.last_event_id < buffer.last_event_id and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the last batches cross the socket
+    publisher.close()
+    received = sub.communicate("", timeout=30)[0].split()
+
+    result = {
+        "model": args.model, "device": args.device, "batch": args.batch, "prefix_len": args.prefix_len,
+        "max_tokens": args.max_tokens, "block_size": args.block_size, "rounds": args.rounds,
+        "tokens_per_s_off": off, "tokens_per_s_on": on,
+        "median_off": statistics.median(off), "median_on": statistics.median(on),
+        "ratio_on_over_off": statistics.median(on) / statistics.median(off),
+        "median_paired_ratio": statistics.median(a / b for a, b in zip(on, off)),
+        "tokens_per_cpu_s_off": off_cpu, "tokens_per_cpu_s_on": on_cpu,
+        "cpu_ratio_on_over_off": statistics.median(on_cpu) / statistics.median(off_cpu),
+        "events_emitted": buffer.last_event_id + 1, "events_dropped": buffer.num_dropped,
+        "batches_published": publisher.num_batches, "events_lost_by_publisher": publisher.num_events_lost,
+        "subscriber_received": {"batches": int(received[0]), "events": int(received[1])} if received else None,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("median_off", "median_on", "ratio_on_over_off", "median_paired_ratio",
+                                            "cpu_ratio_on_over_off", "events_emitted",
+                                            "batches_published", "subscriber_received")}, indent=2))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for x, key, label in ((0, "tokens_per_s_off", "events off"), (1, "tokens_per_s_on", "events over ZMQ")):
+        values = result[key]
+        ax.bar(x, statistics.median(values), color="#9ab" if x == 0 else "#5a8", label=label)
+        ax.scatter([x] * len(values), values, color="black", s=10, zorder=3)
+    ax.set_xticks([0, 1], ["events off", "events over ZMQ"])
+    ax.set_ylabel("decode throughput (tokens/s, median of rounds)")
+    ax.set_title(f"{result['model']} on {result['device']}: on/off = {result['ratio_on_over_off']:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
