@@ -233,3 +233,45 @@ def test_gemma3_270m_loads():
     with torch.inference_mode():
         logits = m.model(m.tokenizer.encode("The capital of France is", return_tensors="pt")).logits
     assert torch.isfinite(logits).all()
+
+
+# ----------------------------------------------------------------------------- conversion cache
+
+def test_concurrent_conversion_runs_once_and_is_atomic(tiny_llama, tmp_path, monkeypatch):
+    """Two converters racing on one target: one converts, the other waits and reuses it;
+    no temp folders are left behind. The GGUF reader is replaced by the tiny model (fast)."""
+    import threading
+
+    import transformers
+
+    from kvreuse.models import store
+
+    calls = []
+
+    def fake_model(*args, **kwargs):
+        calls.append(args)
+        time.sleep(0.3)  # widen the race window
+        return tiny_llama.model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_llama.tokenizer)
+    src = ml.resolve_source("default")
+    target = store.conversion_dir(src, tmp_path)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(store.convert_gguf(src, target))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [target, target] and len(calls) == 1
+    assert (target / "kvreuse.json").is_file() and (target / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
+    loaded = load_model(str(target), cache_dir=tmp_path)
+    assert loaded.name == target.name and loaded.shape.num_layers == 2
