@@ -211,7 +211,6 @@ def prepare_folder(spec: str, cache_dir: str | Path | None = None) -> tuple[Mode
     return src, target
 
 
-
 def eos_token_ids_of(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """All ids that end generation: config and generation-config EOS, the tokenizer's EOS, and
     end-of-turn tokens the chat template uses (e.g. Gemma's ``<end_of_turn>``)."""
