@@ -17,9 +17,11 @@ from kvreuse.block_pool import BlockPool
 from kvreuse.eviction import make_policy
 from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn
 from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
+from kvreuse.module_cache import ModuleCache, ModuleContext
 from kvreuse.sampler import make_generator, sample_one
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.scheduler import Scheduler
+from kvreuse.schema_store import SchemaStore
 from kvreuse.sequence import Sequence
 from kvreuse.stop_checker import check_stop
 
@@ -43,6 +45,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     event_buffer_max_size: int = 0
     seed: int = 0
+    schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
 
     def __post_init__(self) -> None:
         if not self.kv_cache_memory_gib > 0:
@@ -135,6 +138,11 @@ class LLMEngine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
         self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
+        self.modules = ModuleCache(  # PML schemas: module KV precomputed into the pool
+            self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
+            chunk_tokens=config.max_num_batched_tokens,
+            store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
+        )
         self._requests: dict[str, Sequence] = {}
         self.tokens_computed = 0
         torch.manual_seed(config.seed)
@@ -149,11 +157,53 @@ class LLMEngine:
         cache_salt: str | None = None,
         retention=None,
         prompt_positions: list[int] | None = None,
+        context: ModuleContext | None = None,
     ) -> None:
-        """Queue a request. Raises ``ValueError`` (naming the field) if it can never run."""
+        """Queue a request. Raises ``ValueError`` (naming the field) if it can never run.
+
+        ``context`` (PML): module KV assembled in front of the prompt; the request takes
+        over its block references and releases them when it ends or is rejected here.
+        """
+        try:
+            self._check_request(request_id, prompt_token_ids, params, prompt_positions)
+        except ValueError:
+            if context is not None:
+                self.pool.release(reversed(context.blocks))
+            raise
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt=cache_salt,
+            retention=retention,
+            prompt_positions=prompt_positions,
+            generator=make_generator(params.seed, self.runner.device),
+        )
+        if context is not None:
+            seq.context_blocks = list(context.blocks)
+            seq.context_slots = list(context.slots)
+            seq.context_positions = list(context.positions)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_pml_request(
+        self, request_id: str, pml_text: str, params: SamplingParams, *, cache_salt: str | None = None, retention=None
+    ) -> None:
+        """Queue a ``<prompt schema=...>`` request over a registered schema (``self.modules``).
+        Raises ``ValueError`` (a ``PMLError`` naming line/column or the module) if it cannot run."""
+        prepared = self.modules.prepare(pml_text)
+        self.add_request(
+            request_id, prepared.token_ids, params, cache_salt=cache_salt, retention=retention,
+            prompt_positions=prepared.position_ids, context=prepared.context,
+        )
+
+    def _check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None
+    ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        n = len(prompt_token_ids)
+        # With explicit positions (PML) the context used is the highest position + 1.
+        n = len(prompt_token_ids) if not prompt_positions else max(prompt_positions) + 1
         if n == 0:
             raise ValueError("prompt is empty: it must contain at least one token")
         if n >= self.max_model_len:
@@ -169,23 +219,12 @@ class LLMEngine:
         vocab = self.loaded.shape.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        needed = self.kv.blocks_needed(n + params.max_tokens)
+        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens)
         if needed > self.pool.num_blocks:
             raise ValueError(
                 f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
                 f"has {self.pool.num_blocks}: lower max_tokens or raise --kv-cache-memory"
             )
-        seq = Sequence(
-            request_id,
-            list(prompt_token_ids),
-            params,
-            cache_salt=cache_salt,
-            retention=retention,
-            prompt_positions=prompt_positions,
-            generator=make_generator(params.seed, self.runner.device),
-        )
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
@@ -251,7 +290,7 @@ class LLMEngine:
             new_text=new_text,
             finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens + len(seq.context_slots),  # PML modules are prompt too
             num_cached_tokens=seq.num_cached_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
         )

@@ -84,8 +84,9 @@ class KVCacheManager:
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs
         if first_time:
-            seq.num_cached_tokens = len(hits) * bs
-            self.queries_tokens += seq.num_prompt_tokens
+            # PML module KV assembled in front of the prompt counts as reused prompt tokens.
+            seq.num_cached_tokens = len(hits) * bs + len(seq.context_slots)
+            self.queries_tokens += seq.num_prompt_tokens + len(seq.context_slots)
             self.hits_tokens += seq.num_cached_tokens
         return True
 
@@ -132,6 +133,12 @@ class KVCacheManager:
         seq.block_hashes = seq.block_hashes  # keys stay valid: the tokens did not change
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+
+    def release_context(self, seq: Sequence) -> None:
+        """Drop the sequence's references on its PML module blocks (at its end, not on
+        preemption: the context stays valid while the sequence waits)."""
+        self.pool.release(reversed(seq.context_blocks))
+        seq.context_blocks = []
 
     def block_hashes_of(self, seq: Sequence) -> list[BlockHash]:
         return list(seq.block_hashes)

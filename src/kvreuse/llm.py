@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 from kvreuse.engine import EngineConfig, LLMEngine, RequestOutput
 from kvreuse.kv_events import event_to_json
+from kvreuse.module_cache import SchemaInfo, is_pml_prompt
 from kvreuse.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -40,17 +41,42 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
-        Raises ``ValueError`` for a prompt that can never run (too long, empty)."""
+        Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
+        Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML)."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids = []
         for prompt in prompts:
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=retention)
+            try:
+                if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
+                    self.engine.add_pml_request(rid, prompt, params, cache_salt=cache_salt, retention=retention)
+                else:
+                    token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                    self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=retention)
+            except ValueError:
+                for queued in ids:
+                    self.engine.abort_request(queued)
+                raise
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def register_schema(self, pml_text: str, *, src_dir=None, use_tqdm: bool = False) -> SchemaInfo:
+        """Compile a ``<schema>`` and precompute every module's KV into the pool (priority 90),
+        or load it from ``schema_dir``. Prompts ``<prompt schema="name">`` then reuse it.
+        Raises ``PMLError`` (a ``ValueError``) naming line/column or the module."""
+        if not use_tqdm:
+            return self.engine.modules.register(pml_text, src_dir=src_dir)
+        from tqdm import tqdm
+
+        with tqdm(desc="precomputing modules", unit="module") as bar:
+            def progress(done: int, total: int, name: str) -> None:
+                bar.total = total
+                bar.set_postfix_str(name or "<root>")
+                bar.update(done - bar.n)
+
+            return self.engine.modules.register(pml_text, src_dir=src_dir, progress=progress)
 
     def chat(
         self,

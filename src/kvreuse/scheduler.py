@@ -39,12 +39,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a running or waiting sequence and free its blocks."""
+        """Remove a running or waiting sequence and free its blocks (module blocks included)."""
         if seq in self.running:
             self.running.remove(seq)
             self.kv.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.kv.release_context(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> list[ScheduledChunk]:

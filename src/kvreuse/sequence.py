@@ -42,6 +42,7 @@ class Sequence:
     prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
     context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
     context_positions: list[int] = field(default_factory=list)
+    context_blocks: list[KVBlock] = field(default_factory=list)  # PML: module blocks held (read in place)
     first_token_time: float | None = None
     finish_reason: str | None = None
     text: str = ""  # detokenized output so far (stop strings cut)

@@ -1,0 +1,123 @@
+"""Module KV of PML schemas on disk (``--schema-dir``), so a restart loads instead of recomputing.
+
+One safetensors file per (model, schema)::
+
+    DIR/<sha256(model_id)[:16]>/<schema name>-<schema_hash[:16]>.safetensors
+        tensors  "module:<qualified name>"  [layers, 2, stored tokens, kv_heads, head_dim]
+        metadata format, model_id, schema_name, schema_hash, checksum (sha256 of the tensors
+                 in key order), source (the schema's PML text, to re-register it on start)
+
+A file is used only when its metadata names this model and this schema hash and its
+checksum matches its tensors; otherwise ``StoreMismatch`` says why (the caller warns and
+recomputes, then overwrites it). Writes go to a temporary file renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kvreuse.pml import CompiledSchema
+
+log = logging.getLogger(__name__)
+
+FORMAT = "kvreuse-pml-kv/1"
+_PREFIX = "module:"
+
+
+class StoreMismatch(ValueError):
+    """A stored file exists for this schema but belongs to another model or schema, or is corrupt."""
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        digest.update(key.encode())
+        digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SchemaStore:
+    """Module KV files for one model under ``root``. IO happens only in these methods."""
+
+    def __init__(self, root: str | os.PathLike[str], model_id: str) -> None:
+        self.model_id = model_id
+        self.dir = Path(root) / hashlib.sha256(model_id.encode()).hexdigest()[:16]
+        self._verified: dict[Path, tuple[tuple[int, int], dict[str, torch.Tensor]]] = {}
+
+    def path(self, schema: CompiledSchema) -> Path:
+        return self.dir / f"{schema.name}-{schema.schema_hash[:16]}.safetensors"
+
+    def save(self, schema: CompiledSchema, source: str, kv: dict[str, torch.Tensor]) -> Path:
+        """Write every module's KV (qualified name -> CPU tensor); drop older versions of the
+        schema. Raises ``OSError`` when the directory is not writable."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tensors = {_PREFIX + name: t.contiguous() for name, t in kv.items()}
+        meta = {
+            "format": FORMAT, "model_id": self.model_id, "schema_name": schema.name,
+            "schema_hash": schema.schema_hash, "checksum": _checksum(tensors), "source": source,
+        }
+        target = self.path(schema)
+        tmp = target.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, target)
+        self._verified.pop(target, None)
+        for old in self.dir.glob(f"{schema.name}-*.safetensors"):
+            if old != target:
+                old.unlink(missing_ok=True)
+        return target
+
+    def load_module(self, schema: CompiledSchema, qualified_name: str) -> torch.Tensor | None:
+        """The stored KV of one module, or ``None`` if no file holds this schema version.
+        Raises ``StoreMismatch`` for a file keyed to another model/schema or failing its checksum."""
+        tensors = self._load(schema)
+        return None if tensors is None else tensors.get(_PREFIX + qualified_name)
+
+    def sources(self) -> list[str]:
+        """PML texts of every schema stored for this model (files that cannot be read are
+        skipped with a warning)."""
+        out = []
+        for path in sorted(self.dir.glob("*.safetensors")) if self.dir.is_dir() else []:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+            except Exception as exc:  # noqa: BLE001 - a corrupt file must not stop a start
+                log.warning("schema dir: cannot read %s: %s", path, exc)
+                continue
+            if meta.get("model_id") != self.model_id or meta.get("format") != FORMAT or "source" not in meta:
+                log.warning("schema dir: %s is not a module file of model %s; ignored", path, self.model_id)
+                continue
+            out.append(meta["source"])
+        return out
+
+    def _load(self, schema: CompiledSchema) -> dict[str, torch.Tensor] | None:
+        path = self.path(schema)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        cached = self._verified.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a mismatch
+            raise StoreMismatch(f"{path} cannot be read ({exc})") from None
+        if meta.get("model_id") != self.model_id or meta.get("schema_hash") != schema.schema_hash:
+            raise StoreMismatch(
+                f"{path} is keyed to model {meta.get('model_id')!r} / schema {meta.get('schema_hash', '')[:16]!r}, "
+                f"not {self.model_id!r} / {schema.schema_hash[:16]!r}"
+            )
+        if meta.get("checksum") != _checksum(tensors):
+            raise StoreMismatch(f"{path} fails its checksum")
+        self._verified = {path: (stamp, tensors)}  # keep one schema's tensors: restarts load schemas in turn
+        return tensors
