@@ -1,0 +1,120 @@
+"""Routing policies: each is a small object that scores every candidate executor.
+
+The router picks the candidate with the *lowest* score; ties go to a random one among
+the tied (so equal executors share work instead of the first one taking it all). Adding a
+policy is a few lines: write ``scores`` and register it in ``POLICIES``.
+
+A ``Candidate`` carries what a policy may read: how many of the request's leading blocks
+the executor holds (from the index), how many blocks the prompt has, and the executor's
+current load in blocks (prompt blocks of the requests the router has in flight there,
+plus what the executor's ``/metrics`` says is queued).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+# One uncached block costs as much as 8 blocks of load elsewhere: measured on the Mooncake
+# conversation trace (docs/benchmarks.md, "Router (simulator)"); 1 spreads prefixes too thin.
+DEFAULT_OVERLAP_WEIGHT = 8.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    overlap_blocks: int  # leading prompt blocks the executor holds (index view)
+    prompt_blocks: int  # full blocks of the prompt
+    load_blocks: float  # active blocks (in flight, router's count) + queued blocks (executor's metrics)
+    in_flight: int  # requests the router has in flight there
+
+    @property
+    def uncached_blocks(self) -> int:
+        return self.prompt_blocks - self.overlap_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    choice: str
+    scores: dict[str, float]  # candidate name -> score (lower wins)
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+        """One score per candidate, in order; the lowest wins."""
+        ...
+
+
+class KVPolicy:
+    """``overlap_weight * uncached prefill blocks + load blocks``: prefer the executor that
+    holds the prefix unless it is busier than recomputing the prefix elsewhere. With an
+    empty index (no overlap anywhere) this is load alone (SPEC section 5)."""
+
+    name = "kv"
+
+    def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+        if overlap_weight < 0:
+            raise ValueError(f"--overlap-weight must be >= 0, got {overlap_weight}")
+        self.overlap_weight = overlap_weight
+
+    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+        w = self.overlap_weight
+        return [w * c.uncached_blocks + c.load_blocks for c in candidates]
+
+
+class LeastLoadedPolicy:
+    """Fewest load blocks, then fewest requests in flight; ignores the cache."""
+
+    name = "least_loaded"
+
+    def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+        pass
+
+    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+        return [c.load_blocks + c.in_flight * 1e-3 for c in candidates]
+
+
+class RoundRobinPolicy:
+    """Each call prefers the next executor in turn (among those offered); ignores cache
+    and load. Holds only its turn counter."""
+
+    name = "round_robin"
+
+    def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+        self._turn = 0
+
+    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+        n = len(candidates)
+        if n == 0:
+            return []
+        first = self._turn % n
+        self._turn += 1
+        return [float((i - first) % n) for i in range(n)]
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (KVPolicy, RoundRobinPolicy, LeastLoadedPolicy)}
+
+
+def make_policy(name: str, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> RoutingPolicy:
+    """Build a policy by name; ``ValueError`` names ``--routing-policy`` when unknown."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}: --routing-policy accepts {sorted(POLICIES)}") from None
+    return cls(overlap_weight)
+
+
+def choose(policy: RoutingPolicy, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
+    """The lowest-scoring candidate, ties at random. Raises ``ValueError`` with none."""
+    if not candidates:
+        raise ValueError("no executor to route to")
+    scores = policy.scores(candidates)
+    best = min(scores)
+    tied = [c.name for c, s in zip(candidates, scores) if s == best]
+    choice = tied[0] if len(tied) == 1 else rng.choice(tied)
+    return Decision(choice, {c.name: s for c, s in zip(candidates, scores)})
