@@ -1,0 +1,172 @@
+"""PML modules served from the block pool (tiny models): exactness against the prefix cache,
+positions of union members and arguments as the engine runs them, eviction and recompute,
+persistence to a schema dir, and bad prompts leaving the pool intact."""
+
+import pytest
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.module_cache import MODULE_PRIORITY
+from kvreuse.pml import PMLSemanticError, PMLSyntaxError
+from tests.engine_helpers import LogitsSpy
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+DOC = "The lighthouse keeper on Varn island logs every passing ship in a green ledger at dusk."
+SINGLE = f'<schema name="one"><module name="doc">{DOC}</module></schema>'
+SCHEMA = """<schema name="s">
+  Intro text of the root.
+  <union>
+    <module name="a">Alpha.</module>
+    <module name="b">Beta is the longer member of this union.</module>
+  </union>
+  <module name="r">The reader is <param name="who" len="4"/> today.</module>
+  Closing words.
+</schema>"""
+
+
+def make(loaded, **kw) -> LLM:
+    return LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, **kw)
+
+
+class ChunkSpy:
+    """Records the chunks the engine hands the real runner (positions, context)."""
+
+    def __init__(self, llm: LLM):
+        self.chunks = []
+        runner = llm.engine.runner
+        original = runner.execute
+
+        def execute(chunks):
+            self.chunks.extend(chunks)
+            return original(chunks)
+
+        runner.execute = execute
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_single_module_matches_prefix_cache(arch, request):
+    """A prompt selecting one module is the plain prompt (module text + question): the
+    logits of every step equal those of the prefix-cache path (<= 1e-4, fp32)."""
+    loaded = request.getfixturevalue(arch)
+    pml = make(loaded)
+    pml.register_schema(SINGLE)
+    prompt = '<prompt schema="one"><doc/> Who keeps the ledger?</prompt>'
+    prepared = pml.engine.modules.prepare(prompt)
+    pml.engine.pool.release(reversed(prepared.context.blocks))
+    schema = pml.engine.modules.schemas["one"]
+    plain_ids = list(schema.module("doc").stored_token_ids) + prepared.token_ids
+    assert prepared.position_ids == list(range(len(schema.module("doc").stored_token_ids), len(plain_ids)))
+
+    spy = LogitsSpy(pml)
+    out = pml.generate(prompt, GREEDY)[0]
+    assert out.num_cached_tokens == len(schema.module("doc").stored_token_ids)
+    assert out.num_prompt_tokens == len(plain_ids)
+
+    ref = make(loaded)
+    ref.generate(plain_ids, GREEDY)
+    ref_spy = LogitsSpy(ref)
+    again = ref.generate(plain_ids, GREEDY)[0]
+    assert again.num_cached_tokens > 0  # the reference really is the prefix cache
+    assert again.token_ids == out.token_ids
+    for a, b in zip(spy.rows, ref_spy.rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_union_member_and_argument_positions(tiny_llama):
+    llm = make(tiny_llama)
+    info = llm.register_schema(SCHEMA)
+    schema = llm.engine.modules.schemas["s"]
+    a, b, r = schema.module("a"), schema.module("b"), schema.module("r")
+    assert a.start == b.start  # members share their start
+    slot = r.slot("who")
+    spy = ChunkSpy(llm)
+    prompt = '<prompt schema="s"><b/><r who="Ana"/>Who reads?</prompt>'
+    out = llm.generate(prompt, GREEDY)[0]
+    prefill, decode = spy.chunks[0], spy.chunks[1]
+    context = set(prefill.context_positions)
+    assert set(b.stored_position_ids) <= context and not set(a.stored_position_ids) & (context - set(b.stored_position_ids))
+    assert set(r.stored_position_ids) <= context and not context & set(range(slot.start, slot.end))
+    arg = [p for p in prefill.positions if p < schema.length]
+    assert arg == list(range(slot.start, slot.start + len(arg))) and 1 <= len(arg) <= slot.length
+    text = [p for p in prefill.positions if p >= schema.length]
+    assert text == list(range(schema.length, schema.length + len(text)))
+    assert decode.positions == [text[-1] + 1]
+    stored = sum(len(schema.module(n).stored_token_ids) for n in ("", "b", "r"))
+    assert out.num_cached_tokens == stored
+    assert info.present == 0 and info.computed == len(info.modules)
+
+
+def test_module_blocks_are_kept_at_high_priority_and_recomputed_after_eviction(tiny_llama):
+    llm = make(tiny_llama)
+    info = llm.register_schema(SCHEMA)
+    blocks = llm.engine.pool.blocks_by_priority()
+    assert blocks == {MODULE_PRIORITY: sum(-(-len(llm.engine.modules.schemas["s"].module(m).stored_token_ids) // 4)
+                                           for m in info.modules)}
+    prompt = '<prompt schema="s"><a/><r who="Bo"/>Go on.</prompt>'
+    first = llm.generate(prompt, GREEDY)[0]
+    assert llm.reset_prefix_cache() > 0  # every module block evicted
+    assert llm.engine.pool.blocks_by_priority() == {}
+    spy = LogitsSpy(llm)
+    second = llm.generate(prompt, GREEDY)[0]
+    assert second.token_ids == first.token_ids and second.num_cached_tokens == first.num_cached_tokens
+    again = llm.register_schema(SCHEMA)
+    assert again.present == len(info.modules) - 1 and again.computed == 1  # "b" was not needed
+    assert spy.rows
+
+
+def test_schema_dir_persists_and_rejects_corrupt_files(tiny_llama, tmp_path, caplog):
+    first = make(tiny_llama, schema_dir=str(tmp_path))
+    assert first.register_schema(SCHEMA).computed == 4
+    prompt = '<prompt schema="s"><b/><r who="Cy"/>Why?</prompt>'
+    spy = LogitsSpy(first)
+    ref = first.generate(prompt, GREEDY)[0]
+    (path,) = list(tmp_path.rglob("*.safetensors"))
+
+    restarted = make(tiny_llama, schema_dir=str(tmp_path))
+    (info,) = restarted.engine.modules.load_store()
+    assert (info.name, info.computed, info.loaded) == ("s", 0, 4)
+    spy2 = LogitsSpy(restarted)
+    out = restarted.generate(prompt, GREEDY)[0]
+    assert out.token_ids == ref.token_ids
+    assert (spy.rows[0] - spy2.rows[0]).abs().max().item() <= 1e-6
+
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # flip bits inside the last tensor
+    path.write_bytes(bytes(data))
+    third = make(tiny_llama, schema_dir=str(tmp_path))
+    with caplog.at_level("WARNING"):
+        info = third.register_schema(SCHEMA)
+    assert info.computed == 4 and info.loaded == 0
+    assert "checksum" in caplog.text
+    assert third.generate(prompt, GREEDY)[0].token_ids == ref.token_ids
+    assert make(tiny_llama, schema_dir=str(tmp_path)).register_schema(SCHEMA).loaded == 4  # rewritten
+
+
+def test_bad_prompts_raise_and_leave_the_pool_intact(tiny_llama):
+    llm = make(tiny_llama)
+    with pytest.raises(PMLSyntaxError) as bad:
+        llm.register_schema('<schema name="x">\n  <module name="m">oops</modul>\n</schema>')
+    assert bad.value.line == 2
+    llm.register_schema(SCHEMA)
+    free = llm.engine.pool.num_free_blocks
+    with pytest.raises(PMLSemanticError, match="nope"):
+        llm.generate('<prompt schema="s"><nope/>Hi</prompt>', GREEDY)
+    with pytest.raises(PMLSemanticError, match="who"):
+        llm.generate('<prompt schema="s"><r/>Hi</prompt>', GREEDY)
+    with pytest.raises(PMLSemanticError, match="unknown schema"):
+        llm.generate('<prompt schema="zzz">Hi</prompt>', GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate('<prompt schema="s"><b/>Hi</prompt>', SamplingParams(max_tokens=10**6))
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.num_free_blocks == free
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_prompt_without_text_decodes_after_the_last_module(tiny_llama):
+    llm = make(tiny_llama)
+    llm.register_schema(SINGLE)
+    spy = ChunkSpy(llm)
+    out = llm.generate('<prompt schema="one"><doc/></prompt>', GREEDY)[0]
+    doc = llm.engine.modules.schemas["one"].module("doc")
+    assert spy.chunks[0].positions == [doc.stored_position_ids[-1]]
+    assert spy.chunks[1].positions == [doc.stored_position_ids[-1] + 1]
+    assert out.num_cached_tokens == len(doc.stored_token_ids) - 1
