@@ -13,7 +13,15 @@ Every block is in exactly one state::
 Eviction order: among cached blocks that no other cached block depends on (leaves of the
 prefix tree), the one with the smallest ``policy.sort_key``. Keys live in a lazy heap: an
 entry is valid only while its ``version`` matches the block's, so a hit or a priority
-change just bumps the version (O(1)) and eviction pops stale entries.
+change just bumps the version (O(1)) and eviction pops stale entries. Every operation is
+O(log n) in the number of blocks (amortised over stale heap entries).
+
+Retention (TensorRT-LLM semantics, SPEC section 3): a block carries a ``priority`` and an
+optional ``duration_s``. The duration starts counting when the block is *released*
+(``ref_count`` drops to 0), as in TensorRT-LLM's ``LRUEvictionPolicy::releaseBlock``; a
+block in use never expires. Once it runs out, ``expire`` puts the block back at
+``DEFAULT_PRIORITY`` (its recency is kept: expiring is not a use). A reusing request
+applies its retention with ``set_retention``: its priority when given, its duration always.
 
 Callers check before they commit (``num_free_blocks`` / ``can_allocate`` then
 ``allocate``), so nothing is rolled back; ``allocate`` beyond capacity is a broken
@@ -54,7 +62,8 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()  # tokens of a registered block, checked on every hit
     depth: int = 0  # position of the block in its chain (0 = first block)
     priority: int = DEFAULT_PRIORITY  # retention priority 0-100
-    expires_at: float | None = None  # clock time when priority falls back to the default
+    duration_s: float | None = None  # how long the priority holds once released (None = until evicted)
+    expires_at: float | None = None  # clock time when priority falls back; set only while released
     last_access: int = 0  # logical tick of the last acquire/release (LRU order, exact in tests)
     access_count: int = 0  # hits + first use, for frequency-aware policies
     num_cached_children: int = 0  # registered blocks whose parent is this one
@@ -96,7 +105,8 @@ class BlockPool:
         self._expiry: list[tuple[float, int, int]] = []  # (expires_at, version, block_id)
         self._tick = 0
         self.num_evictions = 0
-        self.evictions_by_priority: dict[int, int] = {}
+        self.evictions_by_priority: dict[int, int] = {}  # priority at eviction -> blocks evicted
+        self._held_by_priority: dict[int, int] = {}  # priority -> registered blocks (in use or not)
         self._emit(CacheCreated({cache_level: num_blocks}))
 
     # ------------------------------------------------------------------ queries
@@ -113,6 +123,11 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free) - self._num_cached_free
+
+    def blocks_by_priority(self) -> dict[int, int]:
+        """Registered blocks (in use or cached) per retention priority, zero counts left out.
+        A copy: the caller may keep it."""
+        return {p: n for p, n in sorted(self._held_by_priority.items()) if n}
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
@@ -142,13 +157,16 @@ class BlockPool:
     # ------------------------------------------------------------------ mutations
     def acquire(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (a cache hit). A cached block stops being
-        evictable until released."""
+        evictable, and its duration stops running, until released.
+
+        Raises ``RuntimeError`` for a free, unregistered block (allocate it instead)."""
         for block in blocks:
             if block.ref_count == 0:
                 if block.block_hash is None:
                     raise RuntimeError(f"block {block.block_id} is free and uncached: allocate it instead")
                 self._num_cached_free -= 1
                 block.version += 1  # drops its heap entry
+                block.expires_at = None  # drops its expiry entry: a claimed block never expires
             block.ref_count += 1
             block.access_count += 1
             block.last_access = self._next_tick()
@@ -189,12 +207,14 @@ class BlockPool:
         priority: int = DEFAULT_PRIORITY,
         duration_s: float | None = None,
     ) -> KVBlock:
-        """Enter a full, computed, in-use block into the prefix index.
+        """Enter a full, computed, in-use block into the prefix index with its retention
+        (``duration_s`` starts counting at release).
 
         If another block already holds ``block_hash`` (two requests computed the same
-        block at once), the pool keeps the existing one and returns it; ``block`` stays
-        unregistered and goes back to the free list on release. Returns the block that
-        holds the key.
+        block at once), the pool keeps the existing one and returns it unchanged; ``block``
+        stays unregistered and goes back to the free list on release. The caller acquires
+        the returned block and applies ``set_retention`` as for any hit. Returns the block
+        that holds the key. Raises ``RuntimeError`` if ``block`` is unheld or registered.
         """
         if block.ref_count <= 0:
             raise RuntimeError(f"register of block {block.block_id} that no request holds")
@@ -208,8 +228,10 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         block.depth = depth
         block.priority = priority
-        block.expires_at = None if duration_s is None else self.clock() + duration_s
+        block.duration_s = duration_s
+        block.expires_at = None
         self._cached[block_hash] = block
+        self._held_by_priority[priority] = self._held_by_priority.get(priority, 0) + 1
         parent = self._cached.get(parent_hash) if parent_hash is not None else None
         if parent is not None:
             parent.num_cached_children += 1
@@ -224,12 +246,18 @@ class BlockPool:
         return block
 
     def set_retention(self, block: KVBlock, priority: int | None, duration_s: float | None) -> None:
-        """Apply a reusing request's retention: its priority when given, and its duration
-        always (``None`` clears it). Emits ``BlockUpdated`` when the priority changes."""
+        """Apply a reusing request's retention to a registered block: its priority when
+        given, and its duration always (``None`` clears it). On a block nobody holds the
+        new duration starts now. Emits ``BlockUpdated`` when the priority changes.
+
+        Raises ``RuntimeError`` for an unregistered block."""
+        if block.block_hash is None:
+            raise RuntimeError(f"set_retention on block {block.block_id}, which is not registered")
         if priority is not None and priority != block.priority:
             self._set_priority(block, priority)
-        block.expires_at = None if duration_s is None else self.clock() + duration_s
+        block.duration_s = duration_s
         if block.ref_count == 0:
+            self._start_expiry(block)
             self._make_evictable(block)
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -247,17 +275,18 @@ class BlockPool:
                 self._free.append(block)
             else:
                 self._num_cached_free += 1
+                self._start_expiry(block)
                 self._make_evictable(block)
 
     def expire(self, now: float | None = None) -> int:
-        """Drop every block whose duration has run out back to the default priority.
-        Returns how many changed."""
+        """Drop every released block whose duration has run out back to the default
+        priority (``allocate`` calls this before it evicts). Returns how many changed."""
         now = self.clock() if now is None else now
         changed = 0
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, version, block_id = heapq.heappop(self._expiry)
             block = self.blocks[block_id]
-            if block.expires_at != expires_at or block.block_hash is None:
+            if block.expires_at != expires_at or block.block_hash is None or block.ref_count:
                 continue
             block.expires_at = None
             if block.priority != DEFAULT_PRIORITY:
@@ -283,8 +312,9 @@ class BlockPool:
 
     # ------------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError`` if the bookkeeping is inconsistent:
-        free + cached + in use == total, ref counts >= 0, index and children agree."""
+        """Raise ``RuntimeError`` if the bookkeeping is inconsistent: free + cached + in use
+        == total, ref counts >= 0, index, children and per-priority counts agree, and no
+        block in use has a running duration. O(n): for tests and idle checks."""
         free_ids = {b.block_id for b in self._free}
         if len(free_ids) != len(self._free):
             raise RuntimeError("a block appears twice in the free list")
@@ -313,6 +343,13 @@ class BlockPool:
                     f"block {block.block_id} counts {block.num_cached_children} children, index has "
                     f"{children.get(block.block_hash, 0)}"  # type: ignore[arg-type]
                 )
+        held: dict[int, int] = {}
+        for block in self._cached.values():
+            held[block.priority] = held.get(block.priority, 0) + 1
+            if block.ref_count and block.expires_at is not None:
+                raise RuntimeError(f"block {block.block_id} is in use but its duration is running")
+        if held != {p: n for p, n in self._held_by_priority.items() if n}:
+            raise RuntimeError(f"blocks by priority {self._held_by_priority} != actual {held}")
         if n_cached_free != self._num_cached_free:
             raise RuntimeError(f"cached-free count {self._num_cached_free} != actual {n_cached_free}")
         if len(self._free) + n_cached_free + n_used != self.num_blocks:
@@ -331,7 +368,17 @@ class BlockPool:
         old = block.priority
         block.priority = priority
         if block.block_hash is not None:
+            self._held_by_priority[old] -= 1
+            self._held_by_priority[priority] = self._held_by_priority.get(priority, 0) + 1
             self._emit(BlockUpdated(block.block_hash, old_priority=old, new_priority=priority))
+
+    def _start_expiry(self, block: KVBlock) -> None:
+        """A released block's duration starts now; at the default priority there is
+        nothing to fall back from (TensorRT-LLM does the same)."""
+        if block.duration_s is None or block.priority == DEFAULT_PRIORITY:
+            block.expires_at = None
+        else:
+            block.expires_at = self.clock() + block.duration_s
 
     def _make_evictable(self, block: KVBlock) -> None:
         """(Re)enter a released cached block into the eviction heap if it is a leaf, and
@@ -358,7 +405,9 @@ class BlockPool:
 
     def _unregister(self, block: KVBlock) -> None:
         """Remove an unheld cached block from the index (it becomes a bare block)."""
+        self.policy.on_evict(block)
         del self._cached[block.block_hash]  # type: ignore[arg-type]
+        self._held_by_priority[block.priority] -= 1
         self._num_cached_free -= 1
         self.num_evictions += 1
         self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
@@ -376,6 +425,7 @@ class BlockPool:
         block.token_ids = ()
         block.depth = 0
         block.priority = DEFAULT_PRIORITY
+        block.duration_s = None
         block.expires_at = None
         block.access_count = 0
         block.num_cached_children = 0

@@ -1,0 +1,149 @@
+"""Replay a trace through the real ``BlockPool`` in simulated mode (no model, no tensors).
+
+The replay model, in order, for every request (requests run one after another, at their
+arrival time; the pool's clock is the trace clock, so retention durations expire in trace
+time):
+
+1. **Lookup**: the longest run of leading prompt blocks already resident is a hit
+   (prefix semantics); the pool takes a reference on them and the request's retention
+   is applied to them (``set_retention``: priority when given, duration always).
+2. **Allocate**: the request then holds every block of its prompt *and* its output,
+   ``ceil((prompt + output) / block_size)`` in all, evicting cached leaves as needed.
+   A request that cannot fit even in an empty pool is counted in ``requests_rejected``.
+3. **Register**: every full block is cached with its retention: prompt blocks under their
+   trace keys, blocks from the prompt's partial tail on under keys unique to the request
+   (their tokens are unknown, they are never hit again, but they occupy the cache like a
+   real engine's generated blocks). Blocks whose first token is generated take the
+   decode priority.
+4. **Release**: all blocks, tail first (so, within a tick, the deepest block is evicted first).
+
+Token-level hit rate = cached prompt tokens / prompt tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvreuse.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
+from kvreuse.eviction import EvictionPolicy
+from kvreuse.hashing import hash_block
+from kvreuse.retention import requested_retention
+from kvreuse.simulator.traces import Trace
+
+DECODE_EXTRA_KEY = "sim-output"  # marks the synthetic keys of output blocks
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    capacity_blocks: int
+    requests: int = 0
+    requests_rejected: int = 0  # larger than the whole pool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+    evictions_by_priority: dict[int, int] = field(default_factory=dict)
+    blocks_by_priority: dict[int, int] = field(default_factory=dict)  # at the end of the trace
+    seconds: float = 0.0  # wall time of the replay
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens (0 for an empty trace)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy,
+            "capacity_blocks": self.capacity_blocks,
+            "hit_rate": self.hit_rate,
+            "requests": self.requests,
+            "requests_rejected": self.requests_rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "evictions": self.evictions,
+            "evictions_by_priority": {str(k): v for k, v in sorted(self.evictions_by_priority.items())},
+            "blocks_by_priority": {str(k): v for k, v in sorted(self.blocks_by_priority.items())},
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def replay(
+    trace: Trace,
+    policy: EvictionPolicy,
+    capacity_blocks: int,
+    *,
+    on_request: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    check_every: int = 0,
+) -> ReplayResult:
+    """Replay ``trace`` through a fresh ``BlockPool`` of ``capacity_blocks`` blocks.
+
+    ``on_request(i)`` runs before request ``i`` (Belady's policy learns the future there);
+    ``progress(n)`` is told each ``n`` requests done; ``check_every > 0`` runs
+    ``check_integrity`` every that many requests (tests). Raises ``ValueError`` for a
+    non-positive capacity.
+    """
+    now = 0.0
+    pool = BlockPool(capacity_blocks, trace.block_size, policy=policy, clock=lambda: now)
+    result = ReplayResult(policy.name, capacity_blocks)
+    bs = trace.block_size
+    started = time.perf_counter()
+    for i, req in enumerate(trace.requests):
+        if on_request is not None:
+            on_request(i)
+        now = max(now, req.timestamp_s)
+        result.requests += 1
+        result.prompt_tokens += req.prompt_tokens
+        total = req.prompt_tokens + req.output_tokens
+        n_blocks = -(-total // bs)
+        hits = pool.match_prefix(req.block_keys, req.block_tokens)
+        if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
+            result.requests_rejected += 1  # could not run: no hit either
+            continue
+        pool.acquire(hits)
+        retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
+        for block, (priority, duration) in zip(hits, retention):
+            pool.set_retention(block, priority, duration)
+        result.cached_tokens += len(hits) * bs
+        blocks = hits + pool.allocate(n_blocks - len(hits))
+        _register(pool, blocks, len(hits), req, retention, i, total // bs)
+        pool.release(reversed(blocks))
+        if progress is not None:
+            progress(1)
+        if check_every and (i + 1) % check_every == 0:
+            pool.check_integrity()
+    result.seconds = time.perf_counter() - started
+    result.evictions = pool.num_evictions
+    result.evictions_by_priority = dict(pool.evictions_by_priority)
+    result.blocks_by_priority = pool.blocks_by_priority()
+    return result
+
+
+def _evictable_hits(hits: list[KVBlock]) -> int:
+    """Hits that ``num_free_blocks`` counts as free now (cached, unheld); acquiring them
+    takes them out of it."""
+    return sum(1 for b in hits if b.ref_count == 0)
+
+
+def _register(pool: BlockPool, blocks: list[KVBlock], first_new: int, req, retention, index: int, n_full: int) -> None:
+    """Cache the request's full blocks from ``first_new`` on (prompt blocks under their
+    trace keys, the rest under keys unique to request ``index``)."""
+    parent = req.block_keys[first_new - 1] if first_new else None
+    n_prompt_keys = len(req.block_keys)
+    for j in range(first_new, n_full):
+        if j < n_prompt_keys:
+            key, tokens = req.block_keys[j], req.block_tokens[j]
+        else:
+            tokens = (index, j)
+            key = hash_block(parent, tokens, (DECODE_EXTRA_KEY, index))
+        priority, duration = retention[j]
+        kept = pool.register(blocks[j], key, parent, tokens, depth=j, priority=DEFAULT_PRIORITY if priority is None else priority, duration_s=duration)
+        if kept is not blocks[j]:  # already cached (a collision-checked miss): hold the cached one
+            pool.acquire([kept])
+            if priority is not None or duration is not None:
+                pool.set_retention(kept, priority, duration)
+            pool.release([blocks[j]])
+            blocks[j] = kept
+        parent = key
