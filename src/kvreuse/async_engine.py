@@ -19,6 +19,7 @@ them so their blocks return to the pool. The loop itself keeps running.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -64,6 +65,7 @@ class _Add:
     cache_salt: str | None
     retention: Any
     stream: _Stream
+    pml_text: str | None = None  # a PML prompt: compiled and assembled on the engine thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +75,10 @@ class _Abort:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """Run ``fn(engine)`` in the engine thread and resolve ``future`` with the result."""
+    """Run ``fn(engine)`` in the engine thread and hand ``settle(value, failed)`` the result."""
 
     fn: Callable[[Any], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    settle: Callable[[Any, bool], None]  # must be safe to call from the engine thread
 
 
 class _Stop:
@@ -137,9 +138,11 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         retention: Any = None,
+        pml_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one
-        has ``finished``.
+        has ``finished``. With ``pml_text`` (a ``<prompt schema=...>``) the prompt is that
+        markup, compiled on the engine thread, and ``prompt_token_ids`` is ignored.
 
         Raises ``ValueError`` when the engine rejects the request (message names the field),
         ``EngineError`` if the engine fails while serving it. If the consumer stops early
@@ -149,7 +152,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream))
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, pml_text))
         finished = False
         try:
             while True:
@@ -186,8 +189,39 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send(_Call(fn, loop, future))
+
+        def settle_in_loop(value: Any, failed: bool) -> None:
+            if future.done():  # the caller was cancelled
+                return
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        def settle(value: Any, failed: bool) -> None:
+            try:
+                loop.call_soon_threadsafe(settle_in_loop, value, failed)
+            except RuntimeError:
+                logger.warning("caller's event loop closed before its engine call returned")
+
+        self._send(_Call(fn, settle))
         return await future
+
+    def call_blocking(self, fn: Callable[[Any], T], timeout: float | None = None) -> T:
+        """``call`` for plain threads (the ZMQ publisher's snapshot, the CLI). Raises
+        ``fn``'s exception, ``TimeoutError`` after ``timeout`` seconds, ``EngineDeadError``."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def settle(value: Any, failed: bool) -> None:
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        self._send(_Call(fn, settle))
+        return future.result(timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _send(self, command: object) -> None:
@@ -239,9 +273,14 @@ class AsyncEngine:
             self._deliver(cmd.stream, ValueError(f"request_id {cmd.request_id!r} is already in flight"))
             return
         try:
-            self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
-            )
+            if cmd.pml_text is not None:
+                self.engine.add_pml_request(
+                    cmd.request_id, cmd.pml_text, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
+                )
+            else:
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
+                )
         except ValueError as exc:
             self._deliver(cmd.stream, exc)
             return
@@ -260,24 +299,9 @@ class AsyncEngine:
         try:
             result = cmd.fn(self.engine)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
-            self._resolve(cmd, exc, failed=True)
+            cmd.settle(exc, True)
         else:
-            self._resolve(cmd, result, failed=False)
-
-    @staticmethod
-    def _resolve(cmd: _Call, value: Any, *, failed: bool) -> None:
-        def settle() -> None:
-            if cmd.future.done():  # the caller was cancelled
-                return
-            if failed:
-                cmd.future.set_exception(value)
-            else:
-                cmd.future.set_result(value)
-
-        try:
-            cmd.loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            logger.warning("caller's event loop closed before its engine call returned")
+            cmd.settle(result, False)
 
     def _step(self) -> None:
         try:
@@ -322,7 +346,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._deliver(command.stream, dead)
             elif isinstance(command, _Call):
-                self._resolve(command, dead, failed=True)
+                command.settle(dead, True)
 
     def _safe_engine_abort(self, request_id: str) -> None:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -58,14 +59,18 @@ def build_app(
     api_key: str | None = None,
     served_model_name: str | Sequence[str] | None = None,
     limits: ServerLimits = ServerLimits(),
+    event_buffer: Any = None,
 ) -> FastAPI:
     """An app serving ``engine`` (started here if it is not running; its owner shuts it
     down). ``served_model_name`` defaults to the engine's model name; requests naming
-    another model get 404. Raises ``ValueError`` for an empty served name."""
+    another model get 404. ``event_buffer`` (the ``EventBuffer`` the engine's pool writes
+    to, if any) is exposed to the KV event routes as ``app.state.event_buffer``.
+    Raises ``ValueError`` for an empty served name."""
     names = _served_names(engine, served_model_name)
     engine.start()
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
-    app.state.engine = engine
+    app.state.engine = engine  # AsyncEngine; snapshots go through engine.call(...)
+    app.state.event_buffer = event_buffer
     app.state.ctx = ServerContext(engine, ServerMetrics(engine, names[0]), names, limits, api_key)
     install_error_handlers(app)
     app.include_router(completions_routes.router)

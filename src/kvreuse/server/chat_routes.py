@@ -1,4 +1,8 @@
-"""``POST /v1/chat/completions``: the chat template, per-message retention, ``n`` choices."""
+"""``POST /v1/chat/completions``: the chat template, per-message retention, ``n`` choices.
+
+A PML prompt goes in as the content of a single user message starting with ``<prompt``
+(its own role tags render the chat template; docs/pml.md).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvreuse.async_engine import EngineError
+from kvreuse.module_cache import is_pml_prompt
 from kvreuse.server.chat_prompt import merge_retention, render_chat
 from kvreuse.server.errors import error_body, from_value_error
 from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
@@ -27,6 +32,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     ctx = context_of(request)
     model = check_model(ctx, body.model)
     request_retention = parse_retention(body.kv_cache_retention_config)
+    pml = pml_message(body.messages)
+    if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
+        return await _create_pml(ctx, body, model, pml, request_retention)
     prompt = render_chat(ctx.engine.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
                          template_kwargs=body.chat_template_kwargs)
     retention = merge_retention(prompt.retention, request_retention)
@@ -51,6 +59,40 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens)
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage})
+
+
+def pml_message(messages) -> str | None:
+    """The PML prompt when the conversation is one user message whose content starts with
+    ``<prompt``; otherwise ``None`` (an ordinary chat)."""
+    if len(messages) != 1 or messages[0].role != "user" or not isinstance(messages[0].content, str):
+        return None
+    return messages[0].content if is_pml_prompt(messages[0].content) else None
+
+
+async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, retention):
+    default_max = ctx.engine.max_model_len  # the engine lowers nothing: it rejects what cannot fit
+    base_id = body.request_id or new_request_id("chatcmpl")
+    requests = [
+        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", body.cache_salt,
+                      retention, pml)
+        for j in range(body.n)
+    ]
+    header = {"id": base_id, "created": now_s(), "model": model}
+    if body.stream:
+        streams = await start_streams(ctx, requests)
+        return StreamingResponse(_stream(body, header, streams), media_type="text/event-stream")
+    finals = await run_to_completion(ctx, requests)
+    return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals),
+                         "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
+                                             finals[0].num_cached_tokens)})
+
+
+def _choices(finals) -> list[dict[str, Any]]:
+    return [
+        {"index": j, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+         "finish_reason": out.finish_reason}
+        for j, out in enumerate(finals)
+    ]
 
 
 def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """``POST /v1/completions``: one choice per (prompt, sample), streamed or whole.
 
+A string prompt starting with ``<prompt`` is PML over a registered schema (docs/pml.md).
+
 A list prompt (strings or token-id lists) gives one choice per prompt and per ``n``,
 numbered ``prompt_index * n + sample``, as OpenAI does.
 """
@@ -13,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvreuse.async_engine import EngineError
+from kvreuse.module_cache import is_pml_prompt
 from kvreuse.server.errors import error_body, from_value_error
 from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
@@ -33,9 +36,12 @@ async def create_completion(body: CompletionRequest, request: Request):
     retention = parse_retention(body.kv_cache_retention_config)
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
+    pml: list[str | None] = []  # a PML prompt is checked by the engine once compiled (docs/pml.md)
     for prompt in body.prompts():
-        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
-        check_prompt(ctx, ids, body.max_tokens, param="prompt")
+        pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
+        ids = [] if pml[-1] is not None else list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        if pml[-1] is None:
+            check_prompt(ctx, ids, body.max_tokens, param="prompt")
         prompt_ids.append(ids)
     base_id = body.request_id or new_request_id("cmpl")
     requests = []
@@ -44,8 +50,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
-                                          f"{base_id}-{index}", body.cache_salt, retention))
-    echo_text = [tokenizer.decode(ids) if body.echo else "" for ids in prompt_ids]
+                                          f"{base_id}-{index}", body.cache_salt, retention, pml[i]))
+    echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     if body.stream:
         streams = await start_streams(ctx, requests)

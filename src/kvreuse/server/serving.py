@@ -117,13 +117,14 @@ class EngineRequest:
     request_id: str
     cache_salt: str | None
     retention: Any
+    pml_text: str | None = None  # a PML prompt (docs/pml.md); prompt_token_ids is then empty
 
 
 async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[RequestOutput]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
-        cache_salt=req.cache_salt, retention=req.retention,
+        cache_salt=req.cache_salt, retention=req.retention, pml_text=req.pml_text,
     ):
         tracker.observe(output)
         yield output

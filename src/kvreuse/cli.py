@@ -1,0 +1,206 @@
+"""The ``kvreuse`` command: ``serve``, plus subcommands other modules own.
+
+Subcommands are a table (name -> help, argument builder, runner); a delegated subcommand
+imports its module only when it runs, so ``kvreuse serve`` never imports the simulator
+and ``kvreuse simulate`` never imports torch through us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger("kvreuse")
+
+TINY_PREFIX = "tiny:"  # --model tiny:llama / tiny:gemma3: random weights, for tests and smoke runs
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    passthrough: bool = False  # the target parses its own arguments (``--help`` included)
+
+
+# ---------------------------------------------------------------------------- serve
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="alias (default, smollm2, gemma3-270m), HF folder, .gguf path, or tiny:llama|tiny:gemma3")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV pool size in GiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"])
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
+    p.add_argument("--event-buffer-max-size", type=int, default=0,
+                   help="KV events kept for consumers (0: events off unless an endpoint is set)")
+    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DEFAULT_EVENT_BUFFER = 100_000  # when an endpoint is given without --event-buffer-max-size
+
+
+def _load_model(spec: str, dtype: str, device: str):
+    """A ``LoadedModel``; ``tiny:<arch>`` builds the random-weight test model.
+    Raises ``ValueError`` for an unknown spec, dtype or device."""
+    if spec.startswith(TINY_PREFIX):
+        from kvreuse.models.tiny import tiny_model
+
+        return tiny_model(spec[len(TINY_PREFIX):], dtype=dtype, device=device)
+    from kvreuse.model_loader import load_model
+
+    return load_model(spec, dtype=dtype, device=device)
+
+
+def _engine_config(args: argparse.Namespace):
+    from kvreuse.engine import EngineConfig
+
+    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    return EngineConfig(
+        model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), device=args.device,
+        kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
+        event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, **extra,
+    )
+
+
+def _pool_summary(engine) -> str:
+    num_blocks, block_size = engine.pool.num_blocks, engine.block_size
+    per_token = engine.kv_bytes_per_token
+    gib = num_blocks * block_size * per_token / 2**30
+    return (f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+            f"{gib:.3f} GiB, {per_token} bytes/token")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the engine and app, serve until interrupted. Returns the exit
+    status (2 for a bad flag or model)."""
+    import uvicorn
+    from rich.console import Console
+
+    from kvreuse.async_engine import AsyncEngine
+    from kvreuse.engine import LLMEngine
+    from kvreuse.server.api_server import build_app
+    from kvreuse.server.serving import ServerLimits
+
+    console = Console(stderr=True, soft_wrap=True)  # no wrapping: log lines stay greppable
+    buffer = publisher = None
+    try:
+        config = _engine_config(args)
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
+        with console.status(f"loading model {args.model} ({config.dtype}, device {config.device}) ..."):
+            loaded = _load_model(args.model, config.dtype, config.device)
+        buffer_size = args.event_buffer_max_size or (_DEFAULT_EVENT_BUFFER if args.kv_events_endpoint else 0)
+        if buffer_size:
+            from kvreuse.event_buffer import EventBuffer
+
+            buffer = EventBuffer(buffer_size)
+        with console.status("allocating the KV pool ..."):
+            engine = AsyncEngine(LLMEngine(config, loaded, events=buffer))
+        app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
+                        event_buffer=buffer)
+    except ValueError as exc:
+        console.print(f"[bold red]kvreuse serve:[/] {exc}")
+        return 2
+    if args.kv_events_endpoint:
+        from kvreuse.zmq_publisher import ZmqEventPublisher
+
+        # The snapshot runs in the engine thread, so it sees the pool between steps.
+        publisher = ZmqEventPublisher(
+            buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
+            snapshot_fn=lambda: engine.call_blocking(lambda e: buffer.snapshot(e.pool), timeout=30),
+        )
+        publisher.start()
+    names = ", ".join(app.state.ctx.served_model_names)
+    console.print(f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
+                  f"{config.dtype}, context {engine.max_model_len} tokens, served as {names}")
+    console.print(f"kvreuse: {_pool_summary(engine.engine)}")
+    if publisher is not None:
+        console.print(f"kvreuse: KV events on {args.kv_events_endpoint}"
+                      + (f", replay on {args.kv_events_replay_endpoint}" if args.kv_events_replay_endpoint else ""))
+    console.print(f"kvreuse: listening on http://{args.host}:{args.port} (OpenAI API under /v1)")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if publisher is not None:
+            publisher.close()
+        engine.shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------- delegated
+def _delegate(target: str) -> Command:
+    """A subcommand whose parsing and work live in ``module:function(argv) -> int``."""
+    module_name, func_name = target.split(":")
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("argv", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise  # a dependency of the module is missing: show the real error
+            print(f"kvreuse: this subcommand needs {module_name}, which is not part of this build", file=sys.stderr)
+            return 2
+        return int(getattr(module, func_name)(args.argv) or 0)
+
+    return Command(f"see 'kvreuse {{cmd}} --help' ({module_name})", add_arguments, run, passthrough=True)
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("serve the OpenAI-compatible API", _add_serve_arguments, run_serve),
+    "simulate": _delegate("kvreuse.simulator.cli:simulate_main"),
+    # "route": _delegate("kvreuse.router.cli:route_main"), "schema": ... as they land.
+}
+
+
+def build_parser(commands: dict[str, Command] = COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvreuse", description="LLM inference that never computes the same "
+                                                                  "attention state twice")
+    from kvreuse import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvreuse {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in commands.items():
+        p = sub.add_parser(name, help=command.help.replace("{cmd}", name), add_help=not command.passthrough)
+        command.add_arguments(p)
+        p.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS and COMMANDS[argv[0]].passthrough:
+        # argparse cannot hand "--help" and friends to a REMAINDER positional: bypass it.
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return COMMANDS[argv[0]].run(argparse.Namespace(argv=argv[1:]))
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
