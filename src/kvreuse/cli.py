@@ -172,7 +172,8 @@ def _delegate(target: str) -> Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("serve the OpenAI-compatible API", _add_serve_arguments, run_serve),
     "simulate": _delegate("kvreuse.simulator.cli:simulate_main"),
-    # "route": _delegate("kvreuse.router.cli:route_main"), "schema": ... as they land.
+    "route": _delegate("kvreuse.router.cli:route_main"),
+    # "schema": ... as they land.
 }
 
 

@@ -1,0 +1,106 @@
+"""The router's HTTP app: the OpenAI API of ``kvreuse serve``, in front of its executors.
+
+    POST /v1/completions, /v1/chat/completions   routed, retried, streamed through untouched
+    GET  /v1/models                               from a healthy executor
+    GET  /health                                  200 while any executor is healthy (with each one's state)
+    GET  /metrics                                 the router's own Prometheus metrics
+    POST /v1/route/explain                        overlap, load and score per executor, and the choice
+
+``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
+and sends nothing to any executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvreuse import __version__
+from kvreuse.router.proxy import error, forward
+from kvreuse.router.router import Router
+
+
+def build_router_app(router: Router) -> FastAPI:
+    """An app serving ``router``; its lifespan starts and stops the router's tasks."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.gather(*(router.probe(e) for e in router.executors.values()))
+        router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvreuse router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(router, "/v1/completions", await request.body(), dict(request.headers), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(router, "/v1/chat/completions", await request.body(), dict(request.headers), chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        for e in router.executors.values():
+            if e.healthy:
+                try:
+                    resp = await router.client.get(f"{e.url}/v1/models", headers=_auth(request), timeout=5.0)
+                except Exception:  # noqa: BLE001 - try the next executor
+                    continue
+                return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return error("no healthy executor", 503)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        states = [e.status() for e in router.executors.values()]
+        ok = any(s["healthy"] for s in states)
+        return JSONResponse({"status": "ok" if ok else "error", "policy": router.policy.name, "executors": states},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = router.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/route/explain")
+    async def explain(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error("the body is not JSON", 400, "invalid_request_error")
+        if not isinstance(body, dict):
+            return error("the body must be a JSON object", 400, "invalid_request_error")
+        chat = "messages" in body
+        keys = await asyncio.to_thread(router.hasher.request_keys, chat, body)
+        routed = router.decide(keys)
+        overlaps = {c.name: c for c in (routed.candidates if routed else [])}
+        executors = []
+        for e in router.executors.values():
+            c = overlaps.get(e.name)
+            executors.append({
+                "executor": e.name, "healthy": e.healthy,
+                "overlap_blocks": c.overlap_blocks if c else router.index.overlaps(keys.keys, [e.name])[e.name],
+                "overlap_tokens": (c.overlap_blocks if c else 0) * router.block_size,
+                "load_blocks": e.load_blocks, "in_flight": e.in_flight,
+                "score": routed.decision.scores.get(e.name) if routed else None,
+            })
+        return JSONResponse({
+            "endpoint": "chat" if chat else "completions", "policy": router.policy.name,
+            "overlap_weight": getattr(router.policy, "overlap_weight", None),
+            "prompt_tokens": keys.num_tokens, "prompt_blocks": len(keys.keys), "block_size": router.block_size,
+            "executors": executors, "choice": routed.decision.choice if routed else None,
+        })
+
+    return app
+
+
+def _auth(request: Request) -> dict[str, str]:
+    auth = request.headers.get("authorization")
+    return {"authorization": auth} if auth else {}

@@ -1,0 +1,101 @@
+"""``kvreuse route``: the KV-aware router in front of running executors.
+
+    kvreuse route --port P --executor URL [--executor URL ...]
+                  [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
+
+At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
+``--startup-timeout`` for them), refuses executors whose model identity or hash settings
+differ, loads the executors' tokenizer (not the model) and checks it tokenizes as they do.
+Executors that are down at start are probed in later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
+from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy
+
+logger = logging.getLogger("kvreuse.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvreuse route", description="KV-aware router in front of kvreuse executors")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--executor", action="append", required=True, metavar="URL",
+                   help="base URL of a kvreuse serve process (repeat for each)")
+    p.add_argument("--routing-policy", default="kv", choices=sorted(POLICIES))
+    p.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+                   help="cost of one uncached prompt block, in blocks of load (kv policy)")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health probes")
+    p.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
+                   help="wait this long for at least one executor to answer")
+    p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+async def discover(urls: Sequence[str], timeout_s: float) -> dict[str, ExecutorInfo]:
+    """Info of every executor that answers within ``timeout_s`` (waiting for the first
+    one, then a few more seconds for the rest)."""
+    from kvreuse.router.router import fetch_info
+
+    infos: dict[str, ExecutorInfo] = {}
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as client:
+        while True:
+            for url in urls:
+                if url not in infos:
+                    try:
+                        infos[url] = await fetch_info(client, url)
+                    except httpx.HTTPError:
+                        pass
+            if len(infos) == len(urls) or time.monotonic() > deadline:
+                return infos
+            if infos:
+                deadline = min(deadline, time.monotonic() + 5.0)
+            await asyncio.sleep(0.5)
+
+
+def route_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. Returns 2 for incompatible executors or none reachable."""
+    import uvicorn
+
+    from kvreuse.router.app import build_router_app
+    from kvreuse.router.prompt_keys import PromptHasher
+    from kvreuse.router.router import Router
+    from kvreuse.router.tokenizer import load_tokenizer
+
+    args = build_parser().parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
+    try:
+        infos = asyncio.run(discover(urls, args.startup_timeout))
+        settings = check_compatible(list(infos.values()))
+        first = next(iter(infos.values()))
+        tokenizer = load_tokenizer(first)
+        policy = make_policy(args.routing_policy, args.overlap_weight)
+    except ValueError as exc:
+        print(f"kvreuse route: {exc}", file=sys.stderr)
+        return 2
+    missing = [u for u in urls if u not in infos]
+    if missing:
+        logger.warning("executors not answering yet (probed in later): %s", ", ".join(missing))
+    executors = [Executor(u, infos.get(u)) for u in urls]
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
+    router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
+                    health_interval_s=args.health_interval, seed=args.seed)
+    print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
+          f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
+          f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

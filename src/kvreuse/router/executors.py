@@ -1,0 +1,121 @@
+"""The executors behind a router: what each one is (``ExecutorInfo``, from its
+``GET /v1/kvreuse/info``) and how it is doing (``Executor``: health and load).
+
+Executors can share a router only when their block keys agree: same model identity
+(``model_id`` hashes weights, config, tokenizer and dtype), block size and hash algorithm.
+``check_compatible`` refuses anything else with a message naming every executor's values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.router.prompt_keys import HashSettings
+
+
+class IncompatibleExecutors(ValueError):
+    """Executors whose block keys would not agree (different model or hash settings)."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    url: str
+    model: str  # served model name (what clients put in "model")
+    model_name: str  # the loaded model's name (a --model spec the router can load)
+    model_id: str
+    block_size: int
+    hash_algorithm: str
+    tokenizer_path: str | None
+    max_model_len: int
+    events: dict[str, Any]  # {"http": bool, "zmq_endpoint": str | None, ...}
+    tokenizer_probe: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, url: str, d: dict) -> "ExecutorInfo":
+        """Raises ``ValueError`` naming the field when the info is incomplete."""
+        try:
+            return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),
+                       d["hash_algorithm"], d.get("tokenizer_path"), int(d.get("max_model_len") or 0),
+                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}))
+        except KeyError as exc:
+            raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None
+
+    @property
+    def settings(self) -> HashSettings:
+        return HashSettings(self.model_id, self.block_size, self.hash_algorithm)
+
+
+def check_compatible(infos: Sequence[ExecutorInfo]) -> HashSettings:
+    """The shared hash settings. Raises ``IncompatibleExecutors`` if they differ."""
+    if not infos:
+        raise IncompatibleExecutors("no executor answered GET /v1/kvreuse/info")
+    settings = {info.settings for info in infos}
+    if len(settings) == 1:
+        return infos[0].settings
+    lines = "\n".join(
+        f"  {i.url}: model {i.model_name!r} (model_id {i.model_id}), block_size {i.block_size}, "
+        f"hash {i.hash_algorithm}" for i in infos
+    )
+    raise IncompatibleExecutors(
+        "executors disagree on model identity or hash settings, so their KV block keys cannot be "
+        f"compared; run one router per model/settings:\n{lines}"
+    )
+
+
+_GAUGE = re.compile(r"^(kvreuse:num_blocks_used|kvreuse:num_requests_waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+def parse_load_metrics(text: str) -> dict[str, float]:
+    """``kvreuse:num_blocks_used`` and ``kvreuse:num_requests_waiting`` from a Prometheus page
+    (missing ones are left out)."""
+    return {m.group(1).split(":", 1)[1]: float(m.group(2)) for m in _GAUGE.finditer(text)}
+
+
+@dataclass
+class Executor:
+    """One executor's state as the router sees it. Event-loop only."""
+
+    url: str
+    info: ExecutorInfo | None = None
+    healthy: bool = False
+    in_flight: int = 0  # requests the router has sent and not finished
+    in_flight_blocks: int = 0  # their prompt blocks
+    remote: dict[str, float] = field(default_factory=dict)  # last /metrics load gauges
+    requests_routed: int = 0
+    failures: int = 0  # requests that failed before their first byte here
+    last_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    @property
+    def load_blocks(self) -> float:
+        """Active blocks: the router's own count, or the executor's if larger (other
+        clients), plus a prompt's worth per queued request."""
+        used = self.remote.get("num_blocks_used", 0.0)
+        waiting = self.remote.get("num_requests_waiting", 0.0)
+        per_request = self.in_flight_blocks / self.in_flight if self.in_flight else 0.0
+        return max(float(self.in_flight_blocks), used + waiting * per_request)
+
+    def begin(self, blocks: int) -> None:
+        self.in_flight += 1
+        self.in_flight_blocks += blocks
+        self.requests_routed += 1
+
+    def end(self, blocks: int) -> None:
+        self.in_flight -= 1
+        self.in_flight_blocks -= blocks
+
+    def mark_down(self, reason: str) -> None:
+        self.healthy = False
+        self.last_error = reason
+
+    def status(self) -> dict:
+        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
+                "in_flight_blocks": self.in_flight_blocks, "load_blocks": self.load_blocks,
+                "requests_routed": self.requests_routed, "failures": self.failures, "last_error": self.last_error,
+                "model_id": None if self.info is None else self.info.model_id}

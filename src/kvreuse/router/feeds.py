@@ -1,0 +1,141 @@
+"""Event feeds: keep one executor's mirror in the ``KVIndex`` current.
+
+``SSEFeed`` (the HTTP transport, always available) loops::
+
+    GET /v1/kv_cache_state              -> index.load(snapshot)       cold start / resync
+    GET /v1/kv_cache_events/stream?after=<snapshot's last_event_id>
+        each event -> index.apply(...)  -> False at a gap: back to the snapshot
+
+``ZmqFeed`` (when the executor publishes vLLM-format ZMQ events) subscribes to the PUB
+socket and resynchronises from the HTTP snapshot at start and whenever a sequence number
+is skipped. ZMQ batches carry no event ids, so a batch that overlaps the snapshot is
+applied again; stores and removals are idempotent, so at worst a block is briefly listed
+where it was just evicted (a miss, never a wrong answer).
+
+Any error (executor down, restart, bad data) clears the executor's mirror and retries
+after ``retry_s``: a restarted executor starts empty, and stale keys would only cost
+misses anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from kvreuse.kv_events import KVSnapshot, event_from_json
+from kvreuse.router.index import KVIndex, index_key
+
+logger = logging.getLogger(__name__)
+
+SnapshotFn = Callable[[], Awaitable[KVSnapshot]]
+
+
+def http_snapshot(client: httpx.AsyncClient, url: str) -> SnapshotFn:
+    async def fetch() -> KVSnapshot:
+        resp = await client.get(f"{url}/v1/kv_cache_state", timeout=30.0)
+        resp.raise_for_status()
+        return KVSnapshot.from_json(resp.json())
+
+    return fetch
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """Decode a ``text/event-stream`` into the JSON of each ``data:`` event."""
+    data: list[str] = []
+    async for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield json.loads("\n".join(data))
+            data = []
+
+
+class SSEFeed:
+    """Follows ``url``'s SSE event stream into ``index`` under ``name``."""
+
+    def __init__(self, index: KVIndex, name: str, url: str, client: httpx.AsyncClient, *, retry_s: float = 0.5) -> None:
+        self.index, self.name, self.url, self.client, self.retry_s = index, name, url, client, retry_s
+        self.num_events = 0
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        snapshot = http_snapshot(self.client, self.url)
+        while True:
+            try:
+                self.index.load(self.name, await snapshot())
+                await self._follow()
+                self.index.mirror(self.name).num_resyncs += 1  # a gap: reload
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure: forget, wait, start over
+                logger.debug("event feed %s: %r", self.url, exc)
+                self.index.clear(self.name)
+                await asyncio.sleep(self.retry_s)
+
+    async def _follow(self) -> None:
+        after = self.index.mirror(self.name).last_event_id
+        timeout = httpx.Timeout(10.0, read=None)
+        async with self.client.stream("GET", f"{self.url}/v1/kv_cache_events/stream", params={"after": after},
+                                      timeout=timeout) as resp:
+            resp.raise_for_status()
+            async for event in sse_events(resp.aiter_lines()):
+                if not self.index.apply(self.name, event_from_json(event)):
+                    return
+                self.num_events += 1
+        raise ConnectionError("event stream ended")
+
+
+class ZmqFeed:
+    """Follows a vLLM-format ZMQ PUB socket into ``index``; snapshots come from ``snapshot``."""
+
+    def __init__(self, index: KVIndex, name: str, endpoint: str, snapshot: SnapshotFn, *, topic: str = "",
+                 retry_s: float = 0.5) -> None:
+        self.index, self.name, self.endpoint, self.snapshot = index, name, endpoint, snapshot
+        self.topic, self.retry_s = topic, retry_s
+        self.num_batches = 0
+
+    async def run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from kvreuse.kv_event_decoder import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        key = lambda h: h if isinstance(h, int) else index_key(h)  # noqa: E731 - int or bytes on the wire
+        try:
+            while True:
+                try:
+                    await asyncio.sleep(0.05)  # let the subscription reach the publisher first
+                    self.index.load(self.name, await self.snapshot())
+                    last_seq = None
+                    while True:
+                        _, seq_bytes, payload = await sock.recv_multipart()
+                        seq = int.from_bytes(seq_bytes, "big")
+                        if last_seq is not None and seq != last_seq + 1:
+                            self.index.mirror(self.name).num_resyncs += 1
+                            break
+                        last_seq = seq
+                        for ev in decode_batch(payload).events:
+                            if isinstance(ev, BlockStored):
+                                self.index.store(self.name, (key(h) for h in ev.block_hashes), ev.medium or "GPU")
+                            elif isinstance(ev, BlockRemoved):
+                                self.index.remove(self.name, (key(h) for h in ev.block_hashes), ev.medium)
+                            elif isinstance(ev, AllBlocksCleared):
+                                self.index.clear(self.name)
+                        self.num_batches += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    logger.debug("zmq feed %s: %r", self.endpoint, exc)
+                    self.index.clear(self.name)
+                    await asyncio.sleep(self.retry_s)
+        finally:
+            sock.close(0)

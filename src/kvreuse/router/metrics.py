@@ -1,0 +1,58 @@
+"""The router's Prometheus metrics: decisions per executor and policy, retries, overlap,
+executors up and index size. Each router has its own registry (several can share a process)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from kvreuse.router.router import RoutedRequest, Router
+
+
+class RouterMetrics:
+    def __init__(self, router: "Router") -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter("kvreuse_router:decisions", "Routing decisions by executor and policy.",
+                                 ["executor", "policy"], registry=self.registry)
+        self.overlap_blocks = Counter("kvreuse_router:overlap_blocks", "Prompt blocks the chosen executor held.",
+                                      registry=self.registry)
+        self.prompt_blocks = Counter("kvreuse_router:prompt_blocks", "Full prompt blocks of routed requests.",
+                                     registry=self.registry)
+        self.retries = Counter("kvreuse_router:retries", "Requests retried on another executor before their first byte.",
+                               registry=self.registry)
+        self.registry.register(_StateCollector(router))
+        self._policy = router.policy.name
+
+    def decision(self, routed: "RoutedRequest") -> None:
+        choice = routed.decision.choice
+        self.decisions.labels(choice, self._policy).inc()
+        chosen = next(c for c in routed.candidates if c.name == choice)
+        self.overlap_blocks.inc(chosen.overlap_blocks)
+        self.prompt_blocks.inc(chosen.prompt_blocks)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StateCollector:
+    def __init__(self, router: "Router") -> None:
+        self.router = router
+
+    def collect(self):
+        up = GaugeMetricFamily("kvreuse_router:executor_up", "1 while the executor passes health checks.",
+                               labels=["executor"])
+        load = GaugeMetricFamily("kvreuse_router:executor_load_blocks", "Load blocks the policy sees.",
+                                 labels=["executor"])
+        inflight = GaugeMetricFamily("kvreuse_router:executor_in_flight", "Requests in flight.", labels=["executor"])
+        for e in self.router.executors.values():
+            up.add_metric([e.name], 1.0 if e.healthy else 0.0)
+            load.add_metric([e.name], e.load_blocks)
+            inflight.add_metric([e.name], e.in_flight)
+        yield up
+        yield load
+        yield inflight
+        yield GaugeMetricFamily("kvreuse_router:index_keys", "Distinct block keys in the index.",
+                                value=self.router.index.num_keys)
