@@ -184,6 +184,18 @@ def locked_snapshot(pool: Any, buffer: EventBuffer, engine_lock: threading.Lock)
     return snapshot
 
 
+def engine_thread_snapshot(async_engine: Any, buffer: EventBuffer) -> Callable[[], KVSnapshot]:
+    """A blocking snapshot function for threads (the ZMQ publisher's resync) when the pool
+    belongs to an ``AsyncEngine``: runs ``buffer.snapshot(engine.pool)`` on the engine
+    thread between steps (``AsyncEngine.call``) and waits for it. Not for use on the
+    engine thread itself or inside a running event loop (use ``await async_engine.call``)."""
+
+    def snapshot() -> KVSnapshot:
+        return asyncio.run(async_engine.call(lambda engine: buffer.snapshot(engine.pool)))
+
+    return snapshot
+
+
 def _wake(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
