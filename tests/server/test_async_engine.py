@@ -1,0 +1,104 @@
+"""AsyncEngine: errors reach only the affected callers; early exits abort; the loop survives."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvreuse.sampling_params import SamplingParams
+
+from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
+
+
+@pytest.fixture
+def own_engine(tiny_llama):
+    """A private engine (these tests break steps on purpose)."""
+    from kvreuse.async_engine import AsyncEngine
+    from kvreuse.engine import EngineConfig, LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE,
+                                                max_model_len=MAX_MODEL_LEN), tiny_llama))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+async def _collect(engine, request_id, prompt=tuple(range(100, 140)), params=GREEDY):
+    return [out async for out in engine.generate(list(prompt), params, request_id=request_id)]
+
+
+def test_generate_streams_until_finished(own_engine):
+    outs = asyncio.run(_collect(own_engine, "a"))
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert len(outs[-1].output_token_ids) == 4 and not any(o.finished for o in outs[:-1])
+
+
+def test_add_request_value_error_reaches_the_caller(own_engine):
+    with pytest.raises(ValueError, match="max_tokens|max_model_len|context"):
+        asyncio.run(_collect(own_engine, "long", prompt=range(100, 100 + MAX_MODEL_LEN)))
+    assert len(asyncio.run(_collect(own_engine, "next"))[-1].output_token_ids) == 4
+
+
+def test_duplicate_request_id_is_refused(own_engine):
+    async def both():
+        slow = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        first = own_engine.generate(list(range(100, 140)), slow, request_id="dup")
+        await anext(first)
+        with pytest.raises(ValueError, match="already in flight"):
+            await _collect(own_engine, "dup")
+        await first.aclose()
+
+    asyncio.run(both())
+
+
+def test_consumer_that_stops_early_aborts_and_frees_blocks(own_engine):
+    async def stop_after_one():
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        gen = own_engine.generate(list(range(100, 180)), params, request_id="quit")
+        await anext(gen)
+        await gen.aclose()  # what a disconnect does to the route's generator
+
+    asyncio.run(stop_after_one())
+    for _ in range(200):
+        stats = asyncio.run(own_engine.call(lambda e: e.stats()))
+        if stats.num_used_blocks == 0 and stats.num_running == 0:
+            break
+    assert stats.num_used_blocks == 0 and stats.num_running == 0
+    asyncio.run(own_engine.check_integrity())
+
+
+def test_a_broken_step_fails_in_flight_requests_and_the_loop_keeps_serving(own_engine, monkeypatch):
+    real_step = own_engine.engine.step
+    broken = {"left": 1}
+
+    def step_that_breaks_once():
+        if broken["left"]:
+            broken["left"] -= 1
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    from kvreuse.async_engine import EngineError
+
+    monkeypatch.setattr(own_engine.engine, "step", step_that_breaks_once)
+    with pytest.raises(EngineError, match="simulated device failure"):
+        asyncio.run(_collect(own_engine, "victim"))
+    assert own_engine.is_running
+    assert asyncio.run(_collect(own_engine, "survivor"))[-1].finished
+    stats = asyncio.run(own_engine.call(lambda e: e.stats()))
+    assert stats.num_used_blocks == 0
+    asyncio.run(own_engine.check_integrity())
+
+
+def test_shutdown_fails_waiting_callers(tiny_llama):
+    from kvreuse.async_engine import AsyncEngine, EngineDeadError
+    from kvreuse.engine import EngineConfig, LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, max_model_len=MAX_MODEL_LEN), tiny_llama))
+    engine.start()
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(engine, "late"))

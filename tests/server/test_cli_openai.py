@@ -1,0 +1,99 @@
+"""``kvreuse serve`` as a real subprocess, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from .helpers import BLOCK_SIZE, words
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from .conftest import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
+           "--kv-cache-memory", "0.02", "--max-model-len", "512", "--served-model-name", "tiny",
+           "--api-key", API_KEY, "--log-level", "warning"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvreuse serve did not come up:\n{log.read_text()}")
+            time.sleep(0.25)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_startup_prints_address_and_pool(served):
+    url, log = served
+    text = log.read_text()
+    assert url in text and "KV pool:" in text and "blocks" in text and "GiB" in text and "bytes/token" in text
+
+
+def test_openai_client_completions_and_chat(served):
+    import openai
+
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+    prompt = words(200, 500)
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - BLOCK_SIZE
+
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BLOCK_SIZE
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words(30, 501)}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={"cache_salt": "tenant-1"})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, extra_body={"cache_salt": "tenant-1"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+
+
+def test_openai_client_errors(served):
+    import openai
+
+    url, _ = served
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong").completions.create(model="tiny", prompt="x")
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-9", prompt="x")
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="x", max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2

@@ -1,0 +1,71 @@
+"""PML over HTTP (tiny model): /v1/schemas, PML prompts in completions and chat, 400s for bad
+markup that name the line/column or the module, and an idle pool afterwards."""
+
+from __future__ import annotations
+
+from .helpers import wait_idle
+
+SCHEMA = """<schema name="httpdocs">
+  <system>Answer from the documents.</system>
+  <union>
+    <module name="d1">Document one: the mill on Tarn creek grinds barley every Tuesday.</module>
+    <module name="d2">Document two: the ferry to Osk leaves at seven and returns at nine.</module>
+  </union>
+  <module name="who">Asker: <param name="name" len="4"/>.</module>
+</schema>"""
+PROMPT = '<prompt schema="httpdocs"><d2/><who name="Ana"/><user>When does the ferry leave?</user></prompt>'
+
+
+def _register(client):
+    r = client.post("/v1/schemas", json={"schema": SCHEMA})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_register_list_and_serve_completion_and_chat(client, async_engine):
+    info = _register(client)
+    assert info["name"] == "httpdocs" and set(info["modules"]) == {"", "d1", "d2", "who"}
+    listed = client.get("/v1/schemas").json()["data"]
+    assert "httpdocs" in [s["name"] for s in listed]
+
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < usage["prompt_tokens"]
+
+    r2 = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                    "max_tokens": 4, "temperature": 0})
+    assert r2.status_code == 200, r2.text
+    assert r2.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["text"]
+    assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+
+    s = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True})
+    assert s.status_code == 200 and "[DONE]" in s.text
+    wait_idle(async_engine)
+
+
+def test_bad_markup_and_bad_prompts_are_400s(client, async_engine):
+    r = client.post("/v1/schemas", json={"schema": '<schema name="x">\n<module name="m">a</mod>\n</schema>'})
+    assert r.status_code == 400 and "line 2" in r.json()["error"]["message"]
+    _register(client)
+    bad = {
+        '<prompt schema="httpdocs"><d3/>Hi</prompt>': "d3",
+        '<prompt schema="httpdocs"><d1/><d2/>Hi</prompt>': "union",
+        '<prompt schema="httpdocs"><who/>Hi</prompt>': "name",
+        '<prompt schema="httpdocs"><who name="a very long name that overflows"/>Hi</prompt>': "name",
+        '<prompt schema="nope">Hi</prompt>': "nope",
+        '<prompt schema="httpdocs"><d1>': "line 1",
+    }
+    for prompt, needle in bad.items():
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400, (prompt, r.text)
+        assert needle in r.json()["error"]["message"], (prompt, r.text)
+        c = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
+        assert c.status_code == 400, (prompt, c.text)
+    assert client.delete("/v1/schemas/httpdocs").status_code == 200
+    assert client.delete("/v1/schemas/httpdocs").status_code == 404
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 400 and "httpdocs" in r.json()["error"]["message"]
+    stats = wait_idle(async_engine)
+    assert stats.num_used_blocks == 0
