@@ -237,3 +237,37 @@ def test_publisher_without_snapshot_leaves_a_sequence_hole():
     finally:
         pub.close()
     assert pub.num_events_lost > 0 and batches and batches[0][0] == 1  # seq 0 never sent: a gap
+
+
+def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
+    """A subscriber that connects and never reads, a 10-message high-water mark and a
+    small buffer: the engine's requests all complete, memory stays bounded, the publisher
+    thread stays live and catches up (PUB drops for the stalled peer instead of blocking)."""
+    import threading
+
+    from kvreuse.event_buffer import locked_snapshot
+
+    buf = EventBuffer(256)
+    pool = BlockPool(64, BS, events=buf)
+    lock = threading.Lock()
+    ctx = zmq.Context()
+    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", hwm=10, snapshot_fn=locked_snapshot(pool, buf, lock), context=ctx)
+    stalled = ctx.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.SUBSCRIBE, b"")
+    stalled.connect(pub.endpoint)
+    pub.start()
+    rng = random.Random(9)
+    try:
+        start = time.monotonic()
+        for _ in range(300):
+            with lock:  # one engine step
+                run_requests(pool, rng, 3)
+        elapsed = time.monotonic() - start
+        wait_for(lambda: pub.last_event_id == buf.last_event_id, timeout=30)
+    finally:
+        pub.close()
+        stalled.close(linger=0)
+    assert elapsed < 60, elapsed
+    assert buf.stats()["num_events"] <= 256
+    assert pub.num_batches > 10  # far more than the stalled peer could take
