@@ -122,7 +122,7 @@ def test_schema_dir_persists_and_rejects_corrupt_files(tiny_llama, tmp_path, cap
     (path,) = list(tmp_path.rglob("*.safetensors"))
 
     restarted = make(tiny_llama, schema_dir=str(tmp_path))
-    (info,) = restarted.engine.modules.load_store()
+    (info,) = restarted.engine.restored_schemas
     assert (info.name, info.computed, info.loaded) == ("s", 0, 4)
     spy2 = LogitsSpy(restarted)
     out = restarted.generate(prompt, GREEDY)[0]
@@ -132,13 +132,13 @@ def test_schema_dir_persists_and_rejects_corrupt_files(tiny_llama, tmp_path, cap
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # flip bits inside the last tensor
     path.write_bytes(bytes(data))
-    third = make(tiny_llama, schema_dir=str(tmp_path))
     with caplog.at_level("WARNING"):
-        info = third.register_schema(SCHEMA)
+        third = make(tiny_llama, schema_dir=str(tmp_path))  # restores at start: warns and recomputes
+    (info,) = third.engine.restored_schemas
     assert info.computed == 4 and info.loaded == 0
     assert "checksum" in caplog.text
     assert third.generate(prompt, GREEDY)[0].token_ids == ref.token_ids
-    assert make(tiny_llama, schema_dir=str(tmp_path)).register_schema(SCHEMA).loaded == 4  # rewritten
+    assert make(tiny_llama, schema_dir=str(tmp_path)).engine.restored_schemas[0].loaded == 4  # rewritten
 
 
 def test_bad_prompts_raise_and_leave_the_pool_intact(tiny_llama):

@@ -143,6 +143,7 @@ class LLMEngine:
             chunk_tokens=config.max_num_batched_tokens,
             store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
         )
+        self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}
         self.tokens_computed = 0
         torch.manual_seed(config.seed)

@@ -211,6 +211,10 @@ class ModuleCache:
             del slots[i], positions[i]
         return PreparedPrompt(new_tokens, new_positions, ModuleContext(tuple(held), tuple(slots), tuple(positions)))
 
+    def prompt_end(self, pml_text: str) -> int:
+        """Where decoding of this prompt would start (its context length). Raises ``PMLError``."""
+        return compile_prompt(parse_prompt(pml_text), self.schemas, self.tokenizer).next_position
+
     # ------------------------------------------------------------------ blocks
     def module_hashes(self, schema: CompiledSchema, module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
         """Keys and token lists of the module's blocks (the last may be partial)."""

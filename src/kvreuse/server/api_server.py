@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from kvreuse import __version__
 from kvreuse.async_engine import AsyncEngine
-from kvreuse.server import chat_routes, completions_routes, executor_info_routes, info_routes
+from kvreuse.server import chat_routes, completions_routes, executor_info_routes, info_routes, schema_routes
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
 from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -77,6 +77,7 @@ def build_app(
     app.include_router(chat_routes.router)
     app.include_router(info_routes.router)
     app.include_router(executor_info_routes.router)  # GET /v1/kvreuse/info, for routers
+    app.include_router(schema_routes.router)  # PML schemas: /v1/schemas (docs/pml.md)
     _include_optional_routes(app)
     # Added last = outermost: the size limit runs before the key check reads nothing.
     if api_key:

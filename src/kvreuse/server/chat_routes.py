@@ -70,7 +70,9 @@ def pml_message(messages) -> str | None:
 
 
 async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, retention):
-    default_max = ctx.engine.max_model_len  # the engine lowers nothing: it rejects what cannot fit
+    # As for plain chat, the reply may fill the context: ask the engine thread where the prompt ends.
+    end = await ctx.engine.call(lambda engine: engine.modules.prompt_end(pml))
+    default_max = max(1, ctx.engine.max_model_len - end)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", body.cache_salt,
