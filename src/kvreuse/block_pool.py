@@ -93,6 +93,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        # Policies written to the bare sort-key protocol may lack the eviction hook.
+        self._on_evict: Callable[[KVBlock], None] | None = getattr(self.policy, "on_evict", None)
         self.clock = clock
         self.cache_level = cache_level
         self._events = events
@@ -405,7 +407,8 @@ class BlockPool:
 
     def _unregister(self, block: KVBlock) -> None:
         """Remove an unheld cached block from the index (it becomes a bare block)."""
-        self.policy.on_evict(block)
+        if self._on_evict is not None:
+            self._on_evict(block)
         del self._cached[block.block_hash]  # type: ignore[arg-type]
         self._held_by_priority[block.priority] -= 1
         self._num_cached_free -= 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from kvreuse.eviction import EvictionPolicy
 from kvreuse.hashing import BlockHash
 from kvreuse.simulator.replay import ReplayResult, replay
 from kvreuse.simulator.traces import Trace
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from kvreuse.block_pool import KVBlock
 
 
-class BeladyPolicy:
+class BeladyPolicy(EvictionPolicy):
     """Sort key ``(-next use, -depth)``. Call ``start_request(i)`` before request ``i``."""
 
     name = "belady"

@@ -1,0 +1,139 @@
+"""``kvreuse simulate``: replay a trace through the block pool with each eviction policy.
+
+    kvreuse simulate --trace FILE --capacity-blocks N [--policy P ...] [--json]
+                     [--plot out.png] [--trace-block-tokens 512]
+
+Prints, per policy, the token-level hit rate, evictions (by priority) and Belady's
+offline bound; ``--json`` prints one JSON document instead; ``--plot`` also draws hit rate
+against capacity (``--sweep`` capacities, default N/4 .. 4N). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvreuse.eviction import POLICIES
+from kvreuse.simulator.plot import BELADY, plot_sweep, run_policy, sweep
+from kvreuse.simulator.replay import ReplayResult
+from kvreuse.simulator.traces import read_trace
+
+DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "jsonl": 16, "auto": None}  # Mooncake ids stand for 512-token blocks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvreuse simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", required=True, help="Mooncake or kvreuse JSONL trace (docs/simulator.md)")
+    p.add_argument("--capacity-blocks", type=int, required=True, metavar="N", help="pool size in blocks")
+    p.add_argument("--policy", action="append", choices=[*POLICIES, BELADY],
+                   help="repeatable; default: every policy (Belady is always reported as the bound)")
+    p.add_argument("--trace-block-tokens", "--block-size", dest="block_tokens", type=int, default=None,
+                   help="tokens per block (default 512 for Mooncake, 16 for JSONL)")
+    p.add_argument("--trace-format", choices=["auto", "mooncake", "jsonl"], default="auto")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--plot", metavar="PNG", help="also sweep capacities and draw hit rate vs capacity")
+    p.add_argument("--sweep", metavar="N,N,...", help="capacities for --plot (default N/4,N/2,N,2N,4N)")
+    return p
+
+
+def simulate_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvreuse simulate``. Returns the exit status (2 for bad input)."""
+    args = build_parser().parse_args(argv)
+    if args.capacity_blocks <= 0:
+        print("kvreuse simulate: --capacity-blocks must be positive", file=sys.stderr)
+        return 2
+    fmt = args.trace_format
+    if fmt == "auto":
+        fmt = _sniff_format(args.trace)
+    block_tokens = args.block_tokens or DEFAULT_BLOCK_TOKENS[fmt]
+    try:
+        trace = read_trace(args.trace, block_tokens=block_tokens, trace_format=fmt, limit=args.limit)
+    except (OSError, ValueError) as e:
+        print(f"kvreuse simulate: {e}", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(args.policy or POLICIES))
+    capacity = args.capacity_blocks
+    results: list[ReplayResult] = []
+    with _Progress(len(trace.requests) * (len(names) + 1)) as bar:
+        for name in names:
+            results.append(run_policy(trace, name, capacity, progress=bar.advance))
+        bound = next((r for r in results if r.policy == BELADY), None) or run_policy(
+            trace, BELADY, capacity, progress=bar.advance
+        )
+    results = [r for r in results if r.policy != BELADY]
+    if args.plot:
+        capacities = _capacities(args.sweep, capacity)
+        sweep_results = sweep(trace, [*names, BELADY] if BELADY not in names else names, capacities,
+                              on_done=lambda r: print(f"  sweep {r.policy} {r.capacity_blocks}: {r.hit_rate:.4f}",
+                                                      file=sys.stderr))
+        plot_sweep(sweep_results, args.plot, f"{trace.name}: hit rate vs capacity ({block_tokens}-token blocks)")
+    if args.json:
+        doc = {
+            "trace": trace.name,
+            "block_size": block_tokens,
+            "capacity_blocks": capacity,
+            "requests": len(trace.requests),
+            "block_lookups": trace.num_block_lookups,
+            "policies": [r.to_dict() for r in results],
+            "belady": bound.to_dict(),
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_table(trace.name, capacity, block_tokens, results, bound)
+    return 0
+
+
+def _print_table(name: str, capacity: int, block_tokens: int, results: list[ReplayResult], bound: ReplayResult) -> None:
+    lru = next((r.hit_rate for r in results if r.policy == "lru"), None)
+    print(f"{name}: {capacity} blocks of {block_tokens} tokens")
+    print(f"{'policy':<15} {'hit rate':>9} {'x LRU':>6} {'evictions':>10}  {'seconds':>7}  evictions by priority")
+    for r in [*results, bound]:
+        ratio = f"{r.hit_rate / lru:.2f}" if lru else "-"
+        by_prio = ", ".join(f"{p}: {n}" for p, n in sorted(r.evictions_by_priority.items()))
+        label = f"{r.policy} (bound)" if r is bound else r.policy
+        print(f"{label:<15} {r.hit_rate:>9.4f} {ratio:>6} {r.evictions:>10}  {r.seconds:>7.2f}  {by_prio}")
+
+
+def _sniff_format(path: str) -> str:
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError:
+        return "jsonl"  # read_trace reports the real error
+    return "mooncake" if '"hash_ids"' in first else "jsonl"
+
+
+def _capacities(spec: str | None, capacity: int) -> list[int]:
+    if spec:
+        return sorted({int(c) for c in spec.split(",") if c.strip()})
+    return sorted({max(1, capacity // 4), max(1, capacity // 2), capacity, capacity * 2, capacity * 4})
+
+
+class _Progress:
+    """A rich progress bar on stderr, silent when stderr is not a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "_Progress":
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._progress = Progress(console=Console(stderr=True), transient=True)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("replaying", total=self.total)
+        return self
+
+    def advance(self, n: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)  # type: ignore[arg-type]
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
