@@ -52,6 +52,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV events kept for consumers (0: events off unless an endpoint is set)")
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
+    p.add_argument("--schema-dir", default=None,
+                   help="PML: persist module KV here and load it at start instead of recomputing")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -80,7 +82,7 @@ def _engine_config(args: argparse.Namespace):
         kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
-        event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, **extra,
+        event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir, **extra,
     )
 
 
@@ -172,8 +174,8 @@ def _delegate(target: str) -> Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("serve the OpenAI-compatible API", _add_serve_arguments, run_serve),
     "simulate": _delegate("kvreuse.simulator.cli:simulate_main"),
+    "schema": _delegate("kvreuse.schema_cli:schema_main"),  # PML: precompute / list / delete
     "route": _delegate("kvreuse.router.cli:route_main"),
-    # "schema": ... as they land.
 }
 
 

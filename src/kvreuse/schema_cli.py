@@ -1,0 +1,103 @@
+"""``kvreuse schema``: precompute PML schemas locally (into ``--schema-dir``) or on a server.
+
+::
+
+    kvreuse schema precompute FILE.xml --schema-dir DIR [--model default] [--src-dir D]
+    kvreuse schema precompute FILE.xml --url http://127.0.0.1:8000     # POST /v1/schemas
+    kvreuse schema list --url URL
+    kvreuse schema delete NAME --url URL
+
+A local precompute shows a progress bar per module and writes the module KV that
+``kvreuse serve --schema-dir DIR`` (same model, same dtype) loads at start. Exit status 2
+for a bad file, bad markup (the message names line/column or the module) or an HTTP error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvreuse schema", description="PML schemas: precompute, list, delete")
+    sub = p.add_subparsers(dest="action", required=True)
+    pre = sub.add_parser("precompute", help="encode every module of a schema once")
+    pre.add_argument("file", help="PML schema file (<schema name=...>)")
+    pre.add_argument("--src-dir", default=None, help="folder for <module src=...> files (default: the file's)")
+    pre.add_argument("--schema-dir", default=None, help="write module KV here (what serve --schema-dir loads)")
+    pre.add_argument("--url", default=None, help="precompute on a running server instead (POST /v1/schemas)")
+    pre.add_argument("--model", default="default")
+    pre.add_argument("--dtype", default="float32")
+    pre.add_argument("--device", default="auto")
+    pre.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB")
+    pre.add_argument("--block-size", type=int, default=16)
+    pre.add_argument("--max-model-len", type=int, default=None)
+    for name in ("list", "delete"):
+        q = sub.add_parser(name, help=f"{name} schemas on a running server")
+        if name == "delete":
+            q.add_argument("name")
+        q.add_argument("--url", required=True)
+    for q in sub.choices.values():
+        q.add_argument("--api-key", default=None)
+    return p
+
+
+def _http(method: str, url: str, api_key: str | None, body: dict | None = None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.request(method, url, json=body, headers=headers, timeout=None)
+    payload = r.json()
+    if r.status_code != 200:
+        raise ValueError(payload.get("error", {}).get("message", r.text))
+    return payload
+
+
+def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict:
+    from tqdm import tqdm
+
+    from kvreuse.cli import _load_model
+    from kvreuse.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                          kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
+                          max_model_len=args.max_model_len, schema_dir=args.schema_dir)
+    engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device))
+    with tqdm(desc="precomputing modules", unit="module", file=sys.stderr) as bar:
+        def progress(done: int, total: int, name: str) -> None:
+            bar.total = total
+            bar.set_postfix_str(name or "<root>")
+            bar.update(done - bar.n)
+
+        return engine.modules.register(text, src_dir=src_dir, progress=progress).to_json()
+
+
+def schema_main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    try:
+        if args.action == "precompute":
+            path = Path(args.file)
+            text = path.read_text(encoding="utf-8")
+            src_dir = args.src_dir or str(path.parent)
+            start = time.perf_counter()
+            if args.url:
+                out = _http("POST", args.url.rstrip("/") + "/v1/schemas", args.api_key, {"schema": text})
+            else:
+                if args.schema_dir is None:
+                    print("kvreuse schema: no --schema-dir: the KV is computed and dropped (a dry run)",
+                          file=sys.stderr)
+                out = _precompute_local(args, text, src_dir)
+            out["seconds"] = round(time.perf_counter() - start, 3)
+        elif args.action == "list":
+            out = _http("GET", args.url.rstrip("/") + "/v1/schemas", args.api_key)
+        else:
+            out = _http("DELETE", args.url.rstrip("/") + f"/v1/schemas/{args.name}", args.api_key)
+    except (OSError, ValueError) as exc:
+        print(f"kvreuse schema: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2))
+    return 0
