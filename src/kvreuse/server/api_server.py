@@ -13,7 +13,6 @@ metrics registry, so several apps (tests) can live in one process.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,9 @@ from fastapi import FastAPI
 
 from kvreuse import __version__
 from kvreuse.async_engine import AsyncEngine
-from kvreuse.server import chat_routes, completions_routes, executor_info_routes, info_routes, schema_routes
+from kvreuse.server import (
+    chat_routes, completions_routes, events_routes, executor_info_routes, info_routes, schema_routes,
+)
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
 from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -38,19 +39,6 @@ def _served_names(engine: AsyncEngine, served_model_name: str | Sequence[str] | 
     if not names or any(not n for n in names):
         raise ValueError("--served-model-name must be one or more non-empty names")
     return names
-
-
-def _include_optional_routes(app: FastAPI) -> None:
-    """KV event endpoints live in ``kvreuse.server.events_routes`` (its own owner); include
-    its ``router`` when the module exists. It finds the engine on ``app.state.engine``."""
-    try:
-        module = importlib.import_module("kvreuse.server.events_routes")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvreuse.server.events_routes":
-            raise
-        logger.debug("kvreuse.server.events_routes not present; no KV event endpoints")
-        return
-    app.include_router(module.router)
 
 
 def build_app(
@@ -71,14 +59,16 @@ def build_app(
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine  # AsyncEngine; snapshots go through engine.call(...)
     app.state.event_buffer = event_buffer
-    app.state.ctx = ServerContext(engine, ServerMetrics(engine, names[0]), names, limits, api_key)
+    buffer = event_buffer if event_buffer is not None else getattr(engine.engine, "events", None)
+    metrics = ServerMetrics(engine, names[0], event_buffer=buffer)
+    app.state.ctx = ServerContext(engine, metrics, names, limits, api_key)
     install_error_handlers(app)
     app.include_router(completions_routes.router)
     app.include_router(chat_routes.router)
     app.include_router(info_routes.router)
     app.include_router(executor_info_routes.router)  # GET /v1/kvreuse/info, for routers
     app.include_router(schema_routes.router)  # PML schemas: /v1/schemas (docs/pml.md)
-    _include_optional_routes(app)
+    app.include_router(events_routes.router)  # KV events: long-poll, SSE, snapshot (docs/events.md)
     # Added last = outermost: the size limit runs before the key check reads nothing.
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,9 +36,10 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120
 class _EngineCollector(Collector):
     """Reads the engine's latest stats snapshot on every scrape."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, event_buffer: Any = None) -> None:
         self._engine = engine
         self._model_name = model_name
+        self._event_buffer = event_buffer  # an EventBuffer (thread-safe reads), or None: events off
 
     def collect(self) -> Iterator[Metric]:
         s = self._engine.stats()
@@ -79,9 +80,17 @@ class _EngineCollector(Collector):
         for priority, count in sorted(s.blocks_by_priority.items()):
             held.add_metric([*values, str(priority)], count)
         yield held
-        dropped = getattr(s, "events_dropped", None)  # present once the event buffer reports it
-        if dropped is not None:
-            yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.", dropped)
+        # Fields newer engines report; absent ones are simply not exported.
+        if (preemptions := getattr(s, "num_preemptions", None)) is not None:
+            yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).",
+                          preemptions)
+        if (computed := getattr(s, "tokens_computed", None)) is not None:
+            yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill and decode).", computed)
+        if self._event_buffer is not None:
+            events = self._event_buffer.stats()
+            yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
+                          events["num_dropped"])
+            yield gauge("kvreuse:kv_events_last_id", "Id of the newest KV event.", events["last_event_id"])
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)
 
@@ -116,7 +125,7 @@ class RequestTracker:
 class ServerMetrics:
     """The app's registry and the request-level instruments."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, *, event_buffer: Any = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -136,7 +145,7 @@ class ServerMetrics:
                                      labels, registry=r)
         self.finished = Counter("kvreuse:request_success", "Finished requests by finish reason.",
                                 [*labels, "finished_reason"], registry=r)
-        r.register(_EngineCollector(engine, model_name))
+        r.register(_EngineCollector(engine, model_name, event_buffer))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
