@@ -184,14 +184,14 @@ def locked_snapshot(pool: Any, buffer: EventBuffer, engine_lock: threading.Lock)
     return snapshot
 
 
-def engine_thread_snapshot(async_engine: Any, buffer: EventBuffer) -> Callable[[], KVSnapshot]:
-    """A blocking snapshot function for threads (the ZMQ publisher's resync) when the pool
-    belongs to an ``AsyncEngine``: runs ``buffer.snapshot(engine.pool)`` on the engine
-    thread between steps (``AsyncEngine.call``) and waits for it. Not for use on the
-    engine thread itself or inside a running event loop (use ``await async_engine.call``)."""
+def engine_thread_snapshot(async_engine: Any, buffer: EventBuffer, timeout: float = 30.0) -> Callable[[], KVSnapshot]:
+    """A blocking snapshot function for plain threads (the ZMQ publisher's resync) when the
+    pool belongs to an ``AsyncEngine``: runs ``buffer.snapshot(engine.pool)`` on the engine
+    thread between steps (``AsyncEngine.call_blocking``) and waits up to ``timeout``.
+    Never call it on the engine thread itself."""
 
     def snapshot() -> KVSnapshot:
-        return asyncio.run(async_engine.call(lambda engine: buffer.snapshot(engine.pool)))
+        return async_engine.call_blocking(lambda engine: buffer.snapshot(engine.pool), timeout=timeout)
 
     return snapshot
 

@@ -1,0 +1,129 @@
+"""``kvreuse serve --kv-events-endpoint`` as a real subprocess: a ZMQ subscriber process
+(plain pyzmq + msgpack), the SSE stream and /v1/kv_cache_state agree on the block set."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvreuse.kv_events import CacheMirror, event_from_json
+from tests.test_event_engine import wire_blocks
+from tests.test_event_routes import read_sse
+
+DUMPING_SUBSCRIBER = r"""
+import json, sys, msgpack, zmq
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
+replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
+poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
+blocks, expected = {}, 0
+def apply(payload):
+    for e in msgpack.unpackb(payload)[1]:
+        if e[0] == "BlockStored":
+            parent = e[2]
+            for h in e[1]:
+                blocks[h] = parent; parent = h
+        elif e[0] == "BlockRemoved":
+            for h in e[1]: blocks.pop(h, None)
+        elif e[0] == "AllBlocksCleared":
+            blocks.clear()
+def catch_up():
+    global expected
+    replay.send_multipart([b"", expected.to_bytes(8, "big")])
+    while True:
+        _, seq, payload = replay.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1: return
+        if seq == expected: apply(payload); expected += 1
+print("ready", flush=True)
+while True:
+    ready = dict(poller.poll())
+    if sub in ready:
+        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
+        if seq == expected: apply(payload); expected += 1
+        elif seq > expected: catch_up()
+    elif ready:
+        if not sys.stdin.readline(): break
+        catch_up()  # anything missed at the start (slow joiner)
+        print(json.dumps({str(h): p for h, p in blocks.items()}), flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    port, pub_port, replay_port = free_port(), free_port(), free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
+           "--kv-cache-memory", "0.0002", "--max-model-len", "512", "--served-model-name", "tiny",
+           "--kv-events-endpoint", f"tcp://*:{pub_port}", "--kv-events-replay-endpoint", f"tcp://*:{replay_port}",
+           "--log-level", "warning"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.25)
+        yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_zmq_sse_and_state_agree_on_a_running_server(serve):
+    url, pub_ep, replay_ep = serve
+    sub = subprocess.Popen([sys.executable, "-c", DUMPING_SUBSCRIBER, pub_ep, replay_ep],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sub.stdout.readline().strip() == "ready"
+        system = "You are a helpful assistant who answers briefly and precisely. " * 4
+        for i in range(10):
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": system + f"Question {i}: what is {i} plus {i}?", "max_tokens": 40,
+                "temperature": 0})
+            assert r.status_code == 200, r.text
+        state = httpx.get(f"{url}/v1/kv_cache_state").json()
+        assert state["blocks"] and state["num_dropped"] == 0
+        deadline = time.monotonic() + 30
+        while True:  # the server is idle now: the subscriber converges on the snapshot
+            sub.stdin.write("dump\n")
+            sub.stdin.flush()
+            if json.loads(sub.stdout.readline()) == wire_blocks(state):
+                break
+            assert time.monotonic() < deadline, "ZMQ view never matched /v1/kv_cache_state"
+            time.sleep(0.2)
+    finally:
+        sub.kill()
+
+    with httpx.stream("GET", f"{url}/v1/kv_cache_events/stream", params={"after": -1}, timeout=30) as response:
+        messages = read_sse(response, state["last_event_id"] + 1)
+    mirror = CacheMirror()
+    assert mirror.apply_all(event_from_json(m["data"]) for m in messages)
+    assert {h.hex(): m.parent_hash.hex() if m.parent_hash else None for h, m in mirror.blocks.items()} == {
+        b["block_hash"]: b["parent_hash"] for b in state["blocks"]}
+    removed = any(m["data"]["data"]["type"] == "removed" for m in messages)
+    assert removed  # the small pool evicted: removals travelled too
