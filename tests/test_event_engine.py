@@ -95,3 +95,18 @@ def test_http_sse_and_zmq_views_equal_the_engine_snapshot(stack):
     sse = CacheMirror()
     assert sse.apply_all(event_from_json(m["data"]) for m in messages)
     assert sse.blocks == mirror.blocks
+
+
+def test_llm_get_kv_cache_events_returns_each_event_once(tiny_llama):
+    from kvreuse import LLM, SamplingParams
+
+    llm = LLM("tiny", loaded=tiny_llama, events=EventBuffer(1000), kv_cache_memory_gib=0.001, block_size=BS)
+    if getattr(llm.engine, "events", None) is None:
+        pytest.skip("LLMEngine does not keep its event sink yet (self.events): coordinator wiring")
+    llm.generate(["word " * 40], SamplingParams(max_tokens=4, temperature=0))
+    first = llm.get_kv_cache_events(timeout=1.0)
+    assert first[0]["event_id"] == 0 and first[0]["data"]["type"] == "created"
+    assert any(e["data"]["type"] == "stored" for e in first)
+    assert llm.get_kv_cache_events(timeout=0.01) == []
+    llm.reset_prefix_cache()
+    assert [e["data"]["type"] for e in llm.get_kv_cache_events()] in (["cleared"], ["removed"])
