@@ -122,3 +122,38 @@ def test_cache_salt_isolates(tiny_llama):
     llm.generate(prompt, GREEDY, cache_salt="tenant-a")
     assert llm.generate(prompt, GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
     assert llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 36
+
+
+def test_retention_config_sets_block_priorities_and_reuse_overwrites(tiny_llama):
+    from kvreuse.retention import KvCacheRetentionConfig
+
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    pool = llm.engine.pool
+    prompt = list(range(800, 818))  # 4 full blocks + 2 tokens; the 5th block holds generated tokens too
+    cfg = KvCacheRetentionConfig.from_dict(
+        {"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
+         "decode_retention_priority": 10}
+    )
+    out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), retention=cfg)[0]
+    pool.check_integrity()
+    tokens = prompt + out.token_ids[:-1]  # the last sampled token was never computed
+    from kvreuse.hashing import hash_token_blocks
+
+    keys = hash_token_blocks(tokens, 4, model_id=llm.engine.model_id)
+    assert [pool.get_cached(k).priority for k in keys] == [80, 80, 35, 35, 35]  # block 4 starts in the prompt
+    # a reuse with another priority overwrites the reused blocks' priority
+    cfg2 = KvCacheRetentionConfig.from_dict(
+        {"token_range_retention_configs": [{"token_start": 0, "token_end": None, "priority": 60}]}
+    )
+    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0), retention=cfg2)
+    pool.check_integrity()
+    assert [pool.get_cached(k).priority for k in keys[:4]] == [60, 60, 60, 60]
+
+
+def test_event_buffer_from_config(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, event_buffer_max_size=100)
+    llm.generate(list(range(900, 910)), GREEDY)
+    events = llm.get_kv_cache_events(timeout=0)
+    assert [e["event_id"] for e in events] == list(range(len(events)))
+    kinds = [e["data"]["type"] for e in events]
+    assert kinds[0] == "created" and "stored" in kinds

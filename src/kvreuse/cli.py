@@ -40,7 +40,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--eviction-policy", default="lru")
+    p.add_argument("--eviction-policy", default="priority",
+                   help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q")
     p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"])
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--seed", type=int, default=0)

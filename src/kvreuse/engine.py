@@ -15,7 +15,8 @@ import torch
 
 from kvreuse.block_pool import BlockPool
 from kvreuse.eviction import make_policy
-from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn
+from kvreuse.event_buffer import EventBuffer
+from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.module_cache import ModuleCache, ModuleContext
 from kvreuse.sampler import make_generator, sample_one
@@ -42,7 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
-    eviction_policy: str = "lru"
+    eviction_policy: str = "priority"  # TensorRT-LLM; without retention hints it is LRU
     event_buffer_max_size: int = 0
     seed: int = 0
     schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
@@ -123,16 +124,18 @@ class LLMEngine:
             raise ValueError(
                 f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds no block of {bytes_per_block} bytes"
             )
+        if events is None and config.event_buffer_max_size > 0:
+            events = EventBuffer(config.event_buffer_max_size)
+        self.events: EventBuffer | None = events  # None = events off (TensorRT-LLM's default)
         self.pool = BlockPool(
             num_blocks, config.block_size, policy=make_policy(config.eviction_policy), events=events
         )
-        kv_kwargs = {} if retention_fn is None else {"retention_fn": retention_fn}
         self.kv = KVCacheManager(
             self.pool,
             model_id=self.model_id,
             hash_algorithm=config.hash_algorithm,
             enable_prefix_caching=config.enable_prefix_caching,
-            **kv_kwargs,
+            retention_fn=retention_fn or request_retention,
         )
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens

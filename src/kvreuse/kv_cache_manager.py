@@ -11,14 +11,24 @@ from collections.abc import Callable
 
 from kvreuse.block_pool import BlockPool, KVBlock
 from kvreuse.hashing import BlockHash, hash_block, root_extra_keys
+from kvreuse.retention import DEFAULT_PRIORITY, requested_retention
 from kvreuse.sequence import Sequence
 
-# (sequence, block index) -> (priority or None for the default, duration in s or None)
-RetentionFn = Callable[[Sequence, int], tuple[int | None, float | None]]
+# (sequence, block index, block size) -> None when the request asks nothing of this block,
+# else (priority or None to keep the block's, duration in s or None for "until evicted")
+RetentionFn = Callable[[Sequence, int, int], tuple[int | None, float | None] | None]
 
 
-def _no_retention(seq: Sequence, index: int) -> tuple[int | None, float | None]:
-    return None, None
+def request_retention(seq: Sequence, index: int, block_size: int) -> tuple[int | None, float | None] | None:
+    """The retention a request's ``KvCacheRetentionConfig`` gives block ``index``
+    (SPEC 3: the range holding the block's first token, decode retention for generated
+    blocks); ``None`` without a config."""
+    if seq.retention is None:
+        return None
+    first = index * block_size
+    return requested_retention(
+        seq.retention, first + 1, block_size, num_prompt_tokens=min(seq.num_prompt_tokens, first + 1)
+    )[-1]
 
 
 class KVCacheManager:
@@ -31,7 +41,7 @@ class KVCacheManager:
         model_id: str,
         hash_algorithm: str = "sha256",
         enable_prefix_caching: bool = True,
-        retention_fn: RetentionFn = _no_retention,
+        retention_fn: RetentionFn = request_retention,
     ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
@@ -77,9 +87,9 @@ class KVCacheManager:
             return False
         self.pool.acquire(hits)
         for i, block in enumerate(hits):
-            priority, duration = self.retention_fn(seq, i)
-            if priority is not None or duration is not None:
-                self.pool.set_retention(block, priority, duration)
+            wanted = self.retention_fn(seq, i, bs)
+            if wanted is not None:  # a reuse takes the request's priority, and always its duration
+                self.pool.set_retention(block, *wanted)
         seq.blocks = hits + self.pool.allocate(num_new)
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs
@@ -112,17 +122,18 @@ class KVCacheManager:
         self._extend_hashes(seq, full * bs)
         tokens = seq.token_ids
         for i in range(seq.num_registered_blocks, full):
-            priority, duration = self.retention_fn(seq, i)
+            wanted = self.retention_fn(seq, i, bs)
+            priority, duration = wanted if wanted is not None else (None, None)
             kept = self.pool.register(
                 seq.blocks[i],
                 seq.block_hashes[i],
                 seq.block_hashes[i - 1] if i else None,
                 tokens[i * bs : (i + 1) * bs],
                 depth=i,
-                priority=35 if priority is None else priority,
+                priority=DEFAULT_PRIORITY if priority is None else priority,
                 duration_s=duration,
             )
-            if kept is not seq.blocks[i] and (priority is not None or duration is not None):
+            if kept is not seq.blocks[i] and wanted is not None:
                 self.pool.set_retention(kept, priority, duration)
         seq.num_registered_blocks = full
 
