@@ -49,9 +49,11 @@ class Proc:
             return f.read()[-3000:]
 
 
-def executor(port: int, log_dir: str, model: str = "tiny:llama", *extra: str) -> Proc:
-    return Proc(["serve", "--model", model, "--port", str(port), "--device", "cpu", "--kv-cache-memory", "0.01",
-                 "--max-model-len", "1024", "--event-buffer-max-size", "10000", "--log-level", "warning", *extra],
+def executor(port: int, log_dir: str, model: str = "tiny:llama", *, kv_cache_memory: float = 0.01,
+             max_model_len: int = 1024) -> Proc:
+    return Proc(["serve", "--model", model, "--port", str(port), "--device", "cpu",
+                 "--kv-cache-memory", str(kv_cache_memory), "--max-model-len", str(max_model_len),
+                 "--event-buffer-max-size", "10000", "--log-level", "warning"],
                 f"{log_dir}/executor-{port}.log")
 
 
