@@ -1,9 +1,9 @@
 """Live router benchmark: median TTFT through ``kv`` vs ``round_robin`` routing, one run.
 
-    .venv/bin/python bench/router.py [--model default] [--users 6] [--kv-cache-memory 0.2]
+    .venv/bin/python bench/router.py [--model default] [--users 4] [--kv-cache-memory 0.09]
 
 For each policy: two fresh ``kvreuse serve`` executors of the model, a ``kvreuse route``
-in front, then the same workload: 8 system prompts (~800 tokens each) x ``--users``
+in front, then the same workload: 8 system prompts (~470 tokens each) x ``--users``
 users, in a seeded random order, sent by 2 concurrent streaming clients. Each executor's
 KV pool holds about half of the system prompts, so where a prompt is sent decides whether
 it is a hit: kv routing keeps each system prompt on one executor; round robin sends every
@@ -28,17 +28,18 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.router.cluster import executor, free_port, router, wait_healthy  # noqa: E402
 
+RULES = 16  # ~470 tokens per system prompt with the SmolLM2 tokenizer
 TOPICS = ["astronomy", "botany", "chemistry", "databases", "economics", "finance", "geology", "history"]
 
 
 def system_prompt(topic: str) -> str:
     rules = " ".join(f"Rule {i} for the {topic} assistant: answer precisely, cite the {topic} handbook section {i}, "
-                     f"and never speculate beyond it." for i in range(40))
+                     f"and never speculate beyond it." for i in range(RULES))
     return f"You are an expert {topic} assistant. {rules}"
 
 
 def ttft(url: str, messages: list[dict]) -> tuple[float, int, str]:
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0.0, "stream": True,
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
@@ -83,9 +84,9 @@ def run_policy(policy: str, args, workload, logs: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
-    ap.add_argument("--users", type=int, default=6)
+    ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--kv-cache-memory", type=float, default=0.2, help="GiB per executor (about 4 system prompts)")
+    ap.add_argument("--kv-cache-memory", type=float, default=0.09, help="GiB per executor (about 4 system prompts)")
     ap.add_argument("--out", default="bench/results/router.json")
     args = ap.parse_args()
     rng = random.Random(0)

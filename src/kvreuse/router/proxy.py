@@ -11,6 +11,7 @@ refuses or drops a connection is marked down at once; the health loop brings it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,14 +36,12 @@ def error(message: str, status: int, type_: str = "service_unavailable") -> JSON
 async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool) -> Response:
     """The executor's response to ``raw`` (a completions or chat body), or a 503 when no
     executor could take it. Records routing metrics on ``router``."""
-    import asyncio
-
     try:
         body = json.loads(raw)
     except ValueError:
-        body = None
-    keys = await asyncio.to_thread(router.hasher.request_keys, chat, body) if isinstance(body, dict) \
-        else router.hasher.request_keys(chat, {})
+        body = None  # the executor will answer it with its own 400; route it by load
+    # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+    keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
     last_error = "no healthy executor"
