@@ -43,7 +43,8 @@ def run_request(pool: BlockPool, tokens: list[int], priority: int | None, durati
     hashes = hash_token_blocks(tokens, BS, model_id="m")
     chunks = [tokens[i : i + BS] for i in range(0, len(hashes) * BS, BS)]
     hits = pool.match_prefix(hashes, chunks)
-    if not pool.can_allocate(len(hashes) - len(hits)):
+    # acquiring a cached, unheld hit takes it out of the free count too
+    if not pool.can_allocate(len(hashes) - len(hits) + sum(b.ref_count == 0 for b in hits)):
         return None
     pool.acquire(hits)
     for block in hits:
