@@ -170,3 +170,20 @@ def test_prompt_without_text_decodes_after_the_last_module(tiny_llama):
     assert spy.chunks[0].positions == [doc.stored_position_ids[-1]]
     assert spy.chunks[1].positions == [doc.stored_position_ids[-1] + 1]
     assert out.num_cached_tokens == len(doc.stored_token_ids) - 1
+
+
+def test_schema_dir_refuses_a_file_keyed_to_another_model(tiny_llama, tmp_path, caplog):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    make(tiny_llama, schema_dir=str(tmp_path)).register_schema(SCHEMA)
+    (path,) = list(tmp_path.rglob("*.safetensors"))
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    save_file(load_file(str(path)), str(path), metadata={**meta, "model_id": "someone-else@sha256:0"})
+    llm = make(tiny_llama, schema_dir=str(tmp_path))
+    assert llm.engine.restored_schemas == []  # not this model's file: ignored at start
+    with caplog.at_level("WARNING"):
+        info = llm.register_schema(SCHEMA)
+    assert info.computed == 4 and info.loaded == 0
+    assert "keyed to model 'someone-else@sha256:0'" in caplog.text
