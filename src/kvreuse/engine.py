@@ -128,7 +128,7 @@ class LLMEngine:
             events = EventBuffer(config.event_buffer_max_size)
         self.events: EventBuffer | None = events  # None = events off (TensorRT-LLM's default)
         self.pool = BlockPool(
-            num_blocks, config.block_size, policy=make_policy(config.eviction_policy), events=events
+            num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events
         )
         self.kv = KVCacheManager(
             self.pool,

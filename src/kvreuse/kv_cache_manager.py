@@ -87,9 +87,8 @@ class KVCacheManager:
             return False
         self.pool.acquire(hits)
         for i, block in enumerate(hits):
-            wanted = self.retention_fn(seq, i, bs)
-            if wanted is not None:  # a reuse takes the request's priority, and always its duration
-                self.pool.set_retention(block, *wanted)
+            # a reuse takes the request's priority when it gives one, and always its duration
+            self.pool.set_retention(block, *(self.retention_fn(seq, i, bs) or (None, None)))
         seq.blocks = hits + self.pool.allocate(num_new)
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs
