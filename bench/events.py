@@ -107,6 +107,7 @@ def main() -> None:
         else:
             on.append(one_round(llm_on, batch, params))
             off.append(one_round(llm_off, batch, params))
+        print(f"round {i}: off {off[-1][0]:.1f} tok/s, on {on[-1][0]:.1f} tok/s", file=sys.stderr, flush=True)
     off_cpu, on_cpu = [c for _, c in off], [c for _, c in on]
     off, on = [w for w, _ in off], [w for w, _ in on]
     deadline = time.monotonic() + 10
