@@ -134,6 +134,8 @@ def run_serve(args: argparse.Namespace) -> int:
             snapshot_fn=lambda: engine.call_blocking(lambda e: buffer.snapshot(e.pool), timeout=30),
         )
         publisher.start()
+        app.state.kv_events_endpoint = publisher.endpoint  # advertised by /v1/kvreuse/info for routers
+        app.state.kv_events_replay_endpoint = publisher.replay_endpoint
     names = ", ".join(app.state.ctx.served_model_names)
     console.print(f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
                   f"{config.dtype}, context {engine.max_model_len} tokens, served as {names}")
