@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--capacities", default="1000,2000,4000,8000,16000,32000")
-    p.add_argument("--policies", default="lru,2q,belady")
+    p.add_argument("--policies", default="lru,2q,logfreq,belady")
     p.add_argument("--png", type=Path, default=ROOT / "docs/img/policy_sweep.png")
     p.add_argument("--json", type=Path, default=ROOT / "bench/results/policy_sweep.json")
     args = p.parse_args(argv)
