@@ -79,11 +79,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--buffer-size", type=int, default=10_000)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 steadies a shared machine)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "events"))
     args = ap.parse_args()
     if args.rounds < 5:
         ap.error("--rounds must be >= 5 (the result is a median)")
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     loaded = load(args.model, args.device)
     cfg = dict(block_size=args.block_size, kv_cache_memory_gib=0.25, device=args.device)
     llm_off = LLM(args.model, loaded=loaded, events=None, **cfg)
@@ -117,6 +122,10 @@ def main() -> None:
     publisher.close()
     received = sub.communicate("", timeout=30)[0].split()
 
+    cpu_per_event = full_path_cpu_per_event()
+    tokens_per_round = args.batch * args.max_tokens
+    events_per_token = (buffer.last_event_id + 1) / (tokens_per_round * (args.rounds + 1))
+    implied_overhead = events_per_token * cpu_per_event * statistics.median(off_cpu)  # (s/event)*(tokens/s)
     result = {
         "model": args.model, "device": args.device, "batch": args.batch, "prefix_len": args.prefix_len,
         "max_tokens": args.max_tokens, "block_size": args.block_size, "rounds": args.rounds,
@@ -126,6 +135,9 @@ def main() -> None:
         "median_paired_ratio": statistics.median(a / b for a, b in zip(on, off)),
         "tokens_per_cpu_s_off": off_cpu, "tokens_per_cpu_s_on": on_cpu,
         "cpu_ratio_on_over_off": statistics.median(on_cpu) / statistics.median(off_cpu),
+        "cpu_us_per_event_full_path": cpu_per_event * 1e6,
+        "events_per_token": events_per_token,
+        "implied_ratio_from_event_cost": 1 / (1 + implied_overhead),
         "events_emitted": buffer.last_event_id + 1, "events_dropped": buffer.num_dropped,
         "batches_published": publisher.num_batches, "events_lost_by_publisher": publisher.num_events_lost,
         "subscriber_received": {"batches": int(received[0]), "events": int(received[1])} if received else None,
@@ -136,8 +148,27 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("median_off", "median_on", "ratio_on_over_off", "median_paired_ratio",
-                                            "cpu_ratio_on_over_off", "events_emitted",
+                                            "cpu_ratio_on_over_off", "cpu_us_per_event_full_path",
+                                            "implied_ratio_from_event_cost", "events_emitted",
                                             "batches_published", "subscriber_received")}, indent=2))
+
+
+def full_path_cpu_per_event(n: int = 20_000) -> float:
+    """CPU seconds (all threads of this process) per event for append + publish: the
+    engine thread's buffer append plus the publisher thread's conversion, msgpack and send."""
+    from kvreuse.kv_events import BlocksStored, StoredBlock
+
+    buffer = EventBuffer(n)
+    publisher = ZmqEventPublisher(buffer, "tcp://127.0.0.1:*").start()
+    record = BlocksStored(None, (StoredBlock(b"\x01" * 32, tuple(range(16)), 35),), 16)
+    start = time.process_time()
+    for _ in range(n):
+        buffer.append(record)
+    while publisher.last_event_id < buffer.last_event_id:
+        time.sleep(0.001)
+    cpu = time.process_time() - start
+    publisher.close()
+    return cpu / n
 
 
 def plot(result: dict, path: Path) -> None:

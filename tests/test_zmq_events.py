@@ -251,7 +251,8 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     pool = BlockPool(64, BS, events=buf)
     lock = threading.Lock()
     ctx = zmq.Context()
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", hwm=10, snapshot_fn=locked_snapshot(pool, buf, lock), context=ctx)
+    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", hwm=10, snapshot_fn=locked_snapshot(pool, buf, lock),
+                            batch_interval_s=0.0, context=ctx)  # no coalescing: as many batches as possible
     stalled = ctx.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
