@@ -3,8 +3,9 @@
 Both engines share one loaded model and run the same greedy batch, alternating rounds
 (off, on, off, on, ...) so drift hits both; the prefix cache is reset before every round
 so each round stores (and the reset removes) the same blocks. Rounds come in adjacent
-off/on pairs, the order alternating; the JSON has the ratio of medians and the median of
-the per-pair ratios (the steadier figure on a shared machine). "On" means the full path:
+triples (off, on, and a control engine also with events off), the order rotating; the
+JSON has the ratio of medians, the median of per-round ratios, and control/off, which is
+the noise floor of the machine the figure must be read against. "On" means the full path:
 EventBuffer -> ZmqEventPublisher thread -> PUB socket -> a subscriber in another process.
 
     .venv/bin/python bench/events.py --model default --rounds 5
@@ -104,17 +105,20 @@ def main() -> None:
     batch = prompts(args.batch, args.prefix_len, loaded.tokenizer)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     one_round(llm_off, batch, params), one_round(llm_on, batch, params)  # warm-up, not counted
-    off, on = [], []
-    for i in range(args.rounds):  # adjacent pairs, order alternated, so drift cancels
-        if i % 2 == 0:
-            off.append(one_round(llm_off, batch, params))
-            on.append(one_round(llm_on, batch, params))
-        else:
-            on.append(one_round(llm_on, batch, params))
-            off.append(one_round(llm_off, batch, params))
-        print(f"round {i}: off {off[-1][0]:.1f} tok/s, on {on[-1][0]:.1f} tok/s", file=sys.stderr, flush=True)
-    off_cpu, on_cpu = [c for _, c in off], [c for _, c in on]
-    off, on = [w for w, _ in off], [w for w, _ in on]
+    # A third engine, also with events off, runs the same rounds: off-vs-control is the
+    # noise floor of this machine, to read the on-vs-off figure against.
+    llm_ctl = LLM(args.model, loaded=loaded, events=None, **cfg)
+    one_round(llm_ctl, batch, params)
+    runs: dict[str, list[tuple[float, float]]] = {"off": [], "on": [], "control": []}
+    engines = {"off": llm_off, "on": llm_on, "control": llm_ctl}
+    orders = (("off", "on", "control"), ("on", "control", "off"), ("control", "off", "on"))
+    for i in range(args.rounds):  # adjacent triples, order rotating, so drift cancels
+        for name in orders[i % 3]:
+            runs[name].append(one_round(engines[name], batch, params))
+        print(f"round {i}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in runs.items()) + " tok/s",
+              file=sys.stderr, flush=True)
+    off, on, ctl = ([w for w, _ in runs[k]] for k in ("off", "on", "control"))
+    off_cpu, on_cpu = [c for _, c in runs["off"]], [c for _, c in runs["on"]]
     deadline = time.monotonic() + 10
     while publisher.last_event_id < buffer.last_event_id and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -124,7 +128,7 @@ def main() -> None:
 
     cpu_per_event = full_path_cpu_per_event()
     tokens_per_round = args.batch * args.max_tokens
-    events_per_token = (buffer.last_event_id + 1) / (tokens_per_round * (args.rounds + 1))
+    events_per_token = (buffer.last_event_id + 1) / (tokens_per_round * (args.rounds + 1))  # +1: warm-up
     implied_overhead = events_per_token * cpu_per_event * statistics.median(off_cpu)  # (s/event)*(tokens/s)
     result = {
         "model": args.model, "device": args.device, "batch": args.batch, "prefix_len": args.prefix_len,
@@ -133,6 +137,9 @@ def main() -> None:
         "median_off": statistics.median(off), "median_on": statistics.median(on),
         "ratio_on_over_off": statistics.median(on) / statistics.median(off),
         "median_paired_ratio": statistics.median(a / b for a, b in zip(on, off)),
+        "tokens_per_s_control": ctl,
+        "noise_floor_control_over_off": statistics.median(ctl) / statistics.median(off),
+        "noise_floor_paired": statistics.median(a / b for a, b in zip(ctl, off)),
         "tokens_per_cpu_s_off": off_cpu, "tokens_per_cpu_s_on": on_cpu,
         "cpu_ratio_on_over_off": statistics.median(on_cpu) / statistics.median(off_cpu),
         "cpu_us_per_event_full_path": cpu_per_event * 1e6,
@@ -148,6 +155,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("median_off", "median_on", "ratio_on_over_off", "median_paired_ratio",
+                                            "noise_floor_control_over_off", "noise_floor_paired",
                                             "cpu_ratio_on_over_off", "cpu_us_per_event_full_path",
                                             "implied_ratio_from_event_cost", "events_emitted",
                                             "batches_published", "subscriber_received")}, indent=2))
@@ -178,13 +186,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    for x, key, label in ((0, "tokens_per_s_off", "events off"), (1, "tokens_per_s_on", "events over ZMQ")):
+    bars = (("tokens_per_s_off", "events off", "#9ab"), ("tokens_per_s_on", "events over ZMQ", "#5a8"),
+            ("tokens_per_s_control", "events off\n(control)", "#ccc"))
+    for x, (key, label, color) in enumerate(bars):
         values = result[key]
-        ax.bar(x, statistics.median(values), color="#9ab" if x == 0 else "#5a8", label=label)
-        ax.scatter([x] * len(values), values, color="black", s=10, zorder=3)
-    ax.set_xticks([0, 1], ["events off", "events over ZMQ"])
+        ax.bar(x, statistics.median(values), color=color)
+        ax.scatter([x] * len(values), values, color="black", s=8, zorder=3)
+    ax.set_xticks(range(len(bars)), [label for _, label, _ in bars])
     ax.set_ylabel("decode throughput (tokens/s, median of rounds)")
-    ax.set_title(f"{result['model']} on {result['device']}: on/off = {result['ratio_on_over_off']:.3f}")
+    ax.set_title(f"{result['model']} on {result['device']}: on/off {result['ratio_on_over_off']:.3f}, "
+                 f"control/off {result['noise_floor_control_over_off']:.3f}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
