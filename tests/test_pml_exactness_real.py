@@ -6,8 +6,10 @@ from tests.engine_helpers import LogitsSpy
 
 DOC = ("The observatory on Mount Kell was built in 1911 by the engineer Ada Varga. Its main telescope has a "
        "mirror of 1.2 metres and is used every clear night from October to March. ") * 3
-SCHEMA = f'<schema name="kell"><system>Answer briefly.</system><module name="doc">{DOC}</module></schema>'
-PROMPT = '<prompt schema="kell"><doc/><user>Who built the observatory?</user></prompt>'
+# The module is the whole prefix: a module attends only to itself (and its scaffolds), so
+# anything before it in the schema (a system turn) would not be seen, unlike a plain prefix.
+SCHEMA = f'<schema name="kell"><module name="doc">{DOC}</module></schema>'
+PROMPT = '<prompt schema="kell"><doc/> Question: who built the observatory? Answer:</prompt>'
 
 
 def test_single_module_matches_prefix_cache_on_default_model(default_model):
