@@ -264,6 +264,7 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
         for _ in range(300):
             with lock:  # one engine step
                 run_requests(pool, rng, 3)
+            time.sleep(0.001)  # the model's share of a step: the publisher gets to send
         elapsed = time.monotonic() - start
         wait_for(lambda: pub.last_event_id == buf.last_event_id, timeout=30)
     finally:
@@ -272,3 +273,23 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     assert elapsed < 60, elapsed
     assert buf.stats()["num_events"] <= 256
     assert pub.num_batches > 10  # far more than the stalled peer could take
+
+
+def test_failing_snapshot_falls_back_to_a_sequence_hole_and_the_thread_lives():
+    buf = EventBuffer(2)
+    pool = BlockPool(8, BS, events=buf)
+    run_requests(pool, random.Random(5), 10)
+
+    def broken():
+        raise TimeoutError("engine busy")
+
+    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", snapshot_fn=broken,
+                            context=zmq.Context()).start()
+    try:
+        wait_for(lambda: pub.last_event_id == buf.last_event_id)
+        run_requests(pool, random.Random(6), 1)  # still publishing afterwards
+        wait_for(lambda: pub.last_event_id == buf.last_event_id)
+        batches = replay_all(pub.replay_endpoint)
+    finally:
+        pub.close()
+    assert pub.num_resyncs == 0 and batches[0][0] == 1 and pub._thread.is_alive() is False

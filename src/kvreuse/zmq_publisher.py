@@ -26,6 +26,7 @@ the snapshot's event id; without one it skips a sequence number so subscribers s
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ import zmq
 
 from kvreuse.event_buffer import EventBuffer
 from kvreuse.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
+
+logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
@@ -191,25 +194,43 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         cursor = -1
         while not self._stop.is_set():
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
-            if not self.buffer.get_events(after_id=cursor, timeout=self.poll_interval_s, max_events=1):
-                continue
-            # Coalesce: let the engine run a few steps before taking the GIL again, so a
-            # busy engine sees at most one publisher wake-up per batch_interval_s.
-            self._stop.wait(self.batch_interval_s)
-            events = self.buffer.get_events(after_id=cursor)
-            if events[0].event_id > cursor + 1:
-                self.num_events_lost += events[0].event_id - cursor - 1
-                if self.snapshot_fn is not None:
-                    snapshot = self.snapshot_fn()
-                    self._send(snapshot_to_vllm_events(snapshot, self.hash_format), events[-1].timestamp)
-                    self.num_resyncs += 1
-                    cursor = self.last_event_id = snapshot.last_event_id
-                    continue
-                self._seq += 1  # leave a hole in the sequence: subscribers see the loss
-            self._send(to_vllm_events(events, self.hash_format), events[-1].timestamp)
-            cursor = self.last_event_id = events[-1].event_id
+            try:
+                cursor = self._publish_new(cursor)
+            except Exception:  # noqa: BLE001 - the publisher must outlive one bad batch
+                logger.exception("KV event publisher: batch after event %d failed; retrying", cursor)
+                self._stop.wait(0.1)
+
+    def _publish_new(self, cursor: int) -> int:
+        """Serve replay requests, then publish what followed ``cursor``; returns the new cursor."""
+        if self._replay is not None and self._replay.poll(0):
+            self._serve_replay()
+        if not self.buffer.get_events(after_id=cursor, timeout=self.poll_interval_s, max_events=1):
+            return cursor
+        # Coalesce: let the engine run a few steps before taking the GIL again, so a
+        # busy engine sees at most one publisher wake-up per batch_interval_s.
+        self._stop.wait(self.batch_interval_s)
+        events = self.buffer.get_events(after_id=cursor)
+        if events[0].event_id > cursor + 1:
+            self.num_events_lost += events[0].event_id - cursor - 1
+            snapshot = self._snapshot()
+            if snapshot is not None:
+                self._send(snapshot_to_vllm_events(snapshot, self.hash_format), events[-1].timestamp)
+                self.num_resyncs += 1
+                self.last_event_id = snapshot.last_event_id
+                return snapshot.last_event_id
+            self._seq += 1  # leave a hole in the sequence: subscribers see the loss
+        self._send(to_vllm_events(events, self.hash_format), events[-1].timestamp)
+        self.last_event_id = events[-1].event_id
+        return events[-1].event_id
+
+    def _snapshot(self) -> KVSnapshot | None:
+        if self.snapshot_fn is None:
+            return None
+        try:
+            return self.snapshot_fn()
+        except Exception:  # noqa: BLE001 - e.g. the engine stopped: fall back to a sequence gap
+            logger.warning("KV event publisher: snapshot for resync failed; leaving a sequence gap", exc_info=True)
+            return None
 
     def _send(self, wire_events: list[dict], ts: float) -> None:
         if not wire_events:
