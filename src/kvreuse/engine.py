@@ -92,6 +92,7 @@ class EngineStats:
     blocks_by_priority: dict[int, int] = field(default_factory=dict)
     num_preemptions: int = 0
     tokens_computed: int = 0
+    events_dropped: int | None = None  # None when events are off
 
 
 class LLMEngine:
@@ -316,6 +317,7 @@ class LLMEngine:
             blocks_by_priority=dict(blocks_by_priority),
             num_preemptions=self.scheduler.num_preemptions,
             tokens_computed=self.tokens_computed,
+            events_dropped=None if self.events is None else self.events.num_dropped,
         )
 
     def reset_prefix_cache(self) -> int:
