@@ -90,7 +90,23 @@ def test_scaffold_union_member_is_context_for_the_enclosing_module(chars):
     assert run.token_ids == tuple(map(ord, "ab")) + (ord("y"), ord("Q"), 0) + tuple(map(ord, "cd"))
     assert run.store == (True, True, False, False, False, True, True)
     own = compiled.precompute_input("m/y")
-    assert own.store == (True, False, False)
+    # y is encoded as the continuation of its enclosing module's text before it ("ab")
+    assert own.position_ids == (0, 1, 2, 3, 4)
+    assert own.token_ids == tuple(map(ord, "ab")) + (ord("y"), ord("Q"), 0)
+    assert own.store == (False, False, True, False, False)
+
+
+def test_module_attends_to_the_enclosing_text_before_it(chars):
+    compiled = _compile(
+        '<schema name="s">sys<module name="a">AA</module><module name="b">B<module name="c">C</module></module>'
+        "tail</schema>",
+        chars,
+    )
+    b_run = compiled.precompute_input("b")
+    assert b_run.token_ids == tuple(map(ord, "sysB")) and b_run.store == (False, False, False, True)
+    c_run = compiled.precompute_input("b/c")  # root text before it, then b's own text before it
+    assert c_run.token_ids == tuple(map(ord, "sysBC")) and c_run.store == (False,) * 4 + (True,)
+    assert compiled.precompute_input("a").token_ids == tuple(map(ord, "sysAA"))
 
 
 def test_union_without_scaffold_gives_no_context(chars):

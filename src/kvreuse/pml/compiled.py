@@ -149,6 +149,16 @@ class CompiledSchema:
             context = self.module(context_name)
             for t, p in zip(context.token_ids, context.position_ids):
                 merged.setdefault(p, (t, False))
+        # The text of the enclosing modules before this one (the schema's system prompt,
+        # a header) is always assembled with it, so the module is encoded as its
+        # continuation: one shared attention sink instead of one per module.
+        ancestor = module.parent
+        while ancestor is not None:
+            context = self.module(ancestor)
+            for t, p in zip(context.token_ids, context.position_ids):
+                if p < module.start and p not in context.slot_positions:
+                    merged.setdefault(p, (t, False))
+            ancestor = context.parent
         positions = tuple(sorted(merged))
         return PrecomputeInput(
             module=qualified_name,
