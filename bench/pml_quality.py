@@ -1,17 +1,21 @@
 """Answer quality with PML modular reuse vs full prefill of the same tokens.
 
-kvreuse invents 100 short documents (a town, its mayor, its export; names made of random
-syllables so the model cannot know them) and one question per document. A schema holds a
-system turn and a user turn with every document as a module; each prompt selects the asked
-document plus 2-4 others, refs written in random order, and asks ``Who is the mayor of X?``.
+kvreuse invents 100 one-sentence documents (a person and one fact of one of five kinds:
+city, pet, instrument, wall colour, food) and asks one question per document; the other
+documents of a prompt are of other kinds. The schema follows Prompt Cache's union pattern for retrieved
+documents: ``--slots`` unions, each holding every document as a member, so a document can
+be placed in any slot and documents of one prompt sit at compact, adjacent positions. Each
+prompt puts the asked document plus 2-4 others, in random order, into the first slots and
+ends with a question and the answer's lead-in (``Question: Where does X live?\nAnswer: X
+lives in``), a format SmolLM2-135M answers reliably with full prefill.
 
-- ``modular``: the PML prompt (documents at their schema positions, each encoded alone);
+- ``modular``: the PML prompt (each document's KV computed alone at its slot positions);
 - ``full``: the same token ids as a plain prompt (positions 0..n-1, everything attends to
   everything before it) -- what a server without Prompt Cache computes.
 
-Greedy, 12 tokens. Reported: exact agreement of the generated tokens, agreement of the
-normalised answer (first line, lower case, punctuation stripped), and accuracy (the mayor's
-surname appears in the answer) of each mode.
+Greedy, 4 tokens. Reported: exact agreement of the generated tokens, agreement of the
+answer (the first word generated, lower case), and accuracy (the fact's value appears in
+the answer) of each mode.
 
     .venv/bin/python bench/pml_quality.py --model default
     -> bench/results/pml_quality.json, bench/results/pml_quality.png
@@ -29,40 +33,54 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.pml import compile_prompt, parse_prompt
 
 RESULTS = Path(__file__).parent / "results"
-SYLLABLES = "ka lo mi ren tas vor bel dun fi gar hol jin kes mar nos pel quin rus sol tem ul vek yor zan".split()
-GOODS = ["copper bells", "blue wool", "salted fish", "glass beads", "pine resin", "clay pots", "goat cheese",
-         "river pearls", "linen sails", "amber combs"]
-FEATURES = ["northern coast", "eastern plain", "western hills", "southern marsh", "high plateau"]
+FIRST = ("Anna Boris Clara David Elena Felix Greta Hugo Ines Jonas Karla Leon Mira Nils Olga Paul Rosa "
+         "Sven Tara Victor").split()
+LAST = "Berg Costa Dahl Ford Hale".split()
+# kind -> (document, question, answer lead-in, values): every document states one fact of one kind
+KINDS = {
+    "city": ("{p} lives in {a}.", "Where does {p} live?", "{p} lives in",
+             "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()),
+    "pet": ("{p} keeps a pet {a}.", "What pet does {p} keep?", "{p} keeps a pet",
+            "otter falcon badger heron lynx beaver raven ferret".split()),
+    "instrument": ("{p} plays the {a}.", "What does {p} play?", "{p} plays the",
+                   "violin trumpet cello flute harp drums piano guitar".split()),
+    "color": ("{p} paints every wall {a}.", "What color does {p} paint walls?", "{p} paints every wall",
+              "red blue green yellow purple orange white black".split()),
+    "food": ("{p} eats only {a}.", "What does {p} eat?", "{p} eats only",
+             "rice bread apples cheese soup noodles beans fish".split()),
+}
 
 
-def name(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(SYLLABLES) for _ in range(n)).capitalize()
-
-
-def make_dataset(num_docs: int, seed: int) -> tuple[str, list[dict]]:
+def make_dataset(num_docs: int, slots: int, seed: int) -> tuple[str, list[dict]]:
+    """One fact per document; a prompt's other documents are of other kinds, so the question
+    has one answer among the documents it selects."""
     rng = random.Random(seed)
-    facts, towns = [], set()
-    while len(facts) < num_docs:
-        town = name(rng, 3)
-        if town in towns:
-            continue
-        towns.add(town)
-        facts.append({"town": town, "first": name(rng, 2), "last": name(rng, 3), "good": rng.choice(GOODS),
-                      "feature": rng.choice(FEATURES)})
-    modules = "".join(
-        f'<module name="doc{i:03d}">{f["town"]} is a town on the {f["feature"]}. Its mayor is {f["first"]} '
-        f'{f["last"]}, and its main export is {f["good"]}.\n</module>' for i, f in enumerate(facts))
-    schema = ('<schema name="facts"><system>You answer questions about towns using only the documents. '
-              'Answer with the name only.</system><user>Documents:\n' + modules + "</user></schema>")
+    people = [f"{f} {l}" for l in LAST for f in FIRST][:num_docs]
+    rng.shuffle(people)
+    kinds = list(KINDS)
+    facts = []
+    for i, person in enumerate(people):
+        kind = kinds[i % len(kinds)]
+        facts.append({"person": person, "kind": kind, "value": rng.choice(KINDS[kind][3])})
+    docs = [KINDS[f["kind"]][0].format(p=f["person"], a=f["value"]) + "\n" for f in facts]
+    unions = "".join(
+        "<union>" + "".join(f'<module name="s{k}d{i:03d}">{d}</module>' for i, d in enumerate(docs)) + "</union>"
+        for k in range(slots))
+    schema = '<schema name="facts">Documents:\n' + unions + "</schema>"
     items = []
     for i, f in enumerate(facts):
-        others = rng.sample([j for j in range(num_docs) if j != i], rng.randint(2, 4))
-        refs = others + [i]
+        others = [j for j in range(num_docs) if facts[j]["kind"] != f["kind"]]
+        picked: list[int] = []
+        for j in rng.sample(others, len(others)):  # at most one distractor per other kind
+            if all(facts[q]["kind"] != facts[j]["kind"] for q in picked):
+                picked.append(j)
+        refs = picked[: rng.randint(2, min(slots, len(kinds)) - 1)] + [i]
         rng.shuffle(refs)
-        prompt = ('<prompt schema="facts">' + "".join(f"<doc{j:03d}/>" for j in refs)
-                  + f'<user>Who is the mayor of {f["town"]}?</user></prompt>')
-        items.append({"doc": i, "refs": refs, "prompt": prompt, "answer": f'{f["first"]} {f["last"]}',
-                      "surname": f["last"]})
+        _, question, lead, _ = KINDS[f["kind"]]
+        who = f["person"]
+        prompt = ('<prompt schema="facts">' + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
+                  + f"Question: {question.format(p=who)}\nAnswer: {lead.format(p=who)}</prompt>")
+        items.append({"doc": i, "refs": refs, "prompt": prompt, "answer": f["value"]})
     return schema, items
 
 
@@ -77,8 +95,9 @@ def plain_token_ids(llm: LLM, pml: str) -> list[int]:
 
 
 def normalise(text: str) -> str:
-    first = text.strip().split("\n")[0].lower()
-    return re.sub(r"[^a-z ]", "", first).strip()
+    """The answer: the first word after the lead-in (the question ends mid-sentence)."""
+    words = re.findall(r"[a-z]+", text.lower())
+    return words[0] if words else ""
 
 
 def main() -> None:
@@ -86,11 +105,12 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--docs", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--slots", type=int, default=5, help="unions of documents = most documents per prompt")
+    ap.add_argument("--max-tokens", type=int, default=4)
     args = ap.parse_args()
     llm = LLM(args.model, kv_cache_memory_gib=2.0)
-    schema, items = make_dataset(args.docs, args.seed)
-    info = llm.register_schema(schema)
+    schema, items = make_dataset(args.docs, args.slots, args.seed)
+    info = llm.register_schema(schema, use_tqdm=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     modular = llm.generate([it["prompt"] for it in items], params)
     plain_ids = [plain_token_ids(llm, it["prompt"]) for it in items]
@@ -101,13 +121,13 @@ def main() -> None:
             "doc": it["doc"], "refs": it["refs"], "answer": it["answer"], "prompt_tokens": len(ids),
             "cached_tokens": m.num_cached_tokens, "modular": m.text, "full": f.text,
             "tokens_agree": m.token_ids == f.token_ids, "answer_agree": normalise(m.text) == normalise(f.text),
-            "modular_correct": it["surname"].lower() in m.text.lower(),
-            "full_correct": it["surname"].lower() in f.text.lower(),
+            "modular_correct": it["answer"].lower() in m.text.lower(),
+            "full_correct": it["answer"].lower() in f.text.lower(),
         })
     n = len(rows)
     summary = {
         "model": llm.engine.model_id, "dtype": "float32", "documents": args.docs, "questions": n,
-        "schema_length": info.length, "greedy_max_tokens": args.max_tokens,
+        "schema_length": info.length, "slots": args.slots, "greedy_max_tokens": args.max_tokens,
         "token_agreement": sum(r["tokens_agree"] for r in rows) / n,
         "answer_agreement": sum(r["answer_agree"] for r in rows) / n,
         "accuracy_modular": sum(r["modular_correct"] for r in rows) / n,
