@@ -30,6 +30,7 @@ class PrefillItem:
     kv_slots: torch.Tensor  # [L] slots of every key (context + new), in attention order
     mask_full: torch.Tensor | None  # [num_new, L] bool, None = plain causal over new tokens only
     mask_sliding: dict[int, torch.Tensor | None]  # window -> [num_new, L] bool
+    kv_runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs covering kv_slots, if few
 
 
 @dataclass
@@ -44,7 +45,7 @@ class DecodeBatch:
 class ForwardContext:
     """What every layer needs to place and read KV for one forward pass."""
 
-    kv_cache: torch.Tensor  # [layers, 2, num_slots, kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [layers, 2, kv_heads, num_slots, head_dim]
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     prefills: list[PrefillItem]
     decodes: DecodeBatch | None
@@ -76,12 +77,10 @@ def paged_attention(
             sliding_window=sliding_window, **kwargs,
         )
     ctx = kv_context
-    layer_cache = ctx.kv_cache[module.layer_idx]  # [2, num_slots, kv_heads, head_dim]
+    layer_cache = ctx.kv_cache[module.layer_idx]  # [2, kv_heads, num_slots, head_dim]
     k_cache, v_cache = layer_cache[0], layer_cache[1]
-    new_k = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-    new_v = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, ctx.slot_mapping, new_k)
-    v_cache.index_copy_(0, ctx.slot_mapping, new_v)
+    k_cache.index_copy_(1, ctx.slot_mapping, key[0])  # key[0]: [kv_heads, T, head_dim]
+    v_cache.index_copy_(1, ctx.slot_mapping, value[0])
 
     out = torch.empty_like(query.transpose(1, 2))  # [1, T, heads, head_dim]
     for item in ctx.prefills:
@@ -92,22 +91,74 @@ def paged_attention(
             k = key[:, :, item.start : item.start + item.num_new]
             v = value[:, :, item.start : item.start + item.num_new]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        elif item.num_new <= SMALL_QUERY and item.kv_runs:
+            # the keys lie in a few runs of consecutive slots: read them in place, no gather
+            ks = [k_cache[:, a : a + n] for a, n in item.kv_runs]  # views [kv_heads, n_i, d]
+            vs = [v_cache[:, a : a + n] for a, n in item.kv_runs]
+            o = _grouped_attention(q[0], ks, vs, mask if sliding_window else None, scaling).unsqueeze(0)
         else:
-            k = k_cache.index_select(0, item.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, d]
-            v = v_cache.index_select(0, item.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            k = k_cache.index_select(1, item.kv_slots)  # [kv_heads, L, d]
+            v = v_cache.index_select(1, item.kv_slots)
+            if item.num_new <= SMALL_QUERY:
+                # full-attention layers: every context key is visible, only the new tokens are causal
+                o = _grouped_attention(q[0], [k], [v], mask if sliding_window else None, scaling).unsqueeze(0)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
+                )
         out[:, item.start : item.start + item.num_new] = o.transpose(1, 2)
     if ctx.decodes is not None:
         d = ctx.decodes
         b, lmax = d.kv_slots.shape
         q = query[0, :, d.token_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
         flat = d.kv_slots.reshape(-1)
-        k = k_cache.index_select(0, flat).view(b, lmax, *k_cache.shape[1:]).transpose(1, 2)  # [B, kv_heads, Lmax, d]
-        v = v_cache.index_select(0, flat).view(b, lmax, *v_cache.shape[1:]).transpose(1, 2)
+        kv_heads, head_dim = k_cache.shape[0], k_cache.shape[2]
+        k = k_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)  # [B, kv_heads, Lmax, d]
+        v = v_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)
         mask = d.mask_sliding[sliding_window] if sliding_window else d.mask_full
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[0, d.token_index] = o.squeeze(2)  # [B, heads, d]
     return out, None
+
+
+SMALL_QUERY = 128  # below this many new tokens, plain matmuls beat the flash kernel on CPU
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [heads, n, d]
+    ks: list[torch.Tensor],  # pieces of the keys in attention order, each [kv_heads, L_i, d]
+    vs: list[torch.Tensor],  # matching values, each [kv_heads, L_i, d]
+    mask: torch.Tensor | None,  # [n, L] bool (True = attend); None = context all visible, new tokens causal
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of a few queries over a long context, as batched matmuls per KV head group
+    (no K/V repetition for GQA); the keys may come in pieces (views into the pool).
+    Returns ``[heads, n, d]``.
+
+    For a short query (a 32-token suffix after a cached 4k prefix) this avoids the flash
+    kernel, which is tuned for long queries, and the copy of the whole context."""
+    heads, n, d = q.shape
+    kv_heads = ks[0].shape[0]
+    groups = heads // kv_heads
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(kv_heads, groups * n, d)  # head h uses kv head h // groups, as repeat_kv does
+    parts = [torch.bmm(qg, k.transpose(1, 2)) for k in ks]  # each [kv_heads, groups*n, L_i]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale)
+    length = scores.shape[-1]
+    scores = scores.view(kv_heads, groups, n, length)  # [kv, g, n, L]
+    if mask is None:
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()  # [n, n]
+        scores[..., length - n :].masked_fill_(~causal, float("-inf"))
+    else:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(kv_heads, groups * n, length)
+    out = None
+    offset = 0
+    for v in vs:
+        piece = torch.bmm(probs[..., offset : offset + v.shape[1]], v)  # [kv_heads, groups*n, d]
+        out = piece if out is None else out.add_(piece)
+        offset += v.shape[1]
+    return out.view(heads, n, d)
 
 
 def register() -> str:

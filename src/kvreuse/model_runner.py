@@ -1,6 +1,6 @@
 """Runs the model over a batch of scheduled chunks, with KV living in the pool's storage.
 
-The runner owns the KV tensor (``[layers, 2, num_blocks * block_size, kv_heads,
+The runner owns the KV tensor (``[layers, 2, kv_heads, num_blocks * block_size,
 head_dim]``, allocated once) and turns a list of ``SeqChunk`` into one flattened forward
 pass; logits are computed only at the positions that sample a token.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvreuse import attention
@@ -56,8 +57,10 @@ class ModelRunner:
         name = attention.register()
         model.set_attn_implementation(name)
         num_slots = num_blocks * block_size
-        self.kv_cache = torch.zeros(  # [layers, 2, slots, kv_heads, head_dim]
-            layout.num_layers, 2, num_slots, layout.num_kv_heads, layout.head_dim, dtype=self.dtype, device=self.device
+        # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
+        # layout attention's matmuls take, with one copy.
+        self.kv_cache = torch.zeros(  # [layers, 2, kv_heads, slots, head_dim]
+            layout.num_layers, 2, layout.num_kv_heads, num_slots, layout.head_dim, dtype=self.dtype, device=self.device
         )
 
     @torch.inference_mode()
@@ -117,7 +120,7 @@ class ModelRunner:
                     mask_sliding[window] = None  # the window never cuts: plain causal
                 else:
                     mask_sliding[window] = causal & (k_pos > q_pos - window)
-        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding)
+        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(chunk.context_slots + chunk.new_slots))
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
         dev = self.device
@@ -143,3 +146,19 @@ class ModelRunner:
             mask_full=valid[:, None, None, :],  # [B, 1, 1, Lmax]
             mask_sliding=mask_sliding,
         )
+
+
+MAX_RUNS = 8  # more pieces than this and one gather is cheaper than many small matmuls
+
+
+def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:
+    """``slots`` as (first slot, length) runs of consecutive slots; ``()`` if more than MAX_RUNS."""
+    if not slots:
+        return ()
+    arr = np.asarray(slots)
+    breaks = np.flatnonzero(np.diff(arr) != 1) + 1  # indices where a new run starts
+    if len(breaks) >= MAX_RUNS:
+        return ()
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(arr)]))
+    return tuple((int(arr[a]), int(b - a)) for a, b in zip(starts, ends))

@@ -290,9 +290,10 @@ class ModuleCache:
         bs = self.pool.block_size
         lo = num_hits * bs
         slots = [new[(j - lo) // bs].block_id * bs + (j - lo) % bs for j in range(lo, len(module.stored_token_ids))]
-        cache = self.runner.kv_cache  # [layers, 2, slots, kv_heads, head_dim]
+        cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
         index = torch.tensor(slots, dtype=torch.long, device=cache.device)
-        cache[:, :, index] = kv[:, :, lo:].to(cache.device, cache.dtype)
+        # files hold [layers, 2, tokens, kv_heads, head_dim]
+        cache[:, :, :, index] = kv[:, :, lo:].transpose(2, 3).to(cache.device, cache.dtype)
         return True
 
     def _compute(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
@@ -324,8 +325,9 @@ class ModuleCache:
         """The module's stored KV ``[layers, 2, tokens, kv_heads, head_dim]`` (CPU copy)."""
         bs = self.pool.block_size
         slots = [blocks[j // bs].block_id * bs + j % bs for j in range(len(module.stored_token_ids))]
-        cache = self.runner.kv_cache
-        return cache[:, :, torch.tensor(slots, dtype=torch.long, device=cache.device)].cpu()
+        cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
+        index = torch.tensor(slots, dtype=torch.long, device=cache.device)
+        return cache[:, :, :, index].transpose(2, 3).contiguous().cpu()
 
     def _demote(self, schema: CompiledSchema) -> None:
         """Drop a schema's cached module blocks to the default priority."""
