@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvreuse.allocator import keep_freed_memory
 from kvreuse.block_pool import BlockPool
 from kvreuse.eviction import make_policy
 from kvreuse.event_buffer import EventBuffer
@@ -142,6 +143,8 @@ class LLMEngine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
         self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
+        if self.runner.device.type == "cpu":
+            keep_freed_memory()  # no page faults on activations after a long prefill
         self.modules = ModuleCache(  # PML schemas: module KV precomputed into the pool
             self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
             chunk_tokens=config.max_num_batched_tokens,
