@@ -7,6 +7,7 @@ engine thread, or the caller's thread for ``LLM``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # no page faults on activations after a long prefill
+        gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
         self.modules = ModuleCache(  # PML schemas: module KV precomputed into the pool
             self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
             chunk_tokens=config.max_num_batched_tokens,
