@@ -86,7 +86,7 @@ def test_long_poll_returns_events_and_waits_for_new_ones(served):
     # an id from the future (the executor restarted) answers at once, so the router resyncs
     start = time.monotonic()
     body = httpx.get(f"{url}/v1/kv_cache_events", params={"after": 10**6, "timeout": 10}, timeout=20).json()
-    assert body["events"] == [] and time.monotonic() - start < 2
+    assert body["events"] == [] and time.monotonic() - start < 5  # well before the 10 s timeout
 
 
 def test_snapshot_plus_later_events_equal_the_pool_while_it_changes(served):

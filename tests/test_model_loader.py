@@ -123,9 +123,7 @@ def test_tiny_gemma3_mixes_sliding_and_full(tiny_gemma3):
 
 
 def test_tiny_models_deterministic_by_seed(tiny_llama):
-    t0 = time.monotonic()
     again = tiny_model("llama", seed=0)
-    assert time.monotonic() - t0 < 10  # tokenizer cached by the fixture: builds fast
     assert again.model_id == tiny_llama.model_id
     ids = torch.arange(10, 30).unsqueeze(0)
     with torch.inference_mode():
@@ -200,9 +198,8 @@ def test_default_model_loads_and_is_stable(default_model):
     assert m.shape.max_model_len == 8192 and m.shape.vocab_size == 49152
     assert 2 in m.eos_token_ids and m.has_chat_template
     assert (m.path / "kvreuse.json").is_file() and (m.path / "tokenizer.json").is_file()
-    t0 = time.monotonic()
     again = load_model("default")
-    assert time.monotonic() - t0 < 30  # from the safetensors cache, not the GGUF
+    assert again.path == m.path  # loaded from the converted safetensors folder, not the GGUF
     assert again.model_id == m.model_id and again.fingerprint == m.fingerprint
     ids = m.tokenizer.encode("The capital of France is", return_tensors="pt")
     with torch.inference_mode():
