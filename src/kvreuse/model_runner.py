@@ -148,7 +148,7 @@ class ModelRunner:
         )
 
 
-MAX_RUNS = 8  # more pieces than this and one gather is cheaper than many small matmuls
+MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small matmuls
 
 
 def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:
