@@ -140,7 +140,6 @@ class KVCacheManager:
         """Release every block of ``seq`` (tail first, so its chain evicts from the end)."""
         self.pool.release(reversed(seq.blocks))
         seq.blocks = []
-        seq.block_hashes = seq.block_hashes  # keys stay valid: the tokens did not change
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
@@ -149,6 +148,3 @@ class KVCacheManager:
         preemption: the context stays valid while the sequence waits)."""
         self.pool.release(reversed(seq.context_blocks))
         seq.context_blocks = []
-
-    def block_hashes_of(self, seq: Sequence) -> list[BlockHash]:
-        return list(seq.block_hashes)

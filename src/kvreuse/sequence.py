@@ -74,6 +74,3 @@ class Sequence:
 
     def slot(self, i: int, block_size: int) -> int:
         return self.blocks[i // block_size].block_id * block_size + i % block_size
-
-    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
-        return -(-num_tokens // block_size)
