@@ -19,6 +19,7 @@ from kvreuse.block_pool import BlockPool
 from kvreuse.eviction import make_policy
 from kvreuse.event_buffer import EventBuffer
 from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
+from kvreuse.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.module_cache import ModuleCache, ModuleContext
 from kvreuse.sampler import make_generator, sample_one
@@ -74,6 +75,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     ttft_s: float | None
+    # With SamplingParams(logprobs=k), one entry per output token (cumulative / this step's);
+    # None otherwise. The raw model distribution, before temperature (kvreuse.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -266,31 +271,47 @@ class LLMEngine:
                     sample=c + n == seq.num_tokens,
                 )
             )
-        logits = self.runner.execute(chunks)
-        outputs: list[RequestOutput] = []
-        row = 0
+        logits = self.runner.execute(chunks)  # [num_sampling_chunks, vocab]
+        sampled: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, token)
         now = time.perf_counter()
         for item, chunk in zip(plan, chunks):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.tokens_computed += item.num_new_tokens
             self.kv.commit_computed(seq)
-            if not chunk.sample:
-                continue
-            token = sample_one(logits[row], seq.params, seq.generator)
-            row += 1
+            if chunk.sample:
+                row = len(sampled)
+                sampled.append((seq, row, sample_one(logits[row], seq.params, seq.generator)))
+        new_logprobs = self._logprobs(logits, sampled)
+        outputs: list[RequestOutput] = []
+        for seq, _, token in sampled:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_token_ids.append(token)
+            lp = new_logprobs.get(seq.request_id)
+            if lp is not None:
+                seq.output_logprobs.append(lp)
             new_text, reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], new_text))
+            outputs.append(self._output(seq, [token], new_text, None if lp is None else [lp]))
         return outputs
 
-    def _output(self, seq: Sequence, new_ids: list[int], new_text: str) -> RequestOutput:
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, sampled: list[tuple[Sequence, int, int]]) -> dict[str, TokenLogprobs]:
+        """Logprobs of the sampled tokens of the requests that asked for them (none: no work)."""
+        wanted = [(seq, row, token) for seq, row, token in sampled if seq.params.logprobs is not None]
+        if not wanted:
+            return {}
+        rows = torch.tensor([row for _, row, _ in wanted], dtype=torch.long, device=logits.device)
+        found = compute_logprobs(logits.index_select(0, rows), [t for _, _, t in wanted],
+                                 [seq.params.logprobs for seq, _, _ in wanted])
+        return {seq.request_id: lp for (seq, _, _), lp in zip(wanted, found)}
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
+                new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -303,6 +324,8 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens + len(seq.context_slots),  # PML modules are prompt too
             num_cached_tokens=seq.num_cached_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
+            new_logprobs=new_logprobs,
         )
 
     # ------------------------------------------------------------------ introspection

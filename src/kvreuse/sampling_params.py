@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit on logprobs / top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -11,6 +13,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k == 0`` means no top-k cut. ``seed`` makes a
     request's sampling reproducible regardless of what else is batched with it.
+    ``logprobs=k`` puts a ``TokenLogprobs`` per output token on each ``RequestOutput``:
+    the raw model distribution (before temperature, top-k, top-p), as vLLM does.
     """
 
     max_tokens: int = 16
@@ -22,7 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # not yet returned; accepted for API compatibility
+    logprobs: int | None = None  # None: no logprobs; k in [0, 20]: the sampled token's plus the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +47,9 @@ class SamplingParams:
                 raise ValueError(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
+        k = self.logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if len(self.stop) > 4:
             raise ValueError(f"stop accepts at most 4 sequences, got {len(self.stop)}")
 

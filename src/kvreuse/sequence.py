@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from kvreuse.block_pool import KVBlock
 from kvreuse.hashing import BlockHash
+from kvreuse.logprobs import TokenLogprobs
 from kvreuse.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""  # detokenized output so far (stop strings cut)
     generator: object | None = None  # torch.Generator when params.seed is set
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
 
     @property
     def num_prompt_tokens(self) -> int:

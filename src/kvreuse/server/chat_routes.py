@@ -2,6 +2,9 @@
 
 A PML prompt goes in as the content of a single user message starting with ``<prompt``
 (its own role tags render the chat template; docs/pml.md).
+
+``logprobs: true`` (with ``top_logprobs: k``) adds each choice's token logprobs (shape in
+``logprobs_format.py``); ``top_logprobs`` without ``logprobs`` is a 400.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvreuse.async_engine import EngineError
+from kvreuse.logprobs import TokenLogprobs
 from kvreuse.module_cache import is_pml_prompt
 from kvreuse.server.chat_prompt import merge_retention, render_chat
 from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.server.logprobs_format import ChatLogprobs
 from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, context_of, new_request_id, parse_retention,
@@ -49,13 +54,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     header = {"id": base_id, "created": now_s(), "model": model}
     if body.stream:
         streams = await start_streams(ctx, requests)
-        return StreamingResponse(_stream(body, header, streams), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests)
-    choices = [
-        {"index": j, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-         "finish_reason": out.finish_reason}
-        for j, out in enumerate(finals)
-    ]
+    choices = _choices(finals, ctx.engine.tokenizer)
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens)
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage})
@@ -82,38 +83,45 @@ async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, re
     header = {"id": base_id, "created": now_s(), "model": model}
     if body.stream:
         streams = await start_streams(ctx, requests)
-        return StreamingResponse(_stream(body, header, streams), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests)
-    return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals),
+    return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer),
                          "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
                                              finals[0].num_cached_tokens)})
 
 
-def _choices(finals) -> list[dict[str, Any]]:
+def _choices(finals, tokenizer) -> list[dict[str, Any]]:
     return [
-        {"index": j, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+        {"index": j, "message": {"role": "assistant", "content": out.text},
+         "logprobs": None if out.logprobs is None else ChatLogprobs(tokenizer).build(out.logprobs),
          "finish_reason": out.finish_reason}
         for j, out in enumerate(finals)
     ]
 
 
-def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {**header, "object": "chat.completion.chunk",
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams) -> AsyncIterator[str]:
+async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    logprobs = ChatLogprobs(tokenizer)
+    pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
     try:
         for j in range(body.n):  # OpenAI opens every choice with the role
             yield sse(_chunk(header, j, {"role": "assistant", "content": ""}, None))
         async for index, out in streams:
             last[index] = out
+            if out.new_logprobs is not None:
+                pending.setdefault(index, []).extend(out.new_logprobs)
             if not out.new_text and not out.finished:
                 continue
+            lp = None if out.new_logprobs is None else logprobs.build(pending.pop(index, []))
             chunk = _chunk(header, index, {"content": out.new_text} if out.new_text else {},
-                           out.finish_reason if out.finished else None)
+                           out.finish_reason if out.finished else None, lp)
             if continuous:
                 chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)
             yield sse(chunk)

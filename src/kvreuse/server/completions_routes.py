@@ -4,6 +4,9 @@ A string prompt starting with ``<prompt`` is PML over a registered schema (docs/
 
 A list prompt (strings or token-id lists) gives one choice per prompt and per ``n``,
 numbered ``prompt_index * n + sample``, as OpenAI does.
+
+``logprobs: k`` adds each choice's token logprobs (shape in ``logprobs_format.py``); with
+``echo`` it is a 400, because prompt logprobs are not computed.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvreuse.async_engine import EngineError
+from kvreuse.logprobs import TokenLogprobs
 from kvreuse.module_cache import is_pml_prompt
 from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, ServerContext, check_model, check_prompt, context_of, new_request_id,
@@ -58,7 +63,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         return StreamingResponse(_stream(ctx, body, header, streams, echo_text), media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests)
     choices = [
-        {"index": req.index, "text": echo_text[req.index // body.n] + out.text, "logprobs": None,
+        {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
+         "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),
          "finish_reason": out.finish_reason}
         for req, out in zip(requests, finals)
     ]
@@ -72,15 +78,22 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
                   echo_text: list[str]) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    logprobs: dict[int, CompletionLogprobs] = {}  # per choice, when asked for
+    pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
     try:
         async for index, out in streams:
             text = out.new_text
             if index not in last and echo_text[index // body.n]:
                 text = echo_text[index // body.n] + text
             last[index] = out
+            if out.new_logprobs is not None:
+                pending.setdefault(index, []).extend(out.new_logprobs)
             if not text and not out.finished:
                 continue
-            chunk = {**header, "choices": [{"index": index, "text": text, "logprobs": None,
+            lp = None
+            if out.new_logprobs is not None:
+                lp = logprobs.setdefault(index, CompletionLogprobs(ctx.engine.tokenizer)).build(pending.pop(index, []))
+            chunk = {**header, "choices": [{"index": index, "text": text, "logprobs": lp,
                                             "finish_reason": out.finish_reason if out.finished else None}]}
             if continuous:
                 chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +63,13 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """``k`` top logprobs per output token, or ``None`` for none. Raises ``ValueError``
+        (naming the field) for a combination the API forbids."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -76,8 +82,13 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)  # accepted; returned as null
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top k per token (logprobs_format.py)
     suffix: StrictStr | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise ValueError("echo: prompt logprobs (echo with logprobs) are not supported; drop one of them")
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order: strings or token-id lists. Raises ``ValueError`` if empty."""
@@ -128,7 +139,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False  # accepted; returned as null
+    logprobs: StrictBool = False  # per-token logprobs in choices[].logprobs.content (logprobs_format.py)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
     add_generation_prompt: StrictBool = True  # vLLM extra
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra
 
@@ -136,6 +148,11 @@ class ChatCompletionRequest(_GenerationRequest):
         # OpenAI renamed max_tokens; honour either, the new name winning.
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

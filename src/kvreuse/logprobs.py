@@ -1,0 +1,50 @@
+"""Per-token log-probabilities of sampled tokens (``SamplingParams(logprobs=k)``).
+
+Which distribution: the model's raw one, ``log_softmax`` of the fp32 logits *before*
+temperature, top-k and top-p, as vLLM returns by default. A greedy token therefore has
+rank 1 and the largest logprob; a sampled token may have any rank.
+
+Cost: only the rows of requests that asked for logprobs go through ``log_softmax`` and
+``topk``, in one batched call per step; a step where no request asked does no extra work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one output position."""
+
+    token_id: int  # the token that was sampled
+    logprob: float  # its log-probability under the raw model distribution
+    rank: int  # 1 = the most likely token
+    top_token_ids: tuple[int, ...]  # the k most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]  # their log-probabilities, descending (same order)
+
+
+@torch.inference_mode()
+def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Logprobs of ``token_ids[i]`` under row ``i`` of fp32 ``logits`` ``[rows, vocab]``,
+    with the ``ks[i]`` most likely tokens. One ``log_softmax`` and one ``topk`` for all
+    rows, one device-to-host copy."""
+    if not token_ids:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
+    tokens = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)  # [rows]
+    chosen = logp.gather(1, tokens[:, None])  # [rows, 1]
+    ranks = (logp > chosen).sum(dim=1) + 1  # [rows]
+    k_max = max(ks)
+    top = torch.topk(logp, k_max, dim=-1) if k_max else None  # values, indices: [rows, k_max]
+    chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+    top_v = top.values.tolist() if top is not None else [[] for _ in token_ids]
+    top_i = top.indices.tolist() if top is not None else [[] for _ in token_ids]
+    return [
+        TokenLogprobs(int(t), chosen_l[i], int(ranks_l[i]), tuple(top_i[i][: ks[i]]), tuple(top_v[i][: ks[i]]))
+        for i, t in enumerate(token_ids)
+    ]
