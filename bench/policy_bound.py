@@ -1,0 +1,138 @@
+"""Upper bound on the hit rate of a *history-only* eviction policy on the Mooncake trace.
+
+    .venv/bin/python bench/policy_bound.py [--capacity 4000]
+    # -> bench/results/policy_bound.json
+
+Issue 3 asks for a hint-free policy at 2.5x LRU at 4,000 blocks. This script bounds what
+any policy that ranks blocks by their access history (uses, recency, reuse gaps) can
+reach there, generously, so the gap between ``logfreq`` and the target can be judged.
+
+A history-only policy cannot tell a block seen once that will be reused from one that
+will not (three in four will not). Split the capacity ``C = C1 + C2``:
+
+* ``C2`` blocks serve reuses of blocks already reused once: granted Belady's optimum on
+  that sub-stream (perfect foresight, more than any online policy gets);
+* ``C1`` blocks serve *first* reuses: blocks seen once are alike, so the best a policy
+  can do is keep a fraction ``C1 / T`` of them (chosen blindly, e.g. by hash) for ``T``
+  new blocks each; it catches ``(C1 / T) * F(T)`` first reuses, ``F(T)`` = first reuses
+  that come within ``T`` new blocks of the first use; the best ``T`` is taken;
+* the root block (shared by every request) always hits.
+
+Prefix semantics (a hit needs all earlier blocks resident) and leaf-only eviction are
+ignored, and output / partial blocks do not count against the distances: all of these
+only lower what a real policy gets. Hit rate is token-level, as ``kvreuse simulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+BLOCK = 512
+
+
+def _streams(path: Path):
+    """Full prompt blocks in order -> (root hits, first-reuse distances in new blocks,
+    the sub-stream of second-and-later uses as (key, counts_as_hit), prompt tokens)."""
+    uses: Counter = Counter()
+    first_seen: dict[int, int] = {}
+    new_blocks = root_hits = prompt_tokens = 0
+    first_dist: list[int] = []
+    later: list[tuple[int, bool]] = []
+    roots = set()
+    with open(path) as f:
+        for line in f:
+            req = json.loads(line)
+            prompt_tokens += req["input_length"]
+            for j, key in enumerate(req["hash_ids"][: req["input_length"] // BLOCK]):
+                u = uses[key]
+                uses[key] = u + 1
+                if j == 0:  # the root: one block, always worth keeping
+                    root_hits += u > 0
+                    roots.add(key)
+                    continue
+                if u == 0:
+                    new_blocks += 1
+                    first_seen[key] = new_blocks
+                elif u == 1:
+                    first_dist.append(new_blocks - first_seen[key])
+                    later.append((key, False))  # admitted here, not a hit for a history-only policy
+                else:
+                    later.append((key, True))
+    return root_hits, np.array(first_dist), later, prompt_tokens, len(roots)
+
+
+def _belady_hits(stream: list[tuple[int, bool]], capacity: int) -> int:
+    """Hits (on accesses flagged True) of Belady's optimum over ``stream``."""
+    if capacity <= 0:
+        return 0
+    nxt = [0] * len(stream)
+    seen: dict[int, int] = {}
+    for k in range(len(stream) - 1, -1, -1):
+        nxt[k] = seen.get(stream[k][0], 1 << 60)
+        seen[stream[k][0]] = k
+    resident: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
+    hits = 0
+    for k, (key, counts) in enumerate(stream):
+        if key in resident:
+            hits += counts
+        elif len(resident) >= capacity:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if resident.get(victim) == -neg:
+                    del resident[victim]
+                    break
+        resident[key] = nxt[k]
+        heapq.heappush(heap, (-nxt[k], key))
+    return hits
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--capacity", type=int, default=4000)
+    p.add_argument("--step", type=int, default=250, help="granularity of the C1 / C2 split")
+    p.add_argument("--lru", type=float, default=None, help="LRU hit rate to compare with (default: replay it)")
+    p.add_argument("--json", type=Path, default=ROOT / "bench/results/policy_bound.json")
+    args = p.parse_args(argv)
+    root_hits, first_dist, later, prompt_tokens, n_roots = _streams(args.trace)
+    if args.lru is None:
+        from kvreuse.eviction import LRUPolicy
+        from kvreuse.simulator.replay import replay
+        from kvreuse.simulator.traces import read_trace
+        trace = read_trace(args.trace, block_tokens=BLOCK, trace_format="mooncake")
+        args.lru = replay(trace, LRUPolicy(), args.capacity).hit_rate
+    to_rate = BLOCK / prompt_tokens
+    horizons = range(250, 200_001, 250)
+    counts = np.searchsorted(np.sort(first_dist), np.array(horizons), side="left")  # F(T): dist < T
+    splits = []
+    capacity = args.capacity - n_roots
+    for c1 in range(0, capacity + 1, args.step):
+        first = max(float(f) * min(1.0, c1 / t) for t, f in zip(horizons, counts)) if c1 else 0.0
+        later_hits = _belady_hits(later, capacity - c1)
+        rate = (root_hits + first + later_hits) * to_rate
+        splits.append({"c1_first_use": c1, "first_reuse_hits": round(first, 1), "later_reuse_hits": later_hits,
+                       "hit_rate": rate})
+        print(f"C1={c1:>5}  first-reuse hits {first:8.1f}  later-reuse hits {later_hits:6d}  bound {rate:.4f}")
+    best = max(splits, key=lambda s: s["hit_rate"])
+    out = {"trace": args.trace.name, "capacity_blocks": args.capacity, "lru_hit_rate": args.lru,
+           "bound_hit_rate": best["hit_rate"], "bound_vs_lru": best["hit_rate"] / args.lru,
+           "target_vs_lru": 2.5, "best_split": best, "root_hits": root_hits,
+           "first_reuses": int(len(first_dist)), "later_reuses": sum(c for _, c in later), "splits": splits}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"history-only bound at {args.capacity} blocks: {best['hit_rate']:.4f} = "
+          f"{best['hit_rate'] / args.lru:.2f}x LRU ({args.lru:.4f}); target 2.5x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
