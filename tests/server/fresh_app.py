@@ -1,0 +1,28 @@
+"""A server of its own over the tiny random Llama, for tests that assert exact counters
+(the session app's counters depend on which tests ran before)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
+
+
+@contextmanager
+def fresh_client(loaded, *, api_key: str | None = None, **config) -> Iterator:
+    """A ``TestClient`` over a new engine (``EngineConfig`` fields in ``config``); yields
+    ``(client, async_engine)`` and shuts the engine down afterwards."""
+    from fastapi.testclient import TestClient
+
+    from kvreuse.async_engine import AsyncEngine
+    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.server.api_server import build_app
+
+    settings = {"kv_cache_memory_gib": 0.002, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, **config}
+    engine = AsyncEngine(LLMEngine(EngineConfig(**settings), loaded))
+    try:
+        with TestClient(build_app(engine, served_model_name="tiny", api_key=api_key)) as client:
+            yield client, engine
+    finally:
+        engine.shutdown()

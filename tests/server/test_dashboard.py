@@ -1,0 +1,57 @@
+"""``GET /dashboard`` (one self-contained page) and ``GET /v1/kv_cache_stats`` (what it polls)."""
+
+from __future__ import annotations
+
+import re
+
+from .fresh_app import fresh_client
+
+PROMPT = [(i * 31) % 2000 + 100 for i in range(40)]  # 2 full blocks of 16 + 8 tokens
+
+
+def test_dashboard_is_one_self_contained_page(client):
+    r = client.get("/dashboard")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    page = r.text
+    for endpoint in ("/v1/kv_cache_stats", "/v1/kv_cache_events/stream"):
+        assert endpoint in page
+    assert "--event-buffer-max-size" in page  # what to do when events are off
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", page)  # nothing fetched from elsewhere
+    assert "api_key" in page and "Authorization" in page
+
+
+def test_stats_without_events_says_they_are_off(client):
+    r = client.get("/v1/kv_cache_stats")
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["events"] == {"enabled": False}
+    assert s["num_free_blocks"] + s["num_cached_blocks"] + s["num_used_blocks"] == s["num_blocks"]
+
+
+def test_stats_are_exact_after_known_requests(tiny_llama):
+    with fresh_client(tiny_llama, event_buffer_max_size=1000, api_key="k") as (client, engine):
+        auth = {"Authorization": "Bearer k"}
+        assert client.get("/dashboard").status_code == 200  # the page is open; its data is not
+        assert client.get("/v1/kv_cache_stats").status_code == 401
+        total = engine.engine.pool.num_blocks
+        before = client.get("/v1/kv_cache_stats", headers=auth).json()
+        assert before["num_free_blocks"] == total and before["blocks_by_priority"] == {}
+        assert before["events"] == {"enabled": True, "max_size": 1000, "num_events": 1, "first_event_id": 0,
+                                    "last_event_id": 0, "num_dropped": 0}  # the "created" event
+
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        s = client.get("/v1/kv_cache_stats", headers=auth).json()
+        # 40 prompt tokens: 2 full blocks registered and cached, the partial third freed.
+        assert (s["num_free_blocks"], s["num_cached_blocks"], s["num_used_blocks"]) == (total - 2, 2, 0)
+        assert s["blocks_by_priority"] == {"35": 2} and s["evictions_by_priority"] == {}
+        assert s["prefix_cache"] == {"queries_tokens": 40, "hits_tokens": 0, "hit_rate": 0.0}
+        assert s["tokens_computed"] == 40 and s["num_running"] == s["num_waiting"] == 0
+        assert s["events"]["last_event_id"] == 2  # one "stored" event per registered block
+
+        assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
+        s = client.get("/v1/kv_cache_stats", headers=auth).json()
+        # The same prompt again: both full blocks hit (the last token's block is always computed).
+        assert s["prefix_cache"] == {"queries_tokens": 80, "hits_tokens": 32, "hit_rate": 0.4}
+        assert s["tokens_computed"] == 40 + 8 and s["num_cached_blocks"] == 2
