@@ -1,5 +1,12 @@
 """The router's Prometheus metrics: decisions per executor and policy, retries, overlap,
-executors up and index size. Each router has its own registry (several can share a process)."""
+executors up and index size. Each router has its own registry (several can share a process).
+
+Names share the executors' ``kvreuse:`` prefix with ``router_`` in front:
+``kvreuse:router_decisions_total{executor,policy}``, ``kvreuse:router_overlap_blocks_total``
+and ``kvreuse:router_prompt_blocks_total`` (their ratio is the routed prefix-hit rate),
+``kvreuse:router_retries_total``, ``kvreuse:router_executor_up``,
+``kvreuse:router_executor_load_blocks``, ``kvreuse:router_executor_in_flight``,
+``kvreuse:router_index_keys``."""
 
 from __future__ import annotations
 
@@ -15,13 +22,13 @@ if TYPE_CHECKING:
 class RouterMetrics:
     def __init__(self, router: "Router") -> None:
         self.registry = CollectorRegistry()
-        self.decisions = Counter("kvreuse_router:decisions", "Routing decisions by executor and policy.",
+        self.decisions = Counter("kvreuse:router_decisions", "Routing decisions by executor and policy.",
                                  ["executor", "policy"], registry=self.registry)
-        self.overlap_blocks = Counter("kvreuse_router:overlap_blocks", "Prompt blocks the chosen executor held.",
+        self.overlap_blocks = Counter("kvreuse:router_overlap_blocks", "Prompt blocks the chosen executor held.",
                                       registry=self.registry)
-        self.prompt_blocks = Counter("kvreuse_router:prompt_blocks", "Full prompt blocks of routed requests.",
+        self.prompt_blocks = Counter("kvreuse:router_prompt_blocks", "Full prompt blocks of routed requests.",
                                      registry=self.registry)
-        self.retries = Counter("kvreuse_router:retries", "Requests retried on another executor before their first byte.",
+        self.retries = Counter("kvreuse:router_retries", "Requests retried on another executor before their first byte.",
                                registry=self.registry)
         self.registry.register(_StateCollector(router))
         self._policy = router.policy.name
@@ -42,11 +49,11 @@ class _StateCollector:
         self.router = router
 
     def collect(self):
-        up = GaugeMetricFamily("kvreuse_router:executor_up", "1 while the executor passes health checks.",
+        up = GaugeMetricFamily("kvreuse:router_executor_up", "1 while the executor passes health checks.",
                                labels=["executor"])
-        load = GaugeMetricFamily("kvreuse_router:executor_load_blocks", "Load blocks the policy sees.",
+        load = GaugeMetricFamily("kvreuse:router_executor_load_blocks", "Load blocks the policy sees.",
                                  labels=["executor"])
-        inflight = GaugeMetricFamily("kvreuse_router:executor_in_flight", "Requests in flight.", labels=["executor"])
+        inflight = GaugeMetricFamily("kvreuse:router_executor_in_flight", "Requests in flight.", labels=["executor"])
         for e in self.router.executors.values():
             up.add_metric([e.name], 1.0 if e.healthy else 0.0)
             load.add_metric([e.name], e.load_blocks)
@@ -54,5 +61,5 @@ class _StateCollector:
         yield up
         yield load
         yield inflight
-        yield GaugeMetricFamily("kvreuse_router:index_keys", "Distinct block keys in the index.",
+        yield GaugeMetricFamily("kvreuse:router_index_keys", "Distinct block keys in the index.",
                                 value=self.router.index.num_keys)

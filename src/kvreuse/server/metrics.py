@@ -6,7 +6,18 @@ Two sources:
   (prefix-cache queries/hits in tokens, hit rate, blocks free/cached/in use, requests
   running/waiting, evictions and blocks by ``priority``);
 * per-request observations the routes make as outputs stream out (TTFT, inter-token
-  latency, end-to-end latency, tokens computed vs reused, finished requests by reason).
+  latency, per-request time per output token, end-to-end latency, prompt tokens computed
+  vs reused, finished requests by reason).
+
+SPEC 8 asks for each of: prefix-cache queries and hits in tokens (``prefix_cache_queries``,
+``prefix_cache_hits``), hit rate (``prefix_cache_hit_rate``), evictions and blocks held by
+priority (``evictions``, ``blocks_by_priority``), TTFT and per-token latency histograms
+(``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+``request_time_per_output_token_seconds``), tokens computed vs reused
+(``prompt_tokens_computed`` / ``prompt_tokens_reused``, and ``tokens_computed`` with decode),
+events dropped (``kv_events_dropped``, present while events are on). Router decisions are
+on the router's own ``/metrics`` (``kvreuse:router_decisions``, ``kvreuse.router.metrics``).
+``tests/server/test_metrics_audit.py`` asserts every one of them with exact values.
 
 Names follow vLLM's with the ``kvreuse:`` prefix (``vllm:prefix_cache_queries`` ->
 ``kvreuse:prefix_cache_queries_total``).
@@ -62,7 +73,7 @@ class _EngineCollector(Collector):
         rate = s.prefix_cache_hits_tokens / s.prefix_cache_queries_tokens if s.prefix_cache_queries_tokens else 0.0
         yield gauge("kvreuse:prefix_cache_hit_rate", "Cumulative prefix-cache hit rate (tokens).", rate)
         yield gauge("kvreuse:num_blocks_total", "KV blocks in the device pool.", s.num_blocks)
-        yield gauge("kvreuse:num_blocks_free", "Blocks an allocation can take now (free + evictable cached).",
+        yield gauge("kvreuse:num_blocks_free", "Blocks holding no KV (free + cached + used == total).",
                     s.num_free_blocks)
         yield gauge("kvreuse:num_blocks_cached", "Cached blocks no request holds.", s.num_cached_blocks)
         yield gauge("kvreuse:num_blocks_used", "Blocks held by running requests.", s.num_used_blocks)
@@ -101,12 +112,14 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics) -> None:
         self._m = metrics
         self._start = time.monotonic()
+        self._first: float | None = None  # when the first token arrived
         self._last: float | None = None
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
         if output.new_token_ids:
             if self._last is None:
+                self._first = now
                 self._m.ttft.labels(self._m.model_name).observe(now - self._start)
             else:
                 # One output may carry several tokens (stop-string holdback): spread the gap.
@@ -115,6 +128,8 @@ class RequestTracker:
         if output.finished:
             m, name = self._m, self._m.model_name
             m.e2e.labels(name).observe(now - self._start)
+            if self._first is not None and len(output.output_token_ids) > 1:
+                m.tpot.labels(name).observe((now - self._first) / (len(output.output_token_ids) - 1))
             m.prompt_tokens.labels(name).inc(output.num_prompt_tokens)
             m.generation_tokens.labels(name).inc(len(output.output_token_ids))
             m.tokens_reused.labels(name).inc(output.num_cached_tokens)
@@ -133,6 +148,9 @@ class ServerMetrics:
                               labels, registry=r, buckets=_TTFT_BUCKETS)
         self.itl = Histogram("kvreuse:inter_token_latency_seconds", "Time between consecutive output tokens.",
                              labels, registry=r, buckets=_ITL_BUCKETS)
+        self.tpot = Histogram("kvreuse:request_time_per_output_token_seconds",
+                              "Per request: time from the first to the last token over the tokens after the first.",
+                              labels, registry=r, buckets=_ITL_BUCKETS)
         self.e2e = Histogram("kvreuse:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              labels, registry=r, buckets=_E2E_BUCKETS)
         self.prompt_tokens = Counter("kvreuse:prompt_tokens", "Prompt tokens of finished requests.", labels,
