@@ -141,17 +141,22 @@ def _grouped_attention(
     kv_heads = ks[0].shape[0]
     groups = heads // kv_heads
     scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(kv_heads, groups * n, d)  # head h uses kv head h // groups, as repeat_kv does
-    parts = [torch.bmm(qg, k.transpose(1, 2)) for k in ks]  # each [kv_heads, groups*n, L_i]
-    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).mul_(scale)
-    length = scores.shape[-1]
-    scores = scores.view(kv_heads, groups, n, length)  # [kv, g, n, L]
+    # Scale the few queries, not the long score rows: one pass over [kv, g*n, L] saved.
+    qg = (q * scale).reshape(kv_heads, groups * n, d)  # head h uses kv head h // groups, as repeat_kv does
+    length = sum(k.shape[1] for k in ks)
+    # Each piece's scores land in their columns directly (bmm into a view): no concatenation.
+    scores = torch.empty(kv_heads, groups * n, length, dtype=q.dtype, device=q.device)  # [kv, g*n, L]
+    offset = 0
+    for k in ks:
+        torch.bmm(qg, k.transpose(1, 2), out=scores[..., offset : offset + k.shape[1]])
+        offset += k.shape[1]
+    grouped = scores.view(kv_heads, groups, n, length)  # [kv, g, n, L]
     if mask is None:
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()  # [n, n]
-        scores[..., length - n :].masked_fill_(~causal, float("-inf"))
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # [n, n] True = not yet
+        grouped[..., length - n :].masked_fill_(future, float("-inf"))
     else:
-        scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(kv_heads, groups * n, length)
+        grouped.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [kv, g*n, L]
     out = None
     offset = 0
     for v in vs:
