@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvreuse.pml.errors import PMLSemanticError
 from kvreuse.pml.roles import RoleFormat
@@ -74,16 +75,18 @@ class CompiledModule:
     attends_to: tuple[str, ...]  # scaffold modules seen during precompute, schema order
     cached: bool  # False: cache="false", computed per request instead of stored
 
-    @property
+    # Derived once per module (a frozen dataclass keeps them valid): every request that
+    # selects the module reads them, and recomputing walks all of its tokens.
+    @cached_property
     def slot_positions(self) -> frozenset[int]:
         return frozenset(p for slot in self.slots for p in range(slot.start, slot.end))
 
-    @property
+    @cached_property
     def stored_token_ids(self) -> tuple[int, ...]:
         excluded = self.slot_positions
         return tuple(t for t, p in zip(self.token_ids, self.position_ids) if p not in excluded)
 
-    @property
+    @cached_property
     def stored_position_ids(self) -> tuple[int, ...]:
         excluded = self.slot_positions
         return tuple(p for p in self.position_ids if p not in excluded)
