@@ -41,7 +41,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--eviction-policy", default="priority",
-                   help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q")
+                   help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q | logfreq (hint-free)")
     p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"])
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--seed", type=int, default=0)
@@ -55,6 +55,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
     p.add_argument("--schema-dir", default=None,
                    help="PML: persist module KV here and load it at start instead of recomputing")
+    p.add_argument("--schema-src-dir", default=None,
+                   help="PML: folder that <module src=...> paths in POSTed or stored schemas are read from "
+                        "(relative paths inside it only; without it src= is refused)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -83,7 +86,8 @@ def _engine_config(args: argparse.Namespace):
         kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
-        event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir, **extra,
+        event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
+        schema_src_dir=args.schema_src_dir, **extra,
     )
 
 

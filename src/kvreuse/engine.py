@@ -50,6 +50,7 @@ class EngineConfig:
     event_buffer_max_size: int = 0
     seed: int = 0
     schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
+    schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
 
     def __post_init__(self) -> None:
         if not self.kv_cache_memory_gib > 0:
@@ -156,6 +157,7 @@ class LLMEngine:
             self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
             chunk_tokens=config.max_num_batched_tokens,
             store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
+            src_dir=config.schema_src_dir,
         )
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}

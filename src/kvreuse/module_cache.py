@@ -102,6 +102,7 @@ class ModuleCache:
         hash_algorithm: str = "sha256",
         chunk_tokens: int = 8192,
         store: SchemaStore | None = None,
+        src_dir: str | Path | None = None,
     ) -> None:
         self.pool = pool
         self.runner = runner
@@ -110,6 +111,7 @@ class ModuleCache:
         self.hash_algorithm = hash_algorithm
         self.chunk_tokens = chunk_tokens
         self.store = store
+        self.src_dir = src_dir  # default folder for <module src=...> (HTTP, restarts)
         self.schemas: dict[str, CompiledSchema] = {}
         self._sources: dict[str, str] = {}  # schema name -> PML text, for the store
         self._counts = {"computed": 0, "loaded": 0, "present": 0}
@@ -117,8 +119,10 @@ class ModuleCache:
     # ------------------------------------------------------------------ schemas
     def register(self, pml_text: str, *, src_dir: str | Path | None = None, progress: Progress | None = None) -> SchemaInfo:
         """Parse, compile and precompute every module of a schema (replacing one of the same
-        name). Raises ``PMLError`` (a ``ValueError``) for bad markup, ``ValueError`` when
-        the pool cannot hold a module."""
+        name). ``src_dir`` (default: the cache's own, ``--schema-src-dir``) is where
+        ``<module src=...>`` files are read. Raises ``PMLError`` (a ``ValueError``) for bad
+        markup, ``ValueError`` when the pool cannot hold a module."""
+        src_dir = self.src_dir if src_dir is None else src_dir
         schema = compile_schema(parse_schema(pml_text, src_dir=src_dir), self.tokenizer, tokenizer_id=self.model_id)
         old = self.schemas.get(schema.name)
         if old is not None and old.schema_hash != schema.schema_hash:

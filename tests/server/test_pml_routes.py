@@ -69,3 +69,41 @@ def test_bad_markup_and_bad_prompts_are_400s(client, async_engine):
     assert r.status_code == 400 and "httpdocs" in r.json()["error"]["message"]
     stats = wait_idle(async_engine)
     assert stats.num_used_blocks == 0
+
+
+SRC_SCHEMA = """<schema name="srcdocs">
+  <system>Answer from the files.</system>
+  <module name="notes" src="notes/a.txt"/>
+</schema>"""
+
+
+def test_src_modules_over_http_need_schema_src_dir_and_survive_a_restart(tiny_llama, tmp_path):
+    from .fresh_app import fresh_client
+
+    (tmp_path / "src" / "notes").mkdir(parents=True)
+    (tmp_path / "src" / "notes" / "a.txt").write_text("The lighthouse on Vel is painted green.")
+    # No --schema-src-dir: src= is refused with a 400 naming the module and the setting.
+    with fresh_client(tiny_llama) as (client, _):
+        r = client.post("/v1/schemas", json={"schema": SRC_SCHEMA})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "'notes'" in msg and "--schema-src-dir" in msg
+    settings = {"schema_src_dir": str(tmp_path / "src"), "schema_dir": str(tmp_path / "kv")}
+    with fresh_client(tiny_llama, **settings) as (client, engine):
+        r = client.post("/v1/schemas", json={"schema": SRC_SCHEMA})
+        assert r.status_code == 200, r.text
+        assert r.json()["modules"] == ["", "notes"]
+        escape = SRC_SCHEMA.replace("srcdocs", "escape").replace("notes/a.txt", "../src/notes/a.txt")
+        r = client.post("/v1/schemas", json={"schema": escape})
+        assert r.status_code == 400 and ".." in r.json()["error"]["message"]
+        prompt = '<prompt schema="srcdocs"><notes/>What colour is it?</prompt>'
+        first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+        wait_idle(engine)
+    # A restart with the same folders restores the schema (src= re-read) from the schema dir.
+    with fresh_client(tiny_llama, **settings) as (client, engine):
+        restored = engine.engine.restored_schemas
+        assert [s.name for s in restored] == ["srcdocs"] and restored[0].loaded == 2 and restored[0].computed == 0
+        again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["usage"] == first["usage"]
+        wait_idle(engine)

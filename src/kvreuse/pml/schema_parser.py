@@ -227,7 +227,7 @@ class _SchemaReader:
         if any(isinstance(c, Element) or c.text.strip() for c in element.children):
             raise refuse("is given, so the module must have no content of its own")
         if self._src_dir is None:
-            raise refuse("cannot be read: no src_dir is configured")
+            raise refuse("cannot be read: no src_dir is configured (kvreuse serve --schema-src-dir DIR)")
         relative = Path(src)
         if not src or relative.is_absolute() or src.startswith(("/", "\\")) or ".." in relative.parts:
             raise refuse("must be a relative path inside src_dir without '..'")
