@@ -120,7 +120,12 @@ class ModelRunner:
                     mask_sliding[window] = None  # the window never cuts: plain causal
                 else:
                     mask_sliding[window] = causal & (k_pos > q_pos - window)
-        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(chunk.context_slots + chunk.new_slots))
+        # Without sliding windows every context key is visible to every new token and its
+        # position is already inside K, so the order keys are read in does not matter:
+        # reading them in slot order merges runs (modules precomputed side by side become
+        # one run, whatever order a prompt lists them in). Masked layers need attention order.
+        context = chunk.context_slots if self.layout.sliding_windows else sorted(chunk.context_slots)
+        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(context + chunk.new_slots))
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
         dev = self.device

@@ -1,0 +1,52 @@
+"""ModelRunner: slot runs for in-place attention, and reading the context out of order."""
+
+from __future__ import annotations
+
+import torch
+
+from kvreuse import LLM
+from kvreuse.model_runner import MAX_RUNS, SeqChunk, _runs
+
+
+def test_runs_split_at_gaps_and_give_up_past_the_limit():
+    assert _runs([]) == ()
+    assert _runs([5, 6, 7, 10, 11, 3]) == ((5, 3), (10, 2), (3, 1))
+    many = [2 * i for i in range(MAX_RUNS)]  # MAX_RUNS runs of one slot: still read in place
+    assert len(_runs(many)) == MAX_RUNS
+    assert _runs(many + [1000]) == ()  # one more: gather instead
+
+
+def _chunk(context: list[int], new: list[int]) -> SeqChunk:
+    return SeqChunk(token_ids=[7] * len(new), positions=list(range(len(context), len(context) + len(new))),
+                    new_slots=new, context_slots=context, context_positions=None, sample=True)
+
+
+def test_full_attention_reads_the_context_in_slot_order(tiny_llama, tiny_gemma3):
+    # Two modules stored side by side (slots 0-15, 16-31), listed by a prompt in the other order.
+    context, new = list(range(16, 32)) + list(range(0, 16)), [40, 41, 42]
+    llama = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4).engine.runner
+    item = llama._prefill_item(0, _chunk(context, new))
+    assert item.kv_runs == ((0, 32), (40, 3))  # one run for both modules
+    assert item.kv_slots.tolist() == context + new  # the gather path keeps attention order
+    # Sliding-window layers mask by position, which follows attention order: no reordering.
+    gemma = LLM(loaded=tiny_gemma3, kv_cache_memory_gib=0.001, block_size=4).engine.runner
+    assert gemma._prefill_item(0, _chunk(context, new)).kv_runs == ((16, 16), (0, 16), (40, 3))
+
+
+def test_reordered_context_gives_the_same_logits_as_gathering_in_prompt_order(tiny_llama, monkeypatch):
+    """Slot-order runs in place vs one gather in prompt order: same logits (1e-5)."""
+    import kvreuse.model_runner as model_runner
+
+    torch.manual_seed(0)
+    runner = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4).engine.runner
+    runner.kv_cache.normal_()  # stand-in context K/V in every slot
+    context = list(range(16, 32)) + list(range(0, 12)) + [60, 61]  # prompt order: three pieces
+    chunk = _chunk(context, [40, 41, 42])
+    assert runner._prefill_item(0, chunk).kv_runs == ((0, 12), (16, 16), (60, 2), (40, 3))
+    in_place = runner.execute([chunk])
+    monkeypatch.setattr(model_runner, "MAX_RUNS", 0)  # every chunk gathers its keys in prompt order
+    assert runner._prefill_item(0, chunk).kv_runs == ()
+    runner.kv_cache[:, :, :, 40:43].zero_()  # the new tokens' K/V are rewritten by the forward anyway
+    gathered = runner.execute([chunk])
+    torch.testing.assert_close(in_place, gathered, rtol=0, atol=1e-5)
+    assert not torch.equal(in_place, runner.execute([_chunk(context[:-2], [40, 41, 42])]))  # the keys matter
