@@ -14,6 +14,7 @@ import torch
 
 from kvreuse import attention
 from kvreuse.attention import DecodeBatch, ForwardContext, PrefillItem
+from kvreuse.models import llama
 
 
 @dataclass
@@ -56,6 +57,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         name = attention.register()
         model.set_attn_implementation(name)
+        # Plain Llama checkpoints run our leaner forward (same weights, same results);
+        # other families keep the transformers forward with our attention plugged in.
+        self.forward_impl = "kvreuse-llama" if llama.supports(model) else "transformers"
+        self._llama = llama.LlamaForward(model) if self.forward_impl == "kvreuse-llama" else None
         num_slots = num_blocks * block_size
         # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
         # layout attention's matmuls take, with one copy.
@@ -91,12 +96,13 @@ class ModelRunner:
             prefills=prefills,
             decodes=self._decode_batch(decode_rows) if decode_rows else None,
         )
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=dev)  # [1, T]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, T]
+        logits_index = torch.tensor(sample_index, dtype=torch.long, device=dev)  # [num_sampled]
+        if self._llama is not None:
+            return self._llama(input_ids, position_ids, logits_index, ctx).float()  # [num_sampled, vocab]
         out = self.model(
-            input_ids=torch.tensor([token_ids], dtype=torch.long, device=dev),  # [1, T]
-            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),  # [1, T]
-            use_cache=False,
-            logits_to_keep=torch.tensor(sample_index, dtype=torch.long, device=dev),
-            kv_context=ctx,
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_index, kv_context=ctx,
         )
         return out.logits[0].float()  # [num_sampled, vocab]
 
