@@ -96,7 +96,7 @@ def _pool_summary(engine) -> str:
     per_token = engine.kv_bytes_per_token
     gib = num_blocks * block_size * per_token / 2**30
     return (f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-            f"{gib:.3f} GiB, {per_token} bytes/token")
+            f"{gib:.3f} GiB, {per_token} bytes/token; forward: {engine.runner.forward_impl}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
