@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kvreuse import LLM
+from kvreuse import LLM, SamplingParams
 from kvreuse.model_runner import MAX_RUNS, SeqChunk, _runs
 
 
@@ -50,3 +51,31 @@ def test_reordered_context_gives_the_same_logits_as_gathering_in_prompt_order(ti
     gathered = runner.execute([chunk])
     torch.testing.assert_close(in_place, gathered, rtol=0, atol=1e-5)
     assert not torch.equal(in_place, runner.execute([_chunk(context[:-2], [40, 41, 42])]))  # the keys matter
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, request, monkeypatch):
+    """Decodes past ``decode_in_place_min`` context tokens take the in-place path; tokens
+    and logprobs equal the padded, gathered batch's (Gemma: across its sliding window)."""
+    import kvreuse.attention as attention
+
+    loaded = request.getfixturevalue(arch)
+    in_place_decodes = []
+    grouped = attention._grouped_attention
+    monkeypatch.setattr(attention, "_grouped_attention",
+                        lambda q, *a: in_place_decodes.append(q.shape[1] == 1) or grouped(q, *a))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 2000, (n,), generator=gen).tolist() for n in (21, 6, 14)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
+    results = {}
+    for threshold in (10**9, 12):  # everything batched / contexts of 12+ tokens in place
+        in_place_decodes.clear()
+        llm = LLM(loaded=loaded, kv_cache_memory_gib=0.001, block_size=4)
+        llm.engine.runner.decode_in_place_min = threshold
+        outs = llm.generate(prompts, params)
+        results[threshold] = ([o.token_ids for o in outs],
+                              torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]))
+        llm.engine.pool.check_integrity()
+        assert any(in_place_decodes) == (threshold == 12)
+    assert results[12][0] == results[10**9][0]
+    torch.testing.assert_close(results[12][1], results[10**9][1], rtol=0, atol=1e-5)

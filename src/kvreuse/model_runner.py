@@ -61,6 +61,9 @@ class ModelRunner:
         # other families keep the transformers forward with our attention plugged in.
         self.forward_impl = "kvreuse-llama" if llama.supports(model) else "transformers"
         self._llama = llama.LlamaForward(model) if self.forward_impl == "kvreuse-llama" else None
+        # A decode over a long context reads its keys in place (as a one-token prefill item)
+        # instead of joining the padded batch, whose gather copies the whole context per step.
+        self.decode_in_place_min = DECODE_IN_PLACE_MIN
         num_slots = num_blocks * block_size
         # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
         # layout attention's matmuls take, with one copy.
@@ -86,7 +89,7 @@ class ModelRunner:
             new_slots += chunk.new_slots
             if chunk.sample:
                 sample_index.append(len(token_ids) - 1)
-            if len(chunk.token_ids) == 1 and chunk.context_slots:
+            if len(chunk.token_ids) == 1 and 0 < len(chunk.context_slots) < self.decode_in_place_min:
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
@@ -160,6 +163,7 @@ class ModelRunner:
 
 
 MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small matmuls
+DECODE_IN_PLACE_MIN = 1024  # context tokens from which a decode skips the gathered batch
 
 
 def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:
