@@ -8,7 +8,9 @@ is no per-request cache object. No transformers mask function is registered for 
 name, so the model builds no mask and we build our own from the batch description.
 
 The batch is flattened to ``[1, T]`` (all sequences' new tokens back to back). Prefill
-chunks are attended one sequence at a time; single-token decodes are padded and batched.
+chunks are attended one sequence at a time; single-token decodes over short contexts are
+padded and batched (the runner sends decodes over long contexts as one-token prefill items,
+which read the pool in place).
 """
 
 from __future__ import annotations
