@@ -59,8 +59,7 @@ class ModelRunner:
         model.set_attn_implementation(name)
         # Plain Llama checkpoints run our leaner forward (same weights, same results);
         # other families keep the transformers forward with our attention plugged in.
-        self.forward_impl = "kvreuse-llama" if llama.supports(model) else "transformers"
-        self._llama = llama.LlamaForward(model) if self.forward_impl == "kvreuse-llama" else None
+        self._llama = llama.LlamaForward(model) if llama.supports(model) else None
         # A decode over a long context reads its keys in place (as a one-token prefill item)
         # instead of joining the padded batch, whose gather copies the whole context per step.
         self.decode_in_place_min = DECODE_IN_PLACE_MIN
@@ -70,6 +69,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(  # [layers, 2, kv_heads, slots, head_dim]
             layout.num_layers, 2, layout.num_kv_heads, num_slots, layout.head_dim, dtype=self.dtype, device=self.device
         )
+
+    @property
+    def forward_impl(self) -> str:
+        """Which forward runs: ``"kvreuse-llama"`` (models/llama.py) or ``"transformers"``."""
+        return "transformers" if self._llama is None else "kvreuse-llama"
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -114,7 +118,8 @@ class ModelRunner:
         dev = self.device
         n, c = len(chunk.token_ids), len(chunk.context_slots)
         length = c + n
-        kv_slots = torch.tensor(chunk.context_slots + chunk.new_slots, dtype=torch.long, device=dev)
+        slots = np.asarray(chunk.context_slots + chunk.new_slots, dtype=np.int64)  # [L], converted once
+        kv_slots = torch.from_numpy(slots).to(dev)
         q_idx = torch.arange(n, device=dev)[:, None] + c  # [n, 1] index of each query among keys
         k_idx = torch.arange(length, device=dev)[None, :]  # [1, L]
         causal = k_idx <= q_idx  # [n, L]
@@ -133,8 +138,8 @@ class ModelRunner:
         # position is already inside K, so the order keys are read in does not matter:
         # reading them in slot order merges runs (modules precomputed side by side become
         # one run, whatever order a prompt lists them in). Masked layers need attention order.
-        context = chunk.context_slots if self.layout.sliding_windows else sorted(chunk.context_slots)
-        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(context + chunk.new_slots))
+        read_order = slots if self.layout.sliding_windows else np.concatenate((np.sort(slots[:c]), slots[c:]))
+        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(read_order))
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
         dev = self.device
@@ -166,11 +171,11 @@ MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small
 DECODE_IN_PLACE_MIN = 1024  # context tokens from which a decode skips the gathered batch
 
 
-def _runs(slots: list[int]) -> tuple[tuple[int, int], ...]:
+def _runs(slots: "list[int] | np.ndarray") -> tuple[tuple[int, int], ...]:
     """``slots`` as (first slot, length) runs of consecutive slots; ``()`` if more than MAX_RUNS."""
-    if not slots:
-        return ()
     arr = np.asarray(slots)
+    if not arr.size:
+        return ()
     breaks = np.flatnonzero(np.diff(arr) != 1) + 1  # indices where a new run starts
     if len(breaks) >= MAX_RUNS:
         return ()

@@ -4,7 +4,7 @@ Why: a transformers forward spends much of a short step in Python and in small o
 (module calls, an RMSNorm of five passes, mask plumbing). For a decode step or the
 32-token suffix of a cached prompt, that is a large share of the time. This forward
 runs the same computation in the same order with fewer calls: ``F.rms_norm`` (one fused
-op), the model's own rotary module for cos/sin, the same RoPE arithmetic, and
+op), the model's own rotary module for cos/sin, transformers' own RoPE function, and
 ``paged_attention`` for attention over the pool. On SmolLM2 it gives bit-identical
 logits to the transformers forward (tests/models/test_llama_forward.py).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvreuse.attention import ForwardContext, paged_attention
 
@@ -35,11 +36,6 @@ def supports(model: torch.nn.Module) -> bool:
         and hasattr(model.model, "rotary_emb")
         and hasattr(model, "lm_head")
     )
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LlamaForward:
@@ -72,7 +68,6 @@ class LlamaForward:
         t = input_ids.shape[1]
         x = inner.embed_tokens(input_ids)  # [1, T, hidden]
         cos, sin = inner.rotary_emb(x, position_ids)  # each [1, T, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim], broadcast over heads
         q_shape, kv_shape = (1, t, self.num_heads, self.head_dim), (1, t, self.num_kv_heads, self.head_dim)
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -80,8 +75,7 @@ class LlamaForward:
             q = F.linear(h, attn.q_proj.weight).view(q_shape).transpose(1, 2)  # [1, heads, T, d]
             k = F.linear(h, attn.k_proj.weight).view(kv_shape).transpose(1, 2)  # [1, kv_heads, T, d]
             v = F.linear(h, attn.v_proj.weight).view(kv_shape).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin  # transformers' apply_rotary_pos_emb, same order
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own RoPE
             o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, kv_context=kv_context)  # [1, T, heads, d]
             x = x + F.linear(o.reshape(1, t, -1), attn.o_proj.weight)
             h = F.rms_norm(x, (self.hidden,), layer.post_attention_layernorm.weight, self.eps)
