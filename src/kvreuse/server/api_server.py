@@ -53,14 +53,15 @@ def build_app(
     """An app serving ``engine`` (started here if it is not running; its owner shuts it
     down). ``served_model_name`` defaults to the engine's model name; requests naming
     another model get 404. ``event_buffer`` (the ``EventBuffer`` the engine's pool writes
-    to, if any) is exposed to the KV event routes as ``app.state.event_buffer``.
+    to; default: the engine's own, if any) is resolved here once and exposed to every route
+    as ``app.state.event_buffer`` (``None``: events are off).
     Raises ``ValueError`` for an empty served name."""
     names = _served_names(engine, served_model_name)
     engine.start()
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine  # AsyncEngine; snapshots go through engine.call(...)
-    app.state.event_buffer = event_buffer
     buffer = event_buffer if event_buffer is not None else getattr(engine.engine, "events", None)
+    app.state.event_buffer = buffer
     metrics = ServerMetrics(engine, names[0], event_buffer=buffer)
     app.state.ctx = ServerContext(engine, metrics, names, limits, api_key)
     install_error_handlers(app)

@@ -47,8 +47,7 @@ async def kv_cache_stats(request: Request) -> dict[str, Any]:
     already returned (``/metrics`` reads the snapshot published after the last step)."""
     ctx = context_of(request)
     s = await ctx.engine.call(lambda engine: engine.stats())
-    state = request.app.state
-    buffer = getattr(state, "event_buffer", None) or getattr(ctx.engine.engine, "events", None)
+    buffer = request.app.state.event_buffer
     events: dict[str, Any] = {"enabled": buffer is not None}
     if buffer is not None:
         events.update(buffer.stats())

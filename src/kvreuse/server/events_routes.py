@@ -6,7 +6,7 @@
 
 What the routes read from ``app.state``:
 
-- the ``EventBuffer``: ``app.state.event_buffer``, else ``app.state.engine.engine.events``
+- the ``EventBuffer``: ``app.state.event_buffer`` (``build_app`` sets it to the engine's)
   (the ``LLMEngine`` keeps the sink it gave its pool). None: 404 "events are off".
 - the snapshot: ``app.state.kv_snapshot_fn()`` when set (any callable returning a
   consistent ``KVSnapshot``, e.g. ``event_buffer.locked_snapshot``; run in a worker
@@ -37,10 +37,7 @@ SSE_KEEPALIVE_S = 15.0  # comment line so proxies do not close an idle stream
 
 
 def _buffer(request: Request) -> EventBuffer:
-    buffer = getattr(request.app.state, "event_buffer", None)
-    if buffer is None:
-        engine = getattr(request.app.state, "engine", None)
-        buffer = getattr(getattr(engine, "engine", None), "events", None)
+    buffer = getattr(request.app.state, "event_buffer", None)  # resolved by build_app
     if not isinstance(buffer, EventBuffer):
         raise HTTPException(404, "KV cache events are off: start the server with --event-buffer-max-size N (N > 0)")
     return buffer

@@ -36,7 +36,7 @@ async def kvreuse_info(request: Request) -> dict:
     config = engine.config
     tokenizer = engine.tokenizer
     loaded = engine.loaded
-    events = getattr(state, "event_buffer", None) or getattr(engine, "events", None)
+    events = state.event_buffer
     return {
         "model": state.ctx.served_model_names[0],
         "model_name": engine.model_name,
