@@ -33,53 +33,56 @@ from pathlib import Path
 
 import numpy as np
 
+from kvreuse.eviction import LRUPolicy
+from kvreuse.hashing import BlockHash
+from kvreuse.simulator.replay import replay
+from kvreuse.simulator.traces import Trace, read_trace
+
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
 BLOCK = 512
 
 
-def _streams(path: Path):
+def _streams(trace: Trace):
     """Full prompt blocks in order -> (root hits, first-reuse distances in new blocks,
     the sub-stream of second-and-later uses as (key, counts_as_hit), prompt tokens)."""
     uses: Counter = Counter()
-    first_seen: dict[int, int] = {}
+    first_seen: dict[BlockHash, int] = {}
     new_blocks = root_hits = prompt_tokens = 0
     first_dist: list[int] = []
-    later: list[tuple[int, bool]] = []
+    later: list[tuple[BlockHash, bool]] = []
     roots = set()
-    with open(path) as f:
-        for line in f:
-            req = json.loads(line)
-            prompt_tokens += req["input_length"]
-            for j, key in enumerate(req["hash_ids"][: req["input_length"] // BLOCK]):
-                u = uses[key]
-                uses[key] = u + 1
-                if j == 0:  # the root: one block, always worth keeping
-                    root_hits += u > 0
-                    roots.add(key)
-                    continue
-                if u == 0:
-                    new_blocks += 1
-                    first_seen[key] = new_blocks
-                elif u == 1:
-                    first_dist.append(new_blocks - first_seen[key])
-                    later.append((key, False))  # admitted here, not a hit for a history-only policy
-                else:
-                    later.append((key, True))
+    for req in trace.requests:
+        prompt_tokens += req.prompt_tokens
+        for j, key in enumerate(req.block_keys):  # the simulator's keys of full blocks
+            u = uses[key]
+            uses[key] = u + 1
+            if j == 0:  # the root: one block, always worth keeping
+                root_hits += u > 0
+                roots.add(key)
+                continue
+            if u == 0:
+                new_blocks += 1
+                first_seen[key] = new_blocks
+            elif u == 1:
+                first_dist.append(new_blocks - first_seen[key])
+                later.append((key, False))  # admitted here, not a hit for a history-only policy
+            else:
+                later.append((key, True))
     return root_hits, np.array(first_dist), later, prompt_tokens, len(roots)
 
 
-def _belady_hits(stream: list[tuple[int, bool]], capacity: int) -> int:
+def _belady_hits(stream: list[tuple[BlockHash, bool]], capacity: int) -> int:
     """Hits (on accesses flagged True) of Belady's optimum over ``stream``."""
     if capacity <= 0:
         return 0
     nxt = [0] * len(stream)
-    seen: dict[int, int] = {}
+    seen: dict[BlockHash, int] = {}
     for k in range(len(stream) - 1, -1, -1):
         nxt[k] = seen.get(stream[k][0], 1 << 60)
         seen[stream[k][0]] = k
-    resident: dict[int, int] = {}
-    heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
+    resident: dict[BlockHash, int] = {}
+    heap: list[tuple[int, BlockHash]] = []  # (-next use, key); stale entries skipped
     hits = 0
     for k, (key, counts) in enumerate(stream):
         if key in resident:
@@ -103,12 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lru", type=float, default=None, help="LRU hit rate to compare with (default: replay it)")
     p.add_argument("--json", type=Path, default=ROOT / "bench/results/policy_bound.json")
     args = p.parse_args(argv)
-    root_hits, first_dist, later, prompt_tokens, n_roots = _streams(args.trace)
+    trace = read_trace(args.trace, block_tokens=BLOCK, trace_format="mooncake")  # read once, for both
+    root_hits, first_dist, later, prompt_tokens, n_roots = _streams(trace)
     if args.lru is None:
-        from kvreuse.eviction import LRUPolicy
-        from kvreuse.simulator.replay import replay
-        from kvreuse.simulator.traces import read_trace
-        trace = read_trace(args.trace, block_tokens=BLOCK, trace_format="mooncake")
         args.lru = replay(trace, LRUPolicy(), args.capacity).hit_rate
     to_rate = BLOCK / prompt_tokens
     horizons = range(250, 200_001, 250)
