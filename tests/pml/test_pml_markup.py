@@ -88,3 +88,32 @@ def test_element_count_limit():
 def test_limits_are_validated_where_built():
     with pytest.raises(ValueError):
         MarkupLimits(max_depth=0)
+
+
+@pytest.mark.parametrize(
+    "body, char, column, fixed",
+    [  # prose; code (error on line 3)
+        ('  <module name="m">Soul, funk and R&B hits</module>', "&", 36, "R&amp;B"),
+        ('  <module name="m">\nif 0 <= i < n:\n</module>', "<", 6, "0 &lt;= i &lt; n"),
+    ],
+)
+def test_bare_ampersand_or_less_than_in_text_says_how_to_escape_it(body, char, column, fixed):
+    text = f'<schema name="s">\n{body}\n</schema>'
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema(text)
+    escaped = "&amp;" if char == "&" else "&lt;"
+    assert f"a bare {char!r} in text: write it as {escaped!r}" in str(info.value)
+    assert "CDATA" in str(info.value) and "src=" in str(info.value)
+    line = text.split("\n")[info.value.line - 1]
+    assert line[info.value.column - 1] == char and info.value.column == column
+    # escaped as the hint says, the same text parses and keeps the character
+    bare = fixed.replace("&amp;", "&").replace("&lt;", "<")
+    assert bare in parse_schema(text.replace(bare, fixed)).body[0].body[0].text
+
+
+def test_well_formed_errors_get_no_escape_hint():
+    for text in ('<schema name="s">\n  <module name="m">a &nope; b</module>\n</schema>',
+                 '<schema name="s">\n  <module name="m">text</modul>\n</schema>'):
+        with pytest.raises(PMLSyntaxError) as info:
+            parse_schema(text)
+        assert "a bare" not in str(info.value)

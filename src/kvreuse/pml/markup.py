@@ -156,8 +156,37 @@ def read_markup(text: str, limits: MarkupLimits = MarkupLimits()) -> Element:
         parser.Parse(text.encode("utf-8"), True)
     except expat.ExpatError as exc:
         reason = expat.ErrorString(exc.code)
-        raise PMLSyntaxError(f"malformed markup: {reason}", exc.lineno, exc.offset + 1) from None
+        hint, column = "", exc.offset + 1
+        if exc.code == expat.errors.codes[expat.errors.XML_ERROR_INVALID_TOKEN]:
+            hint, column = _escape_hint(text, exc.lineno, exc.offset)
+        raise PMLSyntaxError(f"malformed markup: {reason}{hint}", exc.lineno, column) from None
     except RecursionError:  # defensive: the depth cap should make this unreachable
         raise PMLSyntaxError("markup nested too deeply", 1, 1) from None
     assert builder.root is not None  # expat guarantees a root element on success
     return builder.root
+
+
+def _escape_hint(text: str, line: int, offset: int) -> tuple[str, int]:
+    """(hint, 1-based column) for expat's error at 0-based ``offset`` of ``line``.
+
+    The hint is for a bare ``&`` or ``<`` in text (code and prose in modules often hold
+    them: ``R&B``, ``0 <= x < n``), where the reference's lenient parser silently dropped
+    text; the column then points at that character. Otherwise no hint, expat's column."""
+    lines = text.split("\n")  # expat counts lines by "\n" only
+    if not 1 <= line <= len(lines):
+        return "", offset + 1
+    # expat reports the position just after the offending character (after the would-be
+    # entity name for "&"): look back to it.
+    head = lines[line - 1][: offset + 1]
+    at = max(head.rfind("&"), head.rfind("<"))
+    if at < 0:
+        return "", offset + 1
+    char, between = head[at], lines[line - 1][at + 1 : offset]
+    if (char == "<" and offset - at > 1) or (char == "&" and not all(c.isalnum() or c in "#_" for c in between)):
+        return "", offset + 1
+    escaped = "&amp;" if char == "&" else "&lt;"
+    return (  # point at the bare character itself
+        f" (a bare {char!r} in text: write it as {escaped!r}, wrap the text in <![CDATA[...]]>, "
+        "or move it to a file named by src=)",
+        at + 1,
+    )
