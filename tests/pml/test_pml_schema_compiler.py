@@ -21,22 +21,22 @@ def test_exact_token_and_position_ids_with_smollm2(tokenizer):
     )
     planner = compiled.module("planner")
     head = encode(tokenizer, "You plan journeys for people who hate queues.\nThe journey lasts")
-    nights = [tokenizer.unk_token_id] * 4
+    nights = [tokenizer.unk_token_id] * 5  # length 4 + 1 token for the lead space
     after_slot = encode(tokenizer, " nights.")
-    assert planner.token_ids[: len(head) + 4 + len(after_slot)] == tuple(head + nights + after_slot)
+    assert planner.token_ids[: len(head) + 5 + len(after_slot)] == tuple(head + nights + after_slot)
     assert planner.start == 0
-    assert planner.position_ids[: len(head) + 4 + len(after_slot)] == tuple(range(len(head) + 4 + len(after_slot)))
+    assert planner.position_ids[: len(head) + 5 + len(after_slot)] == tuple(range(len(head) + 5 + len(after_slot)))
     slot = planner.slot("nights")
-    assert (slot.start, slot.length, slot.lead) == (len(head), 4, " ")
+    assert (slot.start, slot.length, slot.lead, slot.lead_tokens, slot.end) == (len(head), 4, " ", 1, len(head) + 5)
 
-    union_start = len(head) + 4 + len(after_slot)
+    union_start = len(head) + 5 + len(after_slot)
     rail, sea = compiled.module("planner/rail"), compiled.module("planner/sea")
     fjords, islands = compiled.module("planner/sea/fjords"), compiled.module("planner/sea/islands")
     # union members share their start; a nested union starts after its parent's own text
     assert rail.start == sea.start == union_start
     rail_text = encode(tokenizer, "\nTravel is by train, seat class")
     scaffold = encode(tokenizer, " second")
-    assert rail.token_ids == tuple(rail_text + scaffold + [0] * (3 - len(scaffold)) + encode(tokenizer, "."))
+    assert rail.token_ids == tuple(rail_text + scaffold + [0] * (3 + 1 - len(scaffold)) + encode(tokenizer, "."))
     assert rail.position_ids == tuple(range(union_start, union_start + rail.length))
     sea_text = encode(tokenizer, "\nTravel is by ferry.")
     assert sea.token_ids == tuple(sea_text)

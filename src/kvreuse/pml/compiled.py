@@ -36,22 +36,32 @@ ROOT_MODULE = ""  # qualified name of the schema root: the empty path
 
 @dataclass(frozen=True)
 class ParameterSlot:
-    """Positions ``[start, start + length)`` of module ``module`` reserved for ``name``.
+    """Positions ``[start, end)`` of module ``module`` reserved for ``name``: the
+    declared ``length`` for the value plus ``lead_tokens`` for the separator in front of
+    it, so a value of exactly ``length`` tokens always fits (as in the reference, where
+    ``length`` counts the argument alone).
 
     During precompute the slot holds the scaffold's tokens padded with the placeholder
-    token; that KV is never stored. At request time the argument's tokens take the
-    first positions of the slot and the rest stay empty.
+    token; that KV is never stored. At request time the argument's tokens (``lead +
+    value``, tokenised together) take the first positions of the slot and the rest stay
+    empty.
     """
 
     module: str
     name: str
     start: int
-    length: int
+    length: int  # the declared length: tokens of the value itself
     lead: str = ""  # separator prepended to the argument (and scaffold) before tokenising
+    lead_tokens: int = 0  # tokens of ``lead`` alone; reserved on top of ``length``
+
+    @property
+    def size(self) -> int:
+        """Positions reserved: what ``lead + value`` may take."""
+        return self.length + self.lead_tokens
 
     @property
     def end(self) -> int:
-        return self.start + self.length
+        return self.start + self.size
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Binding rules:
 - At most one member of a union may be selected, and no module twice.
 - A reference's attributes are the arguments of that module's parameters: every
   parameter of a selected module needs one (``arg=""`` leaves the slot empty), no
-  unknown names, and at most the slot's ``length`` tokens (``lead + value``, see
+  unknown names, and at most the slot's ``length`` tokens (the value's own; ``lead + value``
+  tokenised together fills the slot, whose ``size`` also reserves the lead's tokens, see
   ``kvreuse.pml.text``). Arguments take their slot's first positions.
 - The trailing text starts at ``schema.length``; role pieces get their markers; when the
   last piece is a ``<user>`` turn and ``add_generation_prompt`` is true, the template's
@@ -90,9 +91,10 @@ def _arguments(module: CompiledModule, ref: ModuleRef | None, encoder: TextEncod
             )
         value = args[slot.name]
         token_ids = encoder.text(slot.lead + value) if value else ()
-        if len(token_ids) > slot.length:
+        own = len(encoder.text(value)) if value else 0
+        if own > slot.length or len(token_ids) > slot.size:
             raise _error(
-                f"argument {slot.name!r} of module {module.qualified_name!r} is {len(token_ids)} tokens, "
+                f"argument {slot.name!r} of module {module.qualified_name!r} is {own} tokens, "
                 f"more than the parameter's length {slot.length}",
                 ref,
                 module=module.qualified_name,

@@ -26,7 +26,7 @@ from kvreuse.pml.errors import PMLSemanticError
 from kvreuse.pml.roles import RoleFormat
 from kvreuse.pml.syntax import BodyItem, Module, Parameter, RoleBlock, Schema, Text, Union
 
-HASH_FORMAT_VERSION = 1  # bump when the layout rules change, so persisted KV is not reused
+HASH_FORMAT_VERSION = 2  # bump when the layout rules change, so persisted KV is not reused
 
 
 @dataclass
@@ -120,11 +120,15 @@ class _Layout:
             raise PMLSemanticError(
                 f"parameter {parameter.name!r} is outside any module", parameter=parameter.name
             )
+        lead_tokens = len(self._encoder.text(parameter.lead)) if parameter.lead else 0
+        size = parameter.length + lead_tokens  # the separator does not eat into the value's length
         scaffold = self._encoder.text(parameter.lead + parameter.scaffold) if parameter.scaffold else ()
-        if len(scaffold) > parameter.length:
+        own = len(self._encoder.text(parameter.scaffold)) if parameter.scaffold else 0
+        if own > parameter.length or len(scaffold) > size:
             raise PMLSemanticError(
                 f"parameter {parameter.name!r} of module {draft.qualified_name!r}: scaffold is "
-                f"{len(scaffold)} tokens, longer than its length {parameter.length}",
+                f"{own} tokens ({len(scaffold)} with the separator before it), longer than its "
+                f"length {parameter.length}: shorten the scaffold or raise length",
                 module=draft.qualified_name,
                 parameter=parameter.name,
                 line=parameter.loc.line or None,
@@ -132,8 +136,10 @@ class _Layout:
             )
         if self._placeholder is None:
             self._placeholder = self._encoder.placeholder_id()
-        filler = (self._placeholder,) * (parameter.length - len(scaffold))
-        draft.slots.append(ParameterSlot(draft.qualified_name, parameter.name, offset, parameter.length, parameter.lead))
+        filler = (self._placeholder,) * (size - len(scaffold))
+        draft.slots.append(
+            ParameterSlot(draft.qualified_name, parameter.name, offset, parameter.length, parameter.lead, lead_tokens)
+        )
         return draft.emit(scaffold + filler, offset)
 
 
