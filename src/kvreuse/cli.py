@@ -31,23 +31,27 @@ class Command:
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="alias (default, smollm2, gemma3-270m), HF folder, .gguf path, or tiny:llama|tiny:gemma3")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV pool size in GiB")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV pool size in GiB (fractions allowed)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the unit of prefix reuse)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="weights, activations and KV")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (more wait)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step; longer prompts are prefilled in chunks (default: 8192)")
     p.add_argument("--eviction-policy", default="priority",
                    help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q | logfreq (hint-free)")
-    p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"])
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"],
+                   help="block key hash (xxh3_64 is faster, not collision-resistant)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt afresh (a baseline)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed for requests that give none")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
     p.add_argument("--event-buffer-max-size", type=int, default=0,
                    help="KV events kept for consumers (0: events off unless an endpoint is set)")
