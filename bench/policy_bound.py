@@ -72,6 +72,42 @@ def _streams(trace: Trace):
     return root_hits, np.array(first_dist), later, prompt_tokens, len(roots)
 
 
+FEATURES = {  # what a policy sees of a block when it is first stored, and bucket edges
+    "prompt_tokens": (2_000, 5_000, 10_000, 20_000, 40_000),
+    "output_tokens": (10, 50, 150, 300, 500, 800),
+    "new_blocks_in_request": (2, 4, 8, 16, 32),
+    "depth_in_chain": (2, 4, 8, 16, 32, 64),
+    "request_reused_a_prefix": (1,),
+}
+
+
+def _first_sight(trace: Trace) -> dict[str, dict[str, dict[str, float]]]:
+    """P(a first-seen non-root block is ever used again), bucketed by each feature a
+    history-free predictor could use when the block is stored: the evidence that blocks
+    seen once look alike (the premise of the C1 term)."""
+    last_use: dict[BlockHash, int] = {}
+    for i, req in enumerate(trace.requests):
+        for key in req.block_keys:
+            last_use[key] = i
+    seen: set[BlockHash] = set()
+    tallies = {name: {label: [0, 0] for label in (*(f"<{e}" for e in edges), f">={edges[-1]}")}
+               for name, edges in FEATURES.items()}
+    for i, req in enumerate(trace.requests):
+        new = [(j, key) for j, key in enumerate(req.block_keys) if j > 0 and key not in seen]
+        continued = int(len(req.block_keys) > 1 and req.block_keys[1] in seen)
+        seen.update(req.block_keys)
+        for j, key in new:
+            values = {"prompt_tokens": req.prompt_tokens, "output_tokens": req.output_tokens,
+                      "new_blocks_in_request": len(new), "depth_in_chain": j, "request_reused_a_prefix": continued}
+            for name, edges in FEATURES.items():
+                bucket = next((f"<{e}" for e in edges if values[name] < e), f">={edges[-1]}")
+                tally = tallies[name][bucket]
+                tally[0] += last_use[key] > i
+                tally[1] += 1
+    return {name: {b: {"p_reused": a / n, "blocks": n} for b, (a, n) in buckets.items() if n}
+            for name, buckets in tallies.items()}
+
+
 def _belady_hits(stream: list[tuple[BlockHash, bool]], capacity: int) -> int:
     """Hits (on accesses flagged True) of Belady's optimum over ``stream``."""
     if capacity <= 0:
@@ -126,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"trace": args.trace.name, "capacity_blocks": args.capacity, "lru_hit_rate": args.lru,
            "bound_hit_rate": best["hit_rate"], "bound_vs_lru": best["hit_rate"] / args.lru,
            "target_vs_lru": 2.5, "best_split": best, "root_hits": root_hits,
-           "first_reuses": int(len(first_dist)), "later_reuses": sum(c for _, c in later), "splits": splits}
+           "first_reuses": int(len(first_dist)), "later_reuses": sum(c for _, c in later),
+           "first_sight_features": _first_sight(trace), "splits": splits}
+    for name, buckets in out["first_sight_features"].items():
+        print(f"P(reused) of first-seen blocks by {name}: "
+              + ", ".join(f"{b} {v['p_reused']:.2f} ({v['blocks']})" for b, v in buckets.items()))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2) + "\n")
     print(f"history-only bound at {args.capacity} blocks: {best['hit_rate']:.4f} = "
