@@ -99,6 +99,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.block_size: int = engine.block_size
+        self.vocab_size: int = engine.loaded.shape.vocab_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only

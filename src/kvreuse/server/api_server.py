@@ -2,7 +2,7 @@
 
 ::
 
-    client ─▶ BodyLimit ─▶ APIKey ─▶ routes (completions / chat / info / events / dashboard)
+    client ─▶ BodyLimit ─▶ APIKey ─▶ routes (completions / chat / info / events / dashboard / tokenize)
                                         │ generate()
                                         ▼
                                    AsyncEngine ─▶ engine thread ─▶ LLMEngine
@@ -23,7 +23,7 @@ from kvreuse import __version__
 from kvreuse.async_engine import AsyncEngine
 from kvreuse.server import (
     chat_routes, completions_routes, dashboard_routes, events_routes, executor_info_routes, info_routes,
-    schema_routes,
+    schema_routes, tokenize_routes,
 )
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
@@ -72,6 +72,7 @@ def build_app(
     app.include_router(schema_routes.router)  # PML schemas: /v1/schemas (docs/pml.md)
     app.include_router(events_routes.router)  # KV events: long-poll, SSE, snapshot (docs/events.md)
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
+    app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
     # Added last = outermost: the size limit runs before the key check reads nothing.
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

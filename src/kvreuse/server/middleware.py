@@ -62,15 +62,20 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
+
+
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on ``/v1/*`` (``/health`` and
-    ``/metrics`` stay open for probes and scrapers, as in vLLM)."""
+    """Require ``Authorization: Bearer <api_key>`` on ``/v1/*`` and on the utility routes
+    that compute or change state (``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``);
+    ``/health``, ``/metrics`` and ``/version`` stay open for probes and scrapers, as in vLLM."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app, self._expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") in GUARDED_PATHS
+        if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
