@@ -187,3 +187,52 @@ def test_schema_dir_refuses_a_file_keyed_to_another_model(tiny_llama, tmp_path, 
         info = llm.register_schema(SCHEMA)
     assert info.computed == 4 and info.loaded == 0
     assert "keyed to model 'someone-else@sha256:0'" in caplog.text
+
+
+def test_failed_replace_keeps_the_working_schema(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.0002, block_size=4)  # ~100 blocks
+    llm.register_schema(SINGLE)
+    free = llm.engine.pool.num_free_blocks
+    huge = f'<schema name="one"><module name="doc">{" ".join(["word"] * (4 * free + 40))}</module></schema>'
+    assert 4 * free + 40 < llm.engine.max_model_len  # too big for the pool, not for the context
+    with pytest.raises(ValueError, match="free blocks"):
+        llm.register_schema(huge)
+    llm.engine.pool.check_integrity()
+    assert sorted(llm.engine.modules.schemas) == ["one"]
+    out = llm.generate('<prompt schema="one"><doc/> Who keeps the ledger?</prompt>', GREEDY)[0]
+    assert out.num_cached_tokens == len(llm.engine.modules.schemas["one"].module("doc").stored_token_ids)
+    # what the failed attempt cached does not squat at the module priority
+    schema_blocks = -(-out.num_cached_tokens // 4)
+    assert llm.engine.pool.blocks_by_priority()[MODULE_PRIORITY] == schema_blocks
+
+
+def test_registering_again_after_removal_restores_the_module_priority(tiny_llama):
+    llm = make(tiny_llama)
+    info = llm.register_schema(SCHEMA)
+    held = llm.engine.pool.blocks_by_priority()
+    assert llm.remove_schema("s") and not llm.remove_schema("s")
+    assert MODULE_PRIORITY not in llm.engine.pool.blocks_by_priority()
+    again = llm.register_schema(SCHEMA)
+    assert again.present == len(info.modules) and again.computed == 0
+    assert llm.engine.pool.blocks_by_priority() == held
+    llm.engine.pool.check_integrity()
+
+
+def test_schema_longer_than_the_context_is_refused_at_registration(tiny_llama):
+    llm = make(tiny_llama, max_model_len=64)
+    text = f'<schema name="long"><module name="m">{" ".join(["word"] * 80)}</module></schema>'
+    with pytest.raises(PMLSemanticError, match="context is 64"):
+        llm.register_schema(text)
+    assert llm.engine.modules.schemas == {}
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_schema_dir_keeps_names_apart_and_forgets_removed_schemas(tiny_llama, tmp_path):
+    first = make(tiny_llama, schema_dir=str(tmp_path))
+    first.register_schema(SINGLE.replace('name="one"', 'name="a-b"'))
+    first.register_schema(SINGLE.replace('name="one"', 'name="a"').replace("green", "red"))
+    assert sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.rglob("*.safetensors")) == ["a", "a-b"]
+    assert first.remove_schema("a")
+    assert [p.name.rsplit("-", 1)[0] for p in tmp_path.rglob("*.safetensors")] == ["a-b"]
+    restarted = make(tiny_llama, schema_dir=str(tmp_path))
+    assert [i.name for i in restarted.engine.restored_schemas] == ["a-b"]

@@ -157,7 +157,7 @@ class LLMEngine:
             self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
             chunk_tokens=config.max_num_batched_tokens,
             store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
-            src_dir=config.schema_src_dir,
+            src_dir=config.schema_src_dir, max_model_len=self.max_model_len,
         )
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}

@@ -78,6 +78,11 @@ class LLM:
 
             return self.engine.modules.register(pml_text, src_dir=src_dir, progress=progress)
 
+    def remove_schema(self, name: str) -> bool:
+        """Forget a registered schema (its blocks fall to the default priority and its file in
+        ``schema_dir`` is deleted), as ``DELETE /v1/schemas/{name}``; ``False`` if unknown."""
+        return self.engine.modules.remove(name)
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

@@ -33,6 +33,7 @@ from kvreuse.model_runner import ModelRunner, SeqChunk
 from kvreuse.pml import (
     CompiledModule,
     CompiledSchema,
+    PMLSemanticError,
     compile_prompt,
     compile_schema,
     parse_prompt,
@@ -103,8 +104,10 @@ class ModuleCache:
         chunk_tokens: int = 8192,
         store: SchemaStore | None = None,
         src_dir: str | Path | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.pool = pool
+        self.max_model_len = max_model_len  # a schema must leave room for a prompt; None: no check
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_id = model_id
@@ -124,25 +127,34 @@ class ModuleCache:
         markup, ``ValueError`` when the pool cannot hold a module."""
         src_dir = self.src_dir if src_dir is None else src_dir
         schema = compile_schema(parse_schema(pml_text, src_dir=src_dir), self.tokenizer, tokenizer_id=self.model_id)
-        old = self.schemas.get(schema.name)
-        if old is not None and old.schema_hash != schema.schema_hash:
-            self._demote(old)
-        self.schemas[schema.name] = schema
-        self._sources[schema.name] = pml_text
+        if self.max_model_len is not None and schema.length >= self.max_model_len:
+            raise PMLSemanticError(
+                f"schema {schema.name!r} spans {schema.length} positions but the model's context is "
+                f"{self.max_model_len}: no prompt over it could run (shorten it or raise --max-model-len)"
+            )
         self._counts = {"computed": 0, "loaded": 0, "present": 0}
         todo = schema.precompute_modules
         kv: dict[str, torch.Tensor] = {}  # for the store, read while the blocks are held
         try:
             for i, module in enumerate(todo):
-                blocks = self._ensure(schema, module)
+                blocks = self._ensure(schema, module, promote=True)
                 if self.store is not None:
                     kv[module.qualified_name] = self._read_kv(module, blocks)
                 self.pool.release(reversed(blocks))
                 if progress is not None:
                     progress(i + 1, len(todo), module.qualified_name)
         except BaseException:
-            del self.schemas[schema.name]
+            # The schema registered before (if any) stays in service; what this attempt
+            # cached goes back to the default priority.
+            old = self.schemas.get(schema.name)
+            if old is None or old.schema_hash != schema.schema_hash:
+                self._demote(schema)
             raise
+        old = self.schemas.get(schema.name)
+        if old is not None and old.schema_hash != schema.schema_hash:
+            self._demote(old)
+        self.schemas[schema.name] = schema  # swapped in only once every module is in the pool
+        self._sources[schema.name] = pml_text
         if self.store is not None and self._counts["computed"]:
             self.store.save(schema, pml_text, kv)
         return self.info(schema.name, **self._counts)
@@ -163,12 +175,15 @@ class ModuleCache:
 
     def remove(self, name: str) -> bool:
         """Forget schema ``name``; its blocks fall to the default priority (evicted like any
-        other cached block). Requests using them keep them until they end. ``False`` if unknown."""
+        other cached block) and its file in the store is deleted, so it stays gone after a
+        restart. Requests using them keep them until they end. ``False`` if unknown."""
         schema = self.schemas.pop(name, None)
         self._sources.pop(name, None)
         if schema is None:
             return False
         self._demote(schema)
+        if self.store is not None:
+            self.store.delete(name)
         return True
 
     def info(self, name: str, computed: int = 0, loaded: int = 0, present: int = 0) -> SchemaInfo:
@@ -234,12 +249,17 @@ class ModuleCache:
             extra = ()
         return hashes, pieces
 
-    def _ensure(self, schema: CompiledSchema, module: CompiledModule) -> list[KVBlock]:
+    def _ensure(self, schema: CompiledSchema, module: CompiledModule, promote: bool = False) -> list[KVBlock]:
         """The module's blocks, each acquired once by the caller; missing ones are loaded or
-        computed. Raises ``ValueError`` if the pool cannot hold them now."""
+        computed. ``promote`` (registration) lifts blocks already cached back to the module
+        priority (a schema deleted and registered again). Raises ``ValueError`` if the pool
+        cannot hold them now."""
         hashes, pieces = self.module_hashes(schema, module)
         hits = self.pool.match_prefix(hashes, pieces)
         self.pool.acquire(hits)
+        if promote:
+            for block in hits:
+                self.pool.set_retention(block, MODULE_PRIORITY, None)
         if len(hits) == len(hashes):
             self._counts["present"] += 1
             return hits

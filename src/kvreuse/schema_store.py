@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "kvreuse-pml-kv/1"
 _PREFIX = "module:"
+_FILE = re.compile(r"(.+)-[0-9a-f]{16}\.safetensors")  # <schema name>-<schema_hash[:16]>
 
 
 class StoreMismatch(ValueError):
@@ -68,10 +70,25 @@ class SchemaStore:
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, target)
         self._verified.pop(target, None)
-        for old in self.dir.glob(f"{schema.name}-*.safetensors"):
+        for old in self._files_of(schema.name):
             if old != target:
                 old.unlink(missing_ok=True)
         return target
+
+    def delete(self, name: str) -> int:
+        """Remove every stored version of schema ``name`` (a deleted schema must not come
+        back at the next start); returns how many files went."""
+        files = self._files_of(name)
+        for path in files:
+            path.unlink(missing_ok=True)
+            self._verified.pop(path, None)
+        return len(files)
+
+    def _files_of(self, name: str) -> list[Path]:
+        """Files of schema ``name`` exactly: names may hold "-", so "a" must not match "a-b"'s."""
+        if not self.dir.is_dir():
+            return []
+        return [p for p in self.dir.glob("*.safetensors") if _FILE.fullmatch(p.name) and _FILE.fullmatch(p.name)[1] == name]
 
     def load_module(self, schema: CompiledSchema, qualified_name: str) -> torch.Tensor | None:
         """The stored KV of one module, or ``None`` if no file holds this schema version.
