@@ -157,3 +157,47 @@ def test_event_buffer_from_config(tiny_llama):
     assert [e["event_id"] for e in events] == list(range(len(events)))
     kinds = [e["data"]["type"] for e in events]
     assert kinds[0] == "created" and "stored" in kinds
+
+
+def _pool_llm(loaded, blocks: int) -> LLM:
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4  # tiny llama fp32, block size 4
+    llm = LLM(loaded=loaded, kv_cache_memory_gib=blocks * bytes_per_block / 2**30, block_size=4)
+    assert llm.engine.pool.num_blocks == blocks
+    return llm
+
+
+def test_block_aligned_prompt_again_shares_its_last_block(tiny_llama):
+    """The last block of a block-aligned prompt is never a hit (one token must be computed);
+    computed again, it is a duplicate of the cached one: the sequence takes the cached
+    block and frees its copy, so every held block stays referenced and the chain whole."""
+    llm = _pool_llm(tiny_llama, 4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]  # exactly two blocks
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
+    cached_ids = sorted(b.block_id for b in llm.engine.pool.blocks if b.block_hash is not None)
+    assert len(cached_ids) == 2
+    llm.engine.add_request("again", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    llm.engine.step()  # prefill of the last token: registers the duplicate of block 2
+    llm.engine.pool.check_integrity()
+    seq = llm.engine._requests["again"]
+    assert sorted(b.block_id for b in seq.blocks[:2]) == cached_ids
+    assert all(b.ref_count == 1 for b in seq.blocks)
+    outs = run_steps(llm)  # 8 tokens: the pool of 4 blocks is full at the end
+    assert outs["again"].token_ids[0] == first.token_ids[0] and len(outs["again"].token_ids) == 8
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_duplicate_block_computed_in_one_step_is_shared(tiny_llama):
+    """Two prompts sharing a first block prefilled in the same step: the second's copy is
+    dropped for the first's, and a later request sharing both chains still hits."""
+    llm = _pool_llm(tiny_llama, 7)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.engine.add_request("x", [1, 2, 3, 4, 9], params)
+    llm.engine.add_request("y", [1, 2, 3, 4, 5, 6, 7, 8, 9], params)
+    run_steps(llm)
+    pool = llm.engine.pool
+    assert sum(b.block_hash is not None for b in pool.blocks) == 2  # one copy of the shared block
+    llm.generate([list(range(50, 74))], params)  # 6 of 7 blocks: evicts one leaf, the second block
+    pool.check_integrity()
+    out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], params)[0]
+    pool.check_integrity()
+    assert out.num_cached_tokens == 4

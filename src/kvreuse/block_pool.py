@@ -183,17 +183,26 @@ class BlockPool:
         self.expire()
         out: list[KVBlock] = []
         removed: list[BlockHash] = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.popleft()
-            else:
-                block = self._pop_victim()
-                removed.append(block.block_hash)  # type: ignore[arg-type]
-                self._unregister(block)
-            block.ref_count = 1
-            block.access_count = 1
-            block.last_access = self._next_tick()
-            out.append(block)
+        try:
+            for _ in range(n):
+                if self._free:
+                    block = self._free.popleft()
+                else:
+                    block = self._pop_victim()
+                    removed.append(block.block_hash)  # type: ignore[arg-type]
+                    self._unregister(block)
+                block.ref_count = 1
+                block.access_count = 1
+                block.last_access = self._next_tick()
+                out.append(block)
+        except RuntimeError:
+            for block in out:  # all or nothing: hand back what was taken (now bare blocks)
+                block.ref_count = 0
+                self._reset(block)
+                self._free.append(block)
+            if removed:
+                self._emit(BlocksRemoved(tuple(removed), self.cache_level))
+            raise
         if removed:
             self._emit(BlocksRemoved(tuple(removed), self.cache_level))
         return out

@@ -132,8 +132,16 @@ class KVCacheManager:
                 priority=DEFAULT_PRIORITY if priority is None else priority,
                 duration_s=duration,
             )
-            if kept is not seq.blocks[i] and wanted is not None:
-                self.pool.set_retention(kept, priority, duration)
+            if kept is not seq.blocks[i]:
+                # Another request registered this block first (e.g. the last block of a
+                # block-aligned prompt, never served as a hit): share its copy (same tokens
+                # at the same positions, so the same KV) and free ours, so the chain stays
+                # one chain and every held block is referenced.
+                self.pool.acquire([kept])
+                self.pool.release([seq.blocks[i]])
+                seq.blocks[i] = kept
+                if wanted is not None:
+                    self.pool.set_retention(kept, priority, duration)
         seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:
