@@ -71,6 +71,7 @@ class _Add:
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+    stream: _Stream  # whose request: a rejected duplicate id must not abort the one in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +168,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._send(_Abort(request_id))
+                self._send(_Abort(request_id, stream))
 
     def stats(self) -> EngineStats:
         """The snapshot taken by the engine thread after its latest step (never blocks on it)."""
@@ -262,7 +263,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command)
             elif isinstance(command, _Abort):
-                self._abort(command.request_id)
+                self._abort(command)
             elif isinstance(command, _Call):
                 self._call(command)
             elif isinstance(command, _Stop):
@@ -292,9 +293,11 @@ class AsyncEngine:
             return
         self._streams[cmd.request_id] = cmd.stream
 
-    def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._safe_engine_abort(request_id)
+    def _abort(self, cmd: _Abort) -> None:
+        if self._streams.get(cmd.request_id) is not cmd.stream:
+            return  # finished already, or never admitted (e.g. a duplicate id): nothing of this caller runs
+        del self._streams[cmd.request_id]
+        self._safe_engine_abort(cmd.request_id)
 
     def _call(self, cmd: _Call) -> None:
         try:
@@ -321,7 +324,7 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
             if not self._deliver(stream, output) and not output.finished:
-                self._abort(output.request_id)
+                self._abort(_Abort(output.request_id, stream))
         self._publish_stats()
 
     def _deliver(self, stream: _Stream, item: Any) -> bool:

@@ -55,6 +55,26 @@ def test_duplicate_request_id_is_refused(own_engine):
     asyncio.run(both())
 
 
+def test_cancelled_duplicate_does_not_abort_the_request_in_flight(own_engine):
+    """The caller of a refused duplicate id goes away before its error arrives: its abort
+    names the id, but must not reach the request the first caller is running."""
+
+    async def run():
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        first = own_engine.generate(list(range(100, 140)), params, request_id="twin")
+        outs = [await anext(first)]
+        duplicate = asyncio.ensure_future(_collect(own_engine, "twin"))
+        await asyncio.sleep(0)  # its add is sent
+        duplicate.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await duplicate
+        outs += [o async for o in first]
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(run(), 30))  # before the fix: hung, then timed out
+    assert outs[-1].finished and len(outs[-1].output_token_ids) == 30
+
+
 def test_consumer_that_stops_early_aborts_and_frees_blocks(own_engine):
     async def stop_after_one():
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
