@@ -201,3 +201,33 @@ def test_duplicate_block_computed_in_one_step_is_shared(tiny_llama):
     out = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], params)[0]
     pool.check_integrity()
     assert out.num_cached_tokens == 4
+
+
+@pytest.mark.parametrize("stop, include", [(("op he",), False), (("op he",), True), (("o",), False),
+                                          (("zzz", "ld, st"), False), (("never",), False)])
+def test_streamed_pieces_add_up_to_the_text_with_stop_strings(tiny_llama, stop, include):
+    """A stop string spanning tokens: nothing streamed is taken back or sent twice."""
+    from kvreuse.sequence import Sequence
+    from kvreuse.stop_checker import check_stop
+
+    tokenizer = tiny_llama.tokenizer
+    ids = tokenizer.encode("hello world, stop here please", add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(ids), stop=stop, include_stop_str_in_output=include)
+    seq = Sequence("r", [1], params)
+    pieces, reason = [], None
+    for token in ids:
+        seq.output_token_ids.append(token)
+        piece, reason = check_stop(seq, tokenizer, frozenset())
+        pieces.append(piece)
+        if reason:
+            break
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    hits = [full.find(s) for s in stop if s in full]
+    if hits:
+        i = min(hits)
+        s = next(s for s in stop if full.find(s) == i)
+        expected = full[: i + len(s)] if include else full[:i]
+    else:
+        expected = full
+    assert "".join(pieces) == seq.text == expected
+    assert reason == ("stop" if hits else "length")

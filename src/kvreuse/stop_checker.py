@@ -10,7 +10,9 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int]) -> tuple
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string), ``"length"``
     (``max_tokens`` reached) or ``None``. A stop string and EOS are not part of the text
-    (unless ``include_stop_str_in_output``).
+    (unless ``include_stop_str_in_output``). While stop strings are active, the last
+    ``max(len(stop)) - 1`` characters are held back until the request ends, so the
+    ``new_text`` pieces always add up to the final ``seq.text``.
     """
     params = seq.params
     token = seq.output_token_ids[-1]
@@ -31,6 +33,21 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int]) -> tuple
         reason = "length"
     if reason is None and text.endswith("\ufffd"):
         return "", None  # an incomplete UTF-8 character: wait for the next token
-    new_text = text[len(seq.text) :] if text.startswith(seq.text) else text
+    if reason is None and params.stop:
+        # Hold back a tail that could be the start of a stop string: streamed text cannot
+        # be taken back if the next tokens complete the stop string (as vLLM does).
+        text = text[: max(len(seq.text), len(text) - (max(len(s) for s in params.stop) - 1))]
+    new_text = text[_common_prefix(text, seq.text) :]  # never re-sends what was streamed
     seq.text = text
     return new_text, reason
+
+
+def _common_prefix(a: str, b: str) -> int:
+    if a.startswith(b):
+        return len(b)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
