@@ -231,3 +231,38 @@ def test_streamed_pieces_add_up_to_the_text_with_stop_strings(tiny_llama, stop, 
         expected = full
     assert "".join(pieces) == seq.text == expected
     assert reason == ("stop" if hits else "length")
+
+
+def test_request_filling_the_pool_exactly_runs(tiny_llama):
+    """Prompt 12 + 5 generated tokens in 4 blocks of 4: the last sampled token is never
+    fed back, so 16 slots hold it all; one token more can never fit."""
+    llm = _pool_llm(tiny_llama, 4)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    out = llm.generate([list(range(1, 13))], params)[0]
+    assert len(out.output_token_ids) == 5 and llm.engine.pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        llm.generate([list(range(1, 13))], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+
+
+def test_preempted_prefill_does_not_count_its_own_blocks_as_hits(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=8 * 2 * 2 * 2 * 16 * 4 * 4 / 2**30, block_size=4,
+              max_num_batched_tokens=5)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 124))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    stats = llm.engine.stats()
+    assert stats.num_preemptions >= 1  # the setting is what the test is about
+    assert [o.num_cached_tokens for o in outs] == [0, 0]  # a cold cache: nothing was reused
+    assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (29, 0)
+
+
+def test_retention_as_a_mapping_or_a_bad_type(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    retention = {"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}]}
+    llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1, temperature=0), retention=retention)
+    assert llm.engine.pool.blocks_by_priority() == {80: 2, 35: 1}
+    with pytest.raises(ValueError, match="kv_cache_retention_config"):
+        llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1), retention=80)
+    with pytest.raises(ValueError, match="kv_cache_retention_config.decode_retention_priority"):
+        llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1), retention={"decode_retention_priority": 101})
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()

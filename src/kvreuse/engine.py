@@ -22,6 +22,7 @@ from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn, request_retent
 from kvreuse.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.module_cache import ModuleCache, ModuleContext
+from kvreuse.retention import as_retention
 from kvreuse.sampler import make_generator, sample_one
 from kvreuse.sampling_params import SamplingParams
 from kvreuse.scheduler import Scheduler
@@ -183,6 +184,9 @@ class LLMEngine:
         """
         try:
             self._check_request(request_id, prompt_token_ids, params, prompt_positions)
+            retention = as_retention(retention)
+            if cache_salt is not None and not isinstance(cache_salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         except ValueError:
             if context is not None:
                 self.pool.release(reversed(context.blocks))
@@ -236,7 +240,8 @@ class LLMEngine:
         vocab = self.loaded.shape.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens)
+        # the last sampled token is never fed back, so it needs no slot
+        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1)
         if needed > self.pool.num_blocks:
             raise ValueError(
                 f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "

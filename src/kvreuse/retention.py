@@ -85,6 +85,16 @@ class KvCacheRetentionConfig:
         return cls(tuple(ranges), decode_priority, decode_duration)
 
 
+def as_retention(value: object) -> KvCacheRetentionConfig | None:
+    """A request's retention as given by a Python caller: ``None``, a config, or the JSON
+    form (a mapping). Raises ``ValueError`` naming ``kv_cache_retention_config`` otherwise."""
+    if value is None or isinstance(value, KvCacheRetentionConfig):
+        return value
+    if isinstance(value, Mapping):
+        return KvCacheRetentionConfig.from_dict(value)
+    raise ValueError(f"{FIELD}: expected a KvCacheRetentionConfig or a mapping, got {type(value).__name__}")
+
+
 def decode_retention_priority(config: KvCacheRetentionConfig | None) -> int:
     """Priority of generated-token blocks (the default when there is no config)."""
     return DEFAULT_PRIORITY if config is None else config.decode_retention_priority

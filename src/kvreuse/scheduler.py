@@ -66,9 +66,10 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            first_time = seq.first_token_time is None and not seq.output_token_ids
-            if not self.kv.admit(seq, first_time=first_time):
+            # Counted once: a sequence preempted mid-prefill finds its own blocks on return.
+            if not self.kv.admit(seq, first_time=not seq.admitted_before):
                 break
+            seq.admitted_before = True
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

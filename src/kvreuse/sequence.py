@@ -40,6 +40,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading own blocks already entered in the prefix index
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
+    admitted_before: bool = False  # a preempted sequence re-admitted: its own blocks are no cache hits
     prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
     context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
     context_positions: list[int] = field(default_factory=list)
