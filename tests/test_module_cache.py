@@ -236,3 +236,36 @@ def test_schema_dir_keeps_names_apart_and_forgets_removed_schemas(tiny_llama, tm
     assert [p.name.rsplit("-", 1)[0] for p in tmp_path.rglob("*.safetensors")] == ["a-b"]
     restarted = make(tiny_llama, schema_dir=str(tmp_path))
     assert [i.name for i in restarted.engine.restored_schemas] == ["a-b"]
+
+
+def test_waiting_requests_holding_module_kv_never_deadlock_the_pool(tiny_llama):
+    """Two schemas whose modules fill most of a small pool; one request at a time runs.
+    The waiting requests hold their module KV, so the first cannot be admitted and nothing
+    runs: the ones behind it let their module KV go (acquired again, recomputed if evicted,
+    when their turn comes). Every request finishes with the tokens it gets alone."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    small = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * bytes_per_block / 2**30, block_size=4, max_num_seqs=1)
+    roomy = make(tiny_llama)
+
+    def words(n, tag):
+        return " ".join(f"w{tag}x{i}" for i in range(n))
+
+    for llm in (small, roomy):
+        for name in ("a", "b"):
+            llm.register_schema(f'<schema name="{name}"><module name="m">{words(20, name)}</module></schema>')
+    assert sum(small.engine.pool.blocks_by_priority().values()) > 30  # of 40 blocks
+    prompts = [f'<prompt schema="{s}"><m/>{words(6, q)}</prompt>' for s, q in (("a", "q"), ("b", "r"), ("a", "s"))]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine = small.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_pml_request(f"r{i}", prompt, params)
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 1000, "the engine made no progress"
+        for out in engine.step():
+            outs[out.request_id] = out
+        engine.pool.check_integrity()
+    alone = [roomy.generate(p, params)[0].token_ids for p in prompts]
+    assert [outs[f"r{i}"].token_ids for i in range(3)] == alone
+    assert engine.pool.num_used_blocks == 0

@@ -176,6 +176,7 @@ class LLMEngine:
         retention=None,
         prompt_positions: list[int] | None = None,
         context: ModuleContext | None = None,
+        module_plan=None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (naming the field) if it can never run.
 
@@ -183,7 +184,8 @@ class LLMEngine:
         over its block references and releases them when it ends or is rejected here.
         """
         try:
-            self._check_request(request_id, prompt_token_ids, params, prompt_positions)
+            self._check_request(request_id, prompt_token_ids, params, prompt_positions,
+                                len({b.block_id for b in context.blocks}) if context is not None else 0)
             retention = as_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -201,9 +203,8 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
         )
         if context is not None:
-            seq.context_blocks = list(context.blocks)
-            seq.context_slots = list(context.slots)
-            seq.context_positions = list(context.positions)
+            self._set_context(seq, context)
+            seq.module_plan = module_plan
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -215,11 +216,43 @@ class LLMEngine:
         prepared = self.modules.prepare(pml_text)
         self.add_request(
             request_id, prepared.token_ids, params, cache_salt=cache_salt, retention=retention,
-            prompt_positions=prepared.position_ids, context=prepared.context,
+            prompt_positions=prepared.position_ids, context=prepared.context, module_plan=prepared.plan,
         )
 
+    @staticmethod
+    def _set_context(seq: Sequence, context: ModuleContext) -> None:
+        seq.context_blocks = list(context.blocks)
+        seq.context_slots = list(context.slots)
+        seq.context_positions = list(context.positions)
+        seq.context_released = False
+
+    def _restore_context(self) -> None:
+        """The first waiting request, if its module KV was let go, acquires it again
+        (recomputing what was evicted meanwhile); if the pool cannot hold it yet it waits."""
+        waiting = self.scheduler.waiting
+        if not waiting or not waiting[0].context_released:
+            return
+        seq = waiting[0]
+        try:
+            self._set_context(seq, self.modules.acquire(seq.module_plan))
+        except ValueError:
+            pass  # not now: running requests will free blocks
+
+    def _break_context_deadlock(self) -> bool:
+        """Nothing runs and the first waiting request cannot be admitted: the module KV
+        that requests behind it hold is in the way. They let it go (it stays cached,
+        evictable) and acquire it again when their turn comes. Returns whether any did."""
+        released = False
+        for seq in list(self.scheduler.waiting)[1:]:
+            if seq.context_blocks and seq.module_plan is not None:
+                self.kv.release_context(seq)
+                seq.context_slots, seq.context_positions = [], []
+                seq.context_released = released = True
+        return released
+
     def _check_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None,
+        context_blocks: int = 0,
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -241,7 +274,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
         # the last sampled token is never fed back, so it needs no slot
-        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1)
+        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks
         if needed > self.pool.num_blocks:
             raise ValueError(
                 f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
@@ -259,7 +292,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
+        self._restore_context()
         plan = self.scheduler.schedule()
+        if not plan and self.scheduler.waiting and not self.scheduler.running and self._break_context_deadlock():
+            plan = self.scheduler.schedule()
         if not plan:
             return []
         bs = self.block_size

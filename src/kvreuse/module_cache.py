@@ -63,12 +63,24 @@ class ModuleContext:
 
 
 @dataclass(frozen=True)
+class ModulePlan:
+    """Which modules a PML prompt assembles, in attention order, from which schema version;
+    ``dropped`` is the index of an assembled key computed again with the new tokens (the
+    highest position, when no text follows it). Enough to acquire the context again."""
+
+    schema: CompiledSchema
+    modules: tuple[str, ...]
+    dropped: int | None
+
+
+@dataclass(frozen=True)
 class PreparedPrompt:
     """What the engine runs for a PML prompt: new tokens at explicit positions after ``context``."""
 
     token_ids: list[int]
     position_ids: list[int]  # ascending; the last is the highest position, so decoding follows it
     context: ModuleContext
+    plan: ModulePlan  # to acquire the context again after a release (engine, under pressure)
 
 
 @dataclass(frozen=True)
@@ -205,30 +217,42 @@ class ModuleCache:
         tree = parse_prompt(pml_text)
         prompt = compile_prompt(tree, self.schemas, self.tokenizer)
         schema = self.schemas[prompt.schema_name]
-        held: list[KVBlock] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        tokens: list[int] = []
-        bs = self.pool.block_size
-        try:
-            for name, stored_tokens, stored_positions in schema.assembled(prompt):
-                blocks = self._ensure(schema, schema.module(name))
-                held += blocks
-                slots += [blocks[j // bs].block_id * bs + j % bs for j in range(len(stored_tokens))]
-                positions += stored_positions
-                tokens += stored_tokens
-        except BaseException:
-            self.pool.release(reversed(held))
-            raise
+        assembled = schema.assembled(prompt)
+        tokens = [t for _, stored, _ in assembled for t in stored]
+        positions = [p for _, _, stored in assembled for p in stored]
         new_tokens, new_positions = list(prompt.new_token_ids), list(prompt.new_position_ids)
+        dropped = None
         if positions and (not new_positions or max(positions) > new_positions[-1]):
             # The highest position is assembled (no trailing text): compute that one token
             # again so its logits exist and decoding continues right after it.
-            i = max(range(len(positions)), key=positions.__getitem__)
-            new_tokens.append(tokens[i])
-            new_positions.append(positions[i])
-            del slots[i], positions[i]
-        return PreparedPrompt(new_tokens, new_positions, ModuleContext(tuple(held), tuple(slots), tuple(positions)))
+            dropped = max(range(len(positions)), key=positions.__getitem__)
+            new_tokens.append(tokens[dropped])
+            new_positions.append(positions[dropped])
+        plan = ModulePlan(schema, tuple(name for name, _, _ in assembled), dropped)
+        return PreparedPrompt(new_tokens, new_positions, self.acquire(plan), plan)
+
+    def acquire(self, plan: ModulePlan) -> ModuleContext:
+        """The KV of ``plan``'s modules, one reference per block for the caller; evicted
+        blocks are loaded or recomputed (the plan keeps its schema version even if the
+        schema was replaced or deleted since). Raises ``ValueError`` when the pool cannot
+        hold them now (nothing is held then)."""
+        schema, bs = plan.schema, self.pool.block_size
+        held: list[KVBlock] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        try:
+            for name in plan.modules:
+                module = schema.module(name)
+                blocks = self._ensure(schema, module)
+                held += blocks
+                slots += [blocks[j // bs].block_id * bs + j % bs for j in range(len(module.stored_token_ids))]
+                positions += module.stored_position_ids
+        except BaseException:
+            self.pool.release(reversed(held))
+            raise
+        if plan.dropped is not None:  # that key is computed with the new tokens instead
+            del slots[plan.dropped], positions[plan.dropped]
+        return ModuleContext(tuple(held), tuple(slots), tuple(positions))
 
     def prompt_end(self, pml_text: str) -> int:
         """Where decoding of this prompt would start (its context length). Raises ``PMLError``."""

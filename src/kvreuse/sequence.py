@@ -45,6 +45,8 @@ class Sequence:
     context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
     context_positions: list[int] = field(default_factory=list)
     context_blocks: list[KVBlock] = field(default_factory=list)  # PML: module blocks held (read in place)
+    module_plan: object | None = None  # PML: module_cache.ModulePlan, to acquire the context again
+    context_released: bool = False  # PML: context let go while waiting (pool deadlock); not admissible
     first_token_time: float | None = None
     finish_reason: str | None = None
     text: str = ""  # detokenized output so far (stop strings cut)
