@@ -50,8 +50,15 @@ def _http(method: str, url: str, api_key: str | None, body: dict | None = None) 
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.request(method, url, json=body, headers=headers, timeout=None)
-    payload = r.json()
+    try:
+        # precompute can take minutes on a CPU; connecting must not
+        r = httpx.request(method, url, json=body, headers=headers, timeout=httpx.Timeout(600.0, connect=10.0))
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach the server at {url}: {exc} (is `kvreuse serve` running there?)") from None
+    try:
+        payload = r.json()
+    except ValueError:
+        raise ValueError(f"{url} answered {r.status_code} without JSON: {r.text[:200]}") from None
     if r.status_code != 200:
         raise ValueError(payload.get("error", {}).get("message", r.text))
     return payload

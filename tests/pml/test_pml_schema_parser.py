@@ -202,3 +202,9 @@ class TestSrc:
         (tmp_path / "a.txt").write_text("x")
         error = _semantic('<schema name="s"><module name="m" src="a.txt">inline</module></schema>', src_dir=tmp_path)
         assert "no content of its own" in str(error)
+
+
+def test_parameter_length_takes_ascii_digits_only():
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema('<schema name="s"><module name="m">a <param name="n" len="\u00b2"/></module></schema>')
+    assert "positive integer" in str(info.value) and (info.value.line, info.value.column) == (1, 37)

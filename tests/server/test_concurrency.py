@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from .helpers import wait_idle, words
 
@@ -103,3 +104,28 @@ def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, async_e
     assert async_engine.integrity_error is None
     r = client.post("/v1/completions", json={"prompt": "after the disconnect", "max_tokens": 2})
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_client_disconnect_before_a_whole_response_aborts_it(client, live_url, async_engine, monkeypatch, path):
+    """Not streaming: the client gives up while the request runs; it is aborted too."""
+    step = async_engine.engine.step
+
+    def paced_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(async_engine.engine, "step", paced_step)
+    wait_idle(async_engine)
+    finished_before = _finished_count(client, "length")
+    body = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    if path == "/v1/completions":
+        body["prompt"] = words(100, 301)
+    else:
+        body["messages"] = [{"role": "user", "content": words(100, 302)}]
+    with httpx.Client(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(live_url + path, json=body)  # gives up after 0.5 s of a ~4 s request
+    after = wait_idle(async_engine, timeout=10)
+    asyncio.run(async_engine.check_integrity())
+    assert after.num_used_blocks == 0
+    assert _finished_count(client, "length") == finished_before  # aborted, never ran to max_tokens

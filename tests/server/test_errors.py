@@ -108,3 +108,35 @@ def test_api_key(async_engine):
         assert c.post("/v1/completions", json=body, headers=right).status_code == 200
         assert c.get("/health").status_code == 200  # probes need no key
         assert c.get("/metrics").status_code == 200
+
+
+def test_more_bad_fields_name_the_right_param(client):
+    cases = [
+        ({"prompt": [-1], "echo": True, "max_tokens": 1}, "prompt", "vocabulary"),
+        ({"prompt": [10**12], "max_tokens": 1}, "prompt", "vocabulary"),
+        ({"prompt": "a", "seed": 2**70}, "seed", None),
+        ({"prompt": "a", "suffix": "b"}, "suffix", "suffix"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": ["a"] * 300, "max_tokens": 1}, "prompt", "at most 256"),
+    ]
+    for body, param, needle in cases:
+        err = _error(client.post("/v1/completions", json=body), 400)
+        assert err["param"] == param, (body, err)
+        assert needle is None or needle in err["message"], (body, err)
+    messages = [{"role": "user", "content": "hi"}]
+    err = _error(client.post("/v1/chat/completions", json={
+        "messages": messages, "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}), 400)
+    assert err["param"] == "chat_template_kwargs" and "own chat template" in err["message"]
+    err = _error(client.post("/tokenize", json={
+        "messages": messages, "chat_template_kwargs": {"chat_template": "X"}}), 400)
+    assert err["param"] == "chat_template_kwargs"
+    _still_serving(client)
+
+
+def test_value_error_param_matches_whole_words_only():
+    from kvreuse.server.errors import from_value_error
+
+    assert from_value_error(ValueError("unknown schema 'nope' (known: none)")).param is None
+    assert from_value_error(ValueError("n must be between 1 and 16")).param == "n"
+    assert from_value_error(ValueError("stop_token_ids: bad")).param is None
+    assert from_value_error(ValueError("max_tokens=3 is too many")).param == "max_tokens"

@@ -3,6 +3,8 @@ markup that name the line/column or the module, and an idle pool afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+
 from .helpers import wait_idle
 
 SCHEMA = """<schema name="httpdocs">
@@ -61,8 +63,10 @@ def test_bad_markup_and_bad_prompts_are_400s(client, async_engine):
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert r.status_code == 400, (prompt, r.text)
         assert needle in r.json()["error"]["message"], (prompt, r.text)
+        assert r.json()["error"]["param"] == "prompt"
         c = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
         assert c.status_code == 400, (prompt, c.text)
+        assert c.json()["error"]["param"] == "messages"
     assert client.delete("/v1/schemas/httpdocs").status_code == 200
     assert client.delete("/v1/schemas/httpdocs").status_code == 404
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
@@ -107,3 +111,26 @@ def test_src_modules_over_http_need_schema_src_dir_and_survive_a_restart(tiny_ll
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"] == first["usage"]
         wait_idle(engine)
+
+
+def test_pml_prompts_obey_the_prompt_limit_and_default_max_tokens(tiny_llama):
+    """--max-prompt-tokens counts the assembled modules; without max_tokens a PML
+    completion gets what the context leaves (at most 16), as a plain one does."""
+    from kvreuse.server.serving import ServerLimits
+
+    from .fresh_app import fresh_client
+
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.01) as (client, engine):
+        assert client.post("/v1/schemas", json={"schema": SCHEMA}).status_code == 200
+        end = asyncio.run(engine.call(lambda e: e.modules.prompt_end(PROMPT)))
+        ok = client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 16
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.01, limits=ServerLimits(max_prompt_tokens=end - 1)) as (
+        client, engine
+    ):
+        assert client.post("/v1/schemas", json={"schema": SCHEMA}).status_code == 200
+        for path, body, param in (("/v1/completions", {"prompt": PROMPT}, "prompt"),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}, "messages")):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"

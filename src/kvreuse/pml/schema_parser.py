@@ -198,7 +198,7 @@ class _SchemaReader:
                 column=element.column,
             )
         raw_length = element.attr(length_attr) or ""
-        if not raw_length.strip().isdigit():
+        if not re.fullmatch(r"\s*[0-9]+\s*", raw_length):  # ASCII digits only: "²".isdigit() is True
             raise _syntax(element, f"parameter {name!r}: {length_attr} must be a positive integer, not {raw_length!r}")
         length = int(raw_length)
         if not 1 <= length <= self._max_parameter_length:

@@ -51,6 +51,10 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     """Raises a 400 ``APIError`` naming ``messages`` when the template rejects them (e.g.
     roles that must alternate) or naming ``messages[i].retention`` for bad retention."""
     kwargs = dict(template_kwargs or {})
+    if "chat_template" in kwargs:
+        # A template is code run on the server (vLLM refuses it too unless trusted).
+        raise APIError("chat_template_kwargs.chat_template: a request may not supply its own chat template; "
+                       "the model's template is used", param="chat_template_kwargs")
     for reserved in ("tokenize", "add_generation_prompt", "conversation", "messages"):
         kwargs.pop(reserved, None)
     try:

@@ -14,16 +14,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from kvreuse.async_engine import EngineError
 from kvreuse.logprobs import TokenLogprobs
 from kvreuse.module_cache import is_pml_prompt
+from kvreuse.pml import PMLError
 from kvreuse.server.chat_prompt import merge_retention, render_chat
-from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.server.errors import APIError, error_body, from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
 from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, context_of, new_request_id, parse_retention,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, context_of, new_request_id, parse_retention,
     run_to_completion, sampling_params, sse, start_streams,
 )
 
@@ -39,9 +41,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     request_retention = parse_retention(body.kv_cache_retention_config)
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
-        return await _create_pml(ctx, body, model, pml, request_retention)
-    prompt = render_chat(ctx.engine.tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                         template_kwargs=body.chat_template_kwargs)
+        return await _create_pml(ctx, body, model, pml, request_retention, request)
+    # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
+    prompt = await run_in_threadpool(render_chat, ctx.engine.tokenizer, body.messages,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     template_kwargs=body.chat_template_kwargs)
     retention = merge_retention(prompt.retention, request_retention)
     check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
     default_max = ctx.engine.max_model_len - len(prompt.token_ids)
@@ -55,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.stream:
         streams = await start_streams(ctx, requests)
         return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests)
+    finals = await run_to_completion(ctx, requests, request)
     choices = _choices(finals, ctx.engine.tokenizer)
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens)
@@ -70,9 +74,13 @@ def pml_message(messages) -> str | None:
     return messages[0].content if is_pml_prompt(messages[0].content) else None
 
 
-async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, retention):
+async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, retention, request: Request):
     # As for plain chat, the reply may fill the context: ask the engine thread where the prompt ends.
-    end = await ctx.engine.call(lambda engine: engine.modules.prompt_end(pml))
+    try:
+        end = await ctx.engine.call(lambda engine: engine.modules.prompt_end(pml))
+    except PMLError as exc:
+        raise APIError(str(exc), param="messages") from None
+    check_prompt_length(ctx, end, body.max_tokens, param="messages")
     default_max = max(1, ctx.engine.max_model_len - end)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
@@ -84,7 +92,7 @@ async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, re
     if body.stream:
         streams = await start_streams(ctx, requests)
         return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests)
+    finals = await run_to_completion(ctx, requests, request)
     return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer),
                          "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
                                              finals[0].num_cached_tokens)})

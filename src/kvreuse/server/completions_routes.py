@@ -24,7 +24,7 @@ from kvreuse.server.errors import error_body, from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, ServerContext, check_model, check_prompt, context_of, new_request_id,
+    SSE_DONE, EngineRequest, ServerContext, check_model, check_prompt, check_prompt_length, context_of, new_request_id,
     parse_retention, run_to_completion, sampling_params, sse, start_streams,
 )
 
@@ -41,17 +41,24 @@ async def create_completion(body: CompletionRequest, request: Request):
     retention = parse_retention(body.kv_cache_retention_config)
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
-    pml: list[str | None] = []  # a PML prompt is checked by the engine once compiled (docs/pml.md)
+    pml: list[str | None] = []  # a PML prompt is compiled on the engine thread (docs/pml.md)
+    lengths: list[int] = []  # context length of each prompt: where decoding starts
     for prompt in body.prompts():
         pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
-        ids = [] if pml[-1] is not None else list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
-        if pml[-1] is None:
+        if pml[-1] is not None:
+            text = pml[-1]
+            ids, n = [], await ctx.engine.call(lambda engine: engine.modules.prompt_end(text))
+            check_prompt_length(ctx, n, body.max_tokens, param="prompt")
+        else:
+            ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
             check_prompt(ctx, ids, body.max_tokens, param="prompt")
+            n = len(ids)
         prompt_ids.append(ids)
+        lengths.append(n)
     base_id = body.request_id or new_request_id("cmpl")
     requests = []
     for i, ids in enumerate(prompt_ids):
-        default_max = min(_DEFAULT_MAX_TOKENS, ctx.engine.max_model_len - len(ids))
+        default_max = max(1, min(_DEFAULT_MAX_TOKENS, ctx.engine.max_model_len - lengths[i]))
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
@@ -61,7 +68,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.stream:
         streams = await start_streams(ctx, requests)
         return StreamingResponse(_stream(ctx, body, header, streams, echo_text), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests)
+    finals = await run_to_completion(ctx, requests, request)
     choices = [
         {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
          "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),

@@ -10,22 +10,24 @@ FastAPI's default 422 for an invalid body becomes a 400 whose message names the 
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.async_engine import EngineError
+from kvreuse.pml import PMLError
 
 logger = logging.getLogger(__name__)
 
 # Request fields, most specific first: used to name the ``param`` of an engine ValueError.
 _KNOWN_PARAMS = (
     "kv_cache_retention_config", "max_completion_tokens", "max_tokens", "cache_salt", "messages",
-    "prompt", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
+    "prompt", "suffix", "stream_options", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
 )
 # Location parts pydantic adds for union members and validators: not field names.
 # Fields that are unions: pydantic reports one failure per member; say what is accepted.
@@ -35,6 +37,10 @@ _UNION_HINTS = {
     "content": "expected a string or a list of text parts",
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "json-or-python", "function-after", "function-before"}
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its requests were aborted."""
 
 
 class APIError(Exception):
@@ -70,8 +76,11 @@ def error_response(message: str, *, status: int = 400, type: str = "invalid_requ
 def from_value_error(exc: ValueError) -> APIError:
     """A 400 for an engine or parameter ``ValueError``; ``param`` is the field its message names."""
     message = str(exc)
+    if isinstance(exc, PMLError):  # markup in the prompt: line/column or the module is in the message
+        return APIError(message, param="prompt")
     lowered = message.lower()
-    hits = [(lowered.find(name), name) for name in _KNOWN_PARAMS if name in lowered]
+    # whole words only: "n" must not match every message containing the letter
+    hits = [(m.start(), name) for name in _KNOWN_PARAMS if (m := re.search(rf"(?<![\w.]){name}(?!\w)", lowered))]
     param = min(hits)[1] if hits else None
     return APIError(message, param=param)
 
@@ -128,6 +137,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:
         return from_value_error(exc).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:

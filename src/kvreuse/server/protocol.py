@@ -33,12 +33,12 @@ class _GenerationRequest(BaseModel):
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=-1)  # vLLM extra; -1 and 0 mean off
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - 16)  # int64, room for n offsets
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM extra
     ignore_eos: StrictBool = False  # vLLM extra
     include_stop_str_in_output: StrictBool = False  # vLLM extra
-    n: StrictInt = Field(default=1, ge=1, le=16)
+    n: StrictInt = Field(default=1, ge=1, le=16)  # seed's bound above leaves room for these offsets
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -52,6 +52,8 @@ class _GenerationRequest(BaseModel):
 
         Raises ``ValueError`` (naming the field) for combinations the model cannot check.
         """
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -76,6 +78,9 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+MAX_PROMPTS = 256  # prompts in one completions request (each times n engine requests)
+
+
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token
     ids, or a list of token-id lists (each list element is a separate prompt)."""
@@ -92,11 +97,15 @@ class CompletionRequest(_GenerationRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts in order: strings or token-id lists. Raises ``ValueError`` if empty."""
+        if self.suffix:
+            raise ValueError("suffix: insertion after the completion is not supported; leave suffix out")
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
             raise ValueError("prompt: must not be empty")
+        if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request (got {len(p)}); split the batch")
         if isinstance(p[0], int):
             return [list(p)]  # type: ignore[arg-type]
         if isinstance(p[0], list) and any(not ids for ids in p):

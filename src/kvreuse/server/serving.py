@@ -19,7 +19,7 @@ from kvreuse.async_engine import AsyncEngine
 from kvreuse.retention import FIELD as RETENTION_FIELD
 from kvreuse.retention import KvCacheRetentionConfig
 from kvreuse.sampling_params import SamplingParams
-from kvreuse.server.errors import APIError, from_value_error
+from kvreuse.server.errors import APIError, ClientDisconnected, from_value_error
 from kvreuse.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -69,10 +69,20 @@ def check_model(ctx: ServerContext, name: str | None) -> str:
 
 
 def check_prompt(ctx: ServerContext, token_ids: Sequence[int], max_tokens: int | None, *, param: str) -> None:
-    """Raise a 400 naming ``param`` if the prompt is empty or cannot fit the context."""
-    n = len(token_ids)
-    if n == 0:
+    """Raise a 400 naming ``param`` if the prompt is empty, holds ids outside the
+    vocabulary, or cannot fit the context."""
+    if not token_ids:
         raise APIError(f"{param}: the prompt is empty", param=param)
+    vocab = ctx.engine.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+    check_prompt_length(ctx, len(token_ids), max_tokens, param=param)
+
+
+def check_prompt_length(ctx: ServerContext, n: int, max_tokens: int | None, *, param: str) -> None:
+    """Raise a 400 if a prompt of context length ``n`` (for PML: where decoding starts) is
+    over ``--max-prompt-tokens`` or leaves no room in the context."""
     if n > ctx.prompt_limit or n >= ctx.engine.max_model_len:
         raise APIError(
             f"{param}: the prompt is {n} tokens, but this model's context is {ctx.engine.max_model_len} tokens "
@@ -130,9 +140,19 @@ async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[Requ
         yield output
 
 
-async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest]) -> list[RequestOutput]:
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already: the next ASGI
+    message of a plain POST is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest],
+                            http_request: Request | None = None) -> list[RequestOutput]:
     """The final output of each request, run concurrently. Raises ``ValueError`` /
-    ``EngineError`` of the first that fails (the others are cancelled and aborted)."""
+    ``EngineError`` of the first that fails (the others are cancelled and aborted), and
+    ``ClientDisconnected`` when ``http_request``'s client leaves first: every request is
+    then aborted and its blocks freed, as for a stream (vLLM's ``with_cancellation``)."""
 
     async def last(req: EngineRequest) -> RequestOutput:
         final = None
@@ -142,11 +162,19 @@ async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest
         return final
 
     tasks = [asyncio.ensure_future(last(r)) for r in requests]
+    everything = asyncio.gather(*tasks)
+    watcher = asyncio.ensure_future(_disconnected(http_request)) if http_request is not None else None
     try:
-        return list(await asyncio.gather(*tasks))
+        if watcher is not None:
+            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():
+                raise ClientDisconnected()
+        return list(await everything)
     finally:
         for task in tasks:
             task.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 @dataclass

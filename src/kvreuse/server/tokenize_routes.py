@@ -24,6 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 
 from kvreuse import __version__
 from kvreuse.server.chat_prompt import render_chat
@@ -65,8 +66,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise APIError("give exactly one of prompt (text) and messages (a chat)", param="prompt")
     tokenizer = ctx.engine.tokenizer
     if body.messages is not None:
-        ids = render_chat(tokenizer, body.messages, add_generation_prompt=body.add_generation_prompt,
-                          template_kwargs=body.chat_template_kwargs).token_ids
+        ids = (await run_in_threadpool(render_chat, tokenizer, body.messages,
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       template_kwargs=body.chat_template_kwargs)).token_ids
         if body.add_special_tokens:  # the template already placed its markers; vLLM adds BOS only on request
             ids = _with_bos(tokenizer, ids)
     elif body.add_special_tokens is False:
