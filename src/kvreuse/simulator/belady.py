@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvreuse.eviction import EvictionPolicy
 from kvreuse.hashing import BlockHash
-from kvreuse.simulator.replay import ReplayResult, replay
+from kvreuse.simulator.replay import ReplayResult, hit_blocks, kv_tokens, replay
 from kvreuse.simulator.traces import Trace
 
 if TYPE_CHECKING:
@@ -29,16 +29,20 @@ class BeladyPolicy(EvictionPolicy):
 
     name = "belady"
 
-    def __init__(self, trace: Trace) -> None:
-        # next_after[i][j]: index of the next request after i that looks up request i's
-        # j-th prompt key (math.inf if none); built backwards in one pass.
+    def __init__(self, trace: Trace, capacity_blocks: int | None = None) -> None:
+        # next_after[i][j]: index of the next request after i that can hit request i's j-th
+        # prompt key (math.inf if none); built backwards in one pass. Only what the replay
+        # counts is a use: keys a request may hit (not the block of its last prompt token),
+        # in requests that run at all (those over ``capacity_blocks`` are refused).
+        bs = trace.block_size
         upcoming: dict[BlockHash, float] = {}
         next_after: list[list[float]] = [[] for _ in trace.requests]
         for i in range(len(trace.requests) - 1, -1, -1):
-            keys = trace.requests[i].block_keys
-            next_after[i] = [upcoming.get(k, math.inf) for k in keys]
-            for k in keys:
-                upcoming[k] = i
+            req = trace.requests[i]
+            next_after[i] = [upcoming.get(k, math.inf) for k in req.block_keys]
+            if capacity_blocks is None or -(-kv_tokens(req) // bs) <= capacity_blocks:
+                for k in req.block_keys[: hit_blocks(req, bs)]:
+                    upcoming[k] = i
         self._trace = trace
         self._next_after = next_after
         self._next_use: dict[BlockHash, float] = {}  # key -> next request index that needs it
@@ -55,5 +59,5 @@ class BeladyPolicy(EvictionPolicy):
 
 def replay_belady(trace: Trace, capacity_blocks: int, **kwargs) -> ReplayResult:
     """Replay ``trace`` with ``BeladyPolicy`` (the upper reference for every online policy)."""
-    policy = BeladyPolicy(trace)
+    policy = BeladyPolicy(trace, capacity_blocks)
     return replay(trace, policy, capacity_blocks, on_request=policy.start_request, **kwargs)

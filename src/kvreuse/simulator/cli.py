@@ -45,11 +45,15 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.capacity_blocks <= 0:
         print("kvreuse simulate: --capacity-blocks must be positive", file=sys.stderr)
         return 2
+    if args.sweep and not args.plot:
+        print("kvreuse simulate: --sweep sets the capacities of --plot; add --plot FILE.png", file=sys.stderr)
+        return 2
     fmt = args.trace_format
     if fmt == "auto":
         fmt = _sniff_format(args.trace)
-    block_tokens = args.block_tokens or DEFAULT_BLOCK_TOKENS[fmt]
+    block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if args.block_tokens is None else args.block_tokens
     try:
+        capacities = _capacities(args.sweep, args.capacity_blocks) if args.plot else []
         trace = read_trace(args.trace, block_tokens=block_tokens, trace_format=fmt, limit=args.limit)
     except (OSError, ValueError) as e:
         print(f"kvreuse simulate: {e}", file=sys.stderr)
@@ -65,7 +69,6 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
         )
     results = [r for r in results if r.policy != BELADY]
     if args.plot:
-        capacities = _capacities(args.sweep, capacity)
         sweep_results = sweep(trace, [*names, BELADY] if BELADY not in names else names, capacities,
                               on_done=lambda r: print(f"  sweep {r.policy} {r.capacity_blocks}: {r.hit_rate:.4f}",
                                                       file=sys.stderr))
@@ -98,17 +101,25 @@ def _print_table(name: str, capacity: int, block_tokens: int, results: list[Repl
 
 
 def _sniff_format(path: str) -> str:
+    """By the first non-blank line, as ``read_trace`` decides."""
     try:
         with open(path) as f:
-            first = f.readline()
+            first = next((line for line in f if line.strip()), "")
     except OSError:
         return "jsonl"  # read_trace reports the real error
     return "mooncake" if '"hash_ids"' in first else "jsonl"
 
 
 def _capacities(spec: str | None, capacity: int) -> list[int]:
+    """Raises ``ValueError`` naming --sweep for anything but positive integers."""
     if spec:
-        return sorted({int(c) for c in spec.split(",") if c.strip()})
+        try:
+            values = {int(c) for c in spec.split(",") if c.strip()}
+        except ValueError:
+            raise ValueError(f"--sweep takes positive block counts separated by commas, got {spec!r}") from None
+        if not values or min(values) < 1:
+            raise ValueError(f"--sweep takes positive block counts separated by commas, got {spec!r}")
+        return sorted(values)
     return sorted({max(1, capacity // 4), max(1, capacity // 2), capacity, capacity * 2, capacity * 4})
 
 

@@ -91,17 +91,22 @@ def replay(
     bs = trace.block_size
     started = time.perf_counter()
     for i, req in enumerate(trace.requests):
-        if on_request is not None:
-            on_request(i)
         now = max(now, req.timestamp_s)
         result.requests += 1
-        result.prompt_tokens += req.prompt_tokens
-        total = req.prompt_tokens + req.output_tokens
+        total = kv_tokens(req)
         n_blocks = -(-total // bs)
-        hits = pool.match_prefix(req.block_keys, req.block_tokens)
-        if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
-            result.requests_rejected += 1  # could not run: no hit either
+        if n_blocks > capacity_blocks:  # the engine refuses it (400): not part of the hit rate
+            result.requests_rejected += 1
+            if progress is not None:
+                progress(1)
             continue
+        if on_request is not None:
+            on_request(i)
+        result.prompt_tokens += req.prompt_tokens
+        limit = hit_blocks(req, bs)
+        hits = pool.match_prefix(req.block_keys[:limit], req.block_tokens[:limit])
+        if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
+            raise RuntimeError(f"request {i} fits the pool but found no room: blocks are leaking")
         pool.acquire(hits)
         retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
         for block, (priority, duration) in zip(hits, retention):
@@ -119,6 +124,18 @@ def replay(
     result.evictions_by_priority = dict(pool.evictions_by_priority)
     result.blocks_by_priority = pool.blocks_by_priority()
     return result
+
+
+def kv_tokens(req) -> int:
+    """Tokens a request keeps KV for in the engine: its prompt and every generated token
+    but the last (the last sampled token is never fed back)."""
+    return req.prompt_tokens + max(req.output_tokens - 1, 0)
+
+
+def hit_blocks(req, block_size: int) -> int:
+    """Leading prompt blocks a request can take from the cache: never the one holding its
+    last prompt token, whose logits must be computed (the engine's rule)."""
+    return min(len(req.block_keys), max(req.prompt_tokens - 1, 0) // block_size)
 
 
 def _evictable_hits(hits: list[KVBlock]) -> int:

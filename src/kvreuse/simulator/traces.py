@@ -53,6 +53,10 @@ def read_trace(path: str | Path, *, block_tokens: int, trace_format: str = "auto
     or ``auto`` (decided by the first line's fields). Raises ``ValueError`` naming the line
     for malformed input."""
     path = Path(path)
+    if block_tokens < 1:
+        raise ValueError(f"--trace-block-tokens must be >= 1, got {block_tokens}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
     lines = _json_lines(path, limit)
     if trace_format == "auto":
         first = next(iter(lines), None)
@@ -90,6 +94,8 @@ def _mooncake_requests(lines: list[tuple[int, dict]], block_tokens: int) -> Iter
             ts = float(obj.get("timestamp", 0)) / 1000.0
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"line {lineno}: bad Mooncake record ({e!r})") from None
+        if prompt < 1 or output < 0:
+            raise ValueError(f"line {lineno}: input_length must be >= 1 and output_length >= 0")
         n_full = min(len(ids), prompt // block_tokens)
         keys: list[BlockHash] = []
         parent: BlockHash | None = None
@@ -123,7 +129,10 @@ def _jsonl_requests(lines: list[tuple[int, dict]], block_size: int) -> Iterator[
                 retention = KvCacheRetentionConfig.from_dict(obj["kv_cache_retention_config"])
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-        ts = float(obj["timestamp"]) / 1000.0 if "timestamp" in obj else float(i)  # default: one request a second
+        stamp = obj.get("timestamp")
+        if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))):
+            raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {stamp!r}")
+        ts = float(stamp) / 1000.0 if stamp is not None else float(i)  # default: one request a second
         keys = hash_token_blocks(tokens, block_size, model_id=str(obj.get("model", "sim")), cache_salt=obj.get("cache_salt"))
         chunks = tuple(tuple(tokens[j * block_size : (j + 1) * block_size]) for j in range(len(keys)))
         yield TraceRequest(tuple(keys), chunks, len(tokens), output, ts, retention)
