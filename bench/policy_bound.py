@@ -35,7 +35,7 @@ import numpy as np
 
 from kvreuse.eviction import LRUPolicy
 from kvreuse.hashing import BlockHash
-from kvreuse.simulator.replay import replay
+from kvreuse.simulator.replay import hit_blocks, replay
 from kvreuse.simulator.traces import Trace, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,21 +54,22 @@ def _streams(trace: Trace):
     roots = set()
     for req in trace.requests:
         prompt_tokens += req.prompt_tokens
+        eligible = hit_blocks(req, BLOCK)  # the block of the last prompt token is never a hit
         for j, key in enumerate(req.block_keys):  # the simulator's keys of full blocks
             u = uses[key]
             uses[key] = u + 1
             if j == 0:  # the root: one block, always worth keeping
-                root_hits += u > 0
+                root_hits += u > 0 and j < eligible
                 roots.add(key)
                 continue
             if u == 0:
                 new_blocks += 1
                 first_seen[key] = new_blocks
-            elif u == 1:
+            elif u == 1 and j < eligible:
                 first_dist.append(new_blocks - first_seen[key])
                 later.append((key, False))  # admitted here, not a hit for a history-only policy
-            else:
-                later.append((key, True))
+            else:  # a later use; no hit where the block holds the prompt's last token
+                later.append((key, j < eligible))
     return root_hits, np.array(first_dist), later, prompt_tokens, len(roots)
 
 

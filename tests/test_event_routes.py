@@ -118,9 +118,9 @@ def test_snapshot_plus_later_events_equal_the_pool_while_it_changes(served):
     assert mirror_state(mirror) == pool_state(pool)
 
 
-def read_sse(response, n: int) -> list[dict]:
+def read_sse(response, n: int, lines=None) -> list[dict]:
     out, current = [], {}
-    for line in response.iter_lines():
+    for line in response.iter_lines() if lines is None else lines:
         if line.startswith("id: "):
             current["id"] = int(line[4:])
         elif line.startswith("data: "):
@@ -156,6 +156,27 @@ def test_sse_stream_and_resume_with_last_event_id(served):
         time.sleep(0.5)  # let the later requests land first
         more = read_sse(response, buffer.last_event_id - mirror.last_event_id)
     assert mirror.apply_all(event_from_json(m["data"]) for m in more)
+    assert mirror_state(mirror) == pool_state(pool)
+
+
+def test_sse_resume_from_beyond_the_last_id_says_reset_then_sends_everything(served):
+    """A browser EventSource reconnecting to a restarted server sends its old, higher
+    Last-Event-ID: the stream says ``reset`` and starts over instead of waiting forever."""
+    url, buffer, pool, lock = served
+    with lock:
+        run_requests(pool, random.Random(6), 2)
+    n = buffer.last_event_id + 1
+    headers = {"Last-Event-ID": str(buffer.last_event_id + 50)}
+    with httpx.stream("GET", f"{url}/v1/kv_cache_events/stream", headers=headers, timeout=10) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: reset"
+        reset = json.loads(next(lines)[len("data: "):])
+        assert (reset["last_event_id"], reset["after"]) == (n - 1, n + 49)
+        assert next(lines) == ""
+        events = read_sse(response, n, lines)
+    assert [m["id"] for m in events] == list(range(n))
+    mirror = CacheMirror()
+    assert mirror.apply_all(event_from_json(m["data"]) for m in events)
     assert mirror_state(mirror) == pool_state(pool)
 
 

@@ -293,3 +293,11 @@ def test_failing_snapshot_falls_back_to_a_sequence_hole_and_the_thread_lives():
     finally:
         pub.close()
     assert pub.num_resyncs == 0 and batches[0][0] == 1 and pub._thread.is_alive() is False
+
+
+def test_decode_batch_refuses_a_batch_without_a_time_as_value_error():
+    import msgpack
+
+    for payload in (msgpack.packb({"events": []}), msgpack.packb(["soon", []])):
+        with pytest.raises(ValueError, match="ts must be a number"):
+            decode_batch(payload)

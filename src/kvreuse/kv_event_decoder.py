@@ -98,4 +98,6 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], (list, tuple)):
         raise ValueError(f"not a KV event batch: {obj!r:.200}")
     rank = obj[2] if len(obj) > 2 else None
+    if isinstance(obj[0], bool) or not isinstance(obj[0], (int, float)):
+        raise ValueError(f"KV event batch: ts must be a number, got {obj[0]!r:.50}")
     return EventBatch(float(obj[0]), [decode_event(e) for e in obj[1]], rank)

@@ -74,7 +74,8 @@ async def kv_cache_events(
 async def kv_cache_events_stream(request: Request, after: int | None = Query(None, ge=-1)) -> StreamingResponse:
     """Server-sent events, one per KV event, ``id:`` = event id, so a reconnecting
     ``EventSource`` resumes after ``Last-Event-ID``. Without either, it starts with the
-    events still held."""
+    events still held. A cursor beyond the last event id (the server restarted) gets an
+    ``event: reset`` first, then every event held."""
     buffer = _buffer(request)
     last_header = request.headers.get("last-event-id")
     if last_header is not None:
@@ -85,6 +86,13 @@ async def kv_cache_events_stream(request: Request, after: int | None = Query(Non
 
     async def stream() -> AsyncIterator[bytes]:
         cursor = after
+        if cursor is not None and cursor > buffer.last_event_id:
+            # Ids went back: this server restarted since the client's last event (a browser
+            # EventSource reconnects with its old Last-Event-ID). Say so, then send all held.
+            reset = {"last_event_id": buffer.last_event_id, "after": cursor,
+                     "reason": "event ids went back (the server restarted): reload /v1/kv_cache_state"}
+            yield f"event: reset\ndata: {json.dumps(reset)}\n\n".encode()
+            cursor = None
         while not await request.is_disconnected():
             events = await buffer.wait_events(cursor, SSE_KEEPALIVE_S)
             if not events:
