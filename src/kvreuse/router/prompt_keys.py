@@ -9,14 +9,19 @@ returned in index form (``index_key``).
 Hashing a 32k-token prompt costs ~30 ms of SHA-256, so keys of block chains seen before
 are memoised: ``(parent key, block tokens) -> key``. The walk stops at the first block not
 in the memo and hashes the rest in one ``hash_token_blocks(..., parent=...)`` call, so
-the memo never changes a key, only how often it is computed.
+the memo never changes a key, only how often it is computed. The memo is shared by the
+threads the router hashes in (``asyncio.to_thread``), so it is read and updated under a
+lock; the hashing itself runs outside it.
 
-A body the router cannot parse gets no keys: it is routed by load, and the executor
-answers it (with its own 400 if it is malformed).
+A body the router cannot parse or hash (e.g. token ids outside the 64-bit range) gets no
+keys: it is routed by load, and the executor answers it (with its own 400 if it is
+malformed).
 """
 
 from __future__ import annotations
 
+import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,13 +47,15 @@ class RequestKeys:
 
 class PromptHasher:
     """Tokenizes request bodies and computes their block keys. ``memo_blocks`` bounds the
-    memo (oldest entries go first)."""
+    memo (oldest entries go first). Thread-safe: ``request_keys`` may run in several
+    threads at once."""
 
     def __init__(self, tokenizer: Any, settings: HashSettings, *, memo_blocks: int = 1_000_000) -> None:
         self.tokenizer = tokenizer
         self.settings = settings
         self.memo_blocks = memo_blocks
         self._memo: dict[tuple, BlockHash] = {}
+        self._memo_lock = threading.Lock()  # to_thread callers share the memo
 
     # ------------------------------------------------------------------ tokens
     def completion_tokens(self, body: dict) -> list[int] | None:
@@ -75,12 +82,18 @@ class PromptHasher:
         return prompt.token_ids
 
     def request_keys(self, chat: bool, body: dict) -> RequestKeys:
-        """Keys of a completions (``chat=False``) or chat body; no keys if unparsable."""
+        """Keys of a completions (``chat=False``) or chat body; no keys (``RequestKeys(0, [])``)
+        if it cannot be parsed or its token ids cannot be hashed (outside the signed 64-bit
+        range): such a request is routed by load and the executor answers it."""
         tokens = self.chat_tokens(body) if chat else self.completion_tokens(body)
         if tokens is None:
             return RequestKeys(0, [])
         salt = body.get("cache_salt")
-        return RequestKeys(len(tokens), self.keys(tokens, salt if isinstance(salt, str) and salt else None))
+        try:
+            keys = self.keys(tokens, salt if isinstance(salt, str) and salt else None)
+        except (struct.error, OverflowError):
+            return RequestKeys(0, [])  # hash_block packs ids as int64; the executor refuses them with a 400
+        return RequestKeys(len(tokens), keys)
 
     # ------------------------------------------------------------------ keys
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
@@ -90,24 +103,26 @@ class PromptHasher:
         out: list[BlockHash] = []
         parent: BlockHash | None = None
         n_full = len(token_ids) // bs
-        for i in range(n_full):
-            block = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = memo.get((parent if i else ("root", cache_salt), block))
-            if key is None:
-                break
-            out.append(key)
-            parent = key
+        with self._memo_lock:
+            for i in range(n_full):
+                block = tuple(token_ids[i * bs : (i + 1) * bs])
+                key = memo.get((parent if i else ("root", cache_salt), block))
+                if key is None:
+                    break
+                out.append(key)
+                parent = key
         start = len(out)
         if start == n_full:
             return out
         rest = hash_token_blocks(token_ids[start * bs : n_full * bs], bs, model_id=s.model_id, cache_salt=cache_salt,
                                  algorithm=s.hash_algorithm, parent=parent)
-        for j, key in enumerate(rest, start):
-            memo[(parent if j else ("root", cache_salt), tuple(token_ids[j * bs : (j + 1) * bs]))] = key
-            parent = key
+        with self._memo_lock:
+            for j, key in enumerate(rest, start):
+                memo[(parent if j else ("root", cache_salt), tuple(token_ids[j * bs : (j + 1) * bs]))] = key
+                parent = key
+            while len(memo) > self.memo_blocks:
+                del memo[next(iter(memo))]
         out.extend(rest)
-        while len(memo) > self.memo_blocks:
-            del memo[next(iter(memo))]
         return out
 
     def keys(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[IndexKey]:
