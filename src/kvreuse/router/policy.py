@@ -2,7 +2,9 @@
 
 The router picks the candidate with the *lowest* score; ties go to a random one among
 the tied (so equal executors share work instead of the first one taking it all). Adding a
-policy is a few lines: write ``scores`` and register it in ``POLICIES``.
+policy is a few lines: write ``scores`` and register it in ``POLICIES``. A policy with
+state (round robin's turn) changes it only when ``dry_run`` is false: ``/v1/route/explain``
+scores with ``dry_run=True`` and must not change what the next request gets.
 
 A ``Candidate`` carries what a policy may read: how many of the request's leading blocks
 the executor holds (from the index), how many blocks the prompt has, and the executor's
@@ -12,6 +14,7 @@ plus what the executor's ``/metrics`` says is queued).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,9 +48,18 @@ class Decision:
 class RoutingPolicy(Protocol):
     name: str
 
-    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
-        """One score per candidate, in order; the lowest wins."""
+    def scores(self, candidates: Sequence[Candidate], *, dry_run: bool = False) -> list[float]:
+        """One score per candidate, in order; the lowest wins. With ``dry_run`` the policy's
+        state is left as it was (the same call again gives the same scores)."""
         ...
+
+
+def check_overlap_weight(overlap_weight: float) -> float:
+    """``overlap_weight`` if it is a finite number >= 0, else ``ValueError`` naming
+    ``--overlap-weight`` (NaN would make every score NaN and no candidate the lowest)."""
+    if not math.isfinite(overlap_weight) or overlap_weight < 0:
+        raise ValueError(f"--overlap-weight must be a finite number >= 0, got {overlap_weight}")
+    return overlap_weight
 
 
 class KVPolicy:
@@ -58,11 +70,9 @@ class KVPolicy:
     name = "kv"
 
     def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
-        if overlap_weight < 0:
-            raise ValueError(f"--overlap-weight must be >= 0, got {overlap_weight}")
-        self.overlap_weight = overlap_weight
+        self.overlap_weight = check_overlap_weight(overlap_weight)
 
-    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+    def scores(self, candidates: Sequence[Candidate], *, dry_run: bool = False) -> list[float]:
         w = self.overlap_weight
         return [w * c.uncached_blocks + c.load_blocks for c in candidates]
 
@@ -75,25 +85,26 @@ class LeastLoadedPolicy:
     def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
         pass
 
-    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+    def scores(self, candidates: Sequence[Candidate], *, dry_run: bool = False) -> list[float]:
         return [c.load_blocks + c.in_flight * 1e-3 for c in candidates]
 
 
 class RoundRobinPolicy:
     """Each call prefers the next executor in turn (among those offered); ignores cache
-    and load. Holds only its turn counter."""
+    and load. Holds only its turn counter, which a ``dry_run`` leaves alone."""
 
     name = "round_robin"
 
     def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
         self._turn = 0
 
-    def scores(self, candidates: Sequence[Candidate]) -> list[float]:
+    def scores(self, candidates: Sequence[Candidate], *, dry_run: bool = False) -> list[float]:
         n = len(candidates)
         if n == 0:
             return []
         first = self._turn % n
-        self._turn += 1
+        if not dry_run:
+            self._turn += 1
         return [float((i - first) % n) for i in range(n)]
 
 
@@ -101,7 +112,9 @@ POLICIES: dict[str, type] = {p.name: p for p in (KVPolicy, RoundRobinPolicy, Lea
 
 
 def make_policy(name: str, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> RoutingPolicy:
-    """Build a policy by name; ``ValueError`` names ``--routing-policy`` when unknown."""
+    """Build a policy by name; ``ValueError`` names ``--routing-policy`` when unknown and
+    ``--overlap-weight`` when it is not a finite number >= 0 (whatever the policy)."""
+    check_overlap_weight(overlap_weight)
     try:
         cls = POLICIES[name]
     except KeyError:
@@ -109,11 +122,18 @@ def make_policy(name: str, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> Ro
     return cls(overlap_weight)
 
 
-def choose(policy: RoutingPolicy, candidates: Sequence[Candidate], rng: random.Random) -> Decision:
-    """The lowest-scoring candidate, ties at random. Raises ``ValueError`` with none."""
+def choose(policy: RoutingPolicy, candidates: Sequence[Candidate], rng: random.Random, *,
+           dry_run: bool = False) -> Decision:
+    """The lowest-scoring candidate, ties at random. Raises ``ValueError`` with none.
+    ``dry_run`` changes neither the policy's state nor ``rng``'s: it returns the choice the
+    same call without it would make now."""
     if not candidates:
         raise ValueError("no executor to route to")
-    scores = policy.scores(candidates)
+    if dry_run:  # break ties with a copy: the next real decision draws what this one drew
+        copy = random.Random()
+        copy.setstate(rng.getstate())
+        rng = copy
+    scores = policy.scores(candidates, dry_run=dry_run)
     best = min(scores)
     tied = [c.name for c, s in zip(candidates, scores) if s == best]
     choice = tied[0] if len(tied) == 1 else rng.choice(tied)

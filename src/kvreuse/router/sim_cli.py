@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy
+from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, check_overlap_weight, make_policy
 from kvreuse.router.simulation import RoutedResult, simulate_routed
 
 
@@ -59,6 +59,7 @@ def routed_main(argv: Sequence[str]) -> int:
         print("kvreuse simulate: --executors and --capacity-blocks must be positive", file=sys.stderr)
         return 2
     try:
+        check_overlap_weight(args.overlap_weight)
         with open(args.trace) as f:
             mooncake = '"hash_ids"' in f.readline()
         block_tokens = args.block_tokens or (512 if mooncake else 16)
