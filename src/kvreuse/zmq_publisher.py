@@ -42,6 +42,18 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
 
+# Endpoints that an open publisher of this process bound (as ``ZmqEventPublisher.endpoint``
+# reports them): the server's /v1/kvreuse/info tells routers whether they can subscribe.
+_bound_endpoints: set[str] = set()
+_bound_lock = threading.Lock()
+
+
+def bound_endpoints() -> frozenset[str]:
+    """The ``endpoint`` of every open publisher in this process that bound its PUB socket
+    (a subscriber can connect there); connect-mode publishers are not listed."""
+    with _bound_lock:
+        return frozenset(_bound_endpoints)
+
 
 def wire_hash(block_hash: bytes, hash_format: str) -> int | bytes:
     """Our block hash as vLLM puts it on the wire (``maybe_convert_block_hash``)."""
@@ -121,7 +133,9 @@ class ZmqEventPublisher:
     sends everything new as one batch (vLLM sends one per engine step; coalescing keeps
     the thread off the engine's GIL).
     ``endpoint``: ``tcp://*:5557`` binds (any ``*``, ipc or inproc binds), ``tcp://host:port``
-    connects. ``replay_endpoint``: a ROUTER serving the last ``replay_steps`` batches.
+    connects; ``bound`` says which (only a bound socket can be subscribed to, and while
+    open it is listed by ``bound_endpoints()``).
+    ``replay_endpoint``: a ROUTER serving the last ``replay_steps`` batches.
     ``start()`` launches the thread; ``close()`` stops it and closes the sockets.
     """
 
@@ -163,7 +177,11 @@ class ZmqEventPublisher:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
+        self.bound = self.binds(endpoint)
         self.endpoint = self._attach(self._pub, endpoint)
+        if self.bound:
+            with _bound_lock:
+                _bound_endpoints.add(self.endpoint)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
@@ -186,6 +204,9 @@ class ZmqEventPublisher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.bound:
+            with _bound_lock:
+                _bound_endpoints.discard(self.endpoint)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -255,10 +276,16 @@ class ZmqEventPublisher:
         self._replay.send_multipart((identity, b"", END_SEQ, b""))
 
     @staticmethod
-    def _attach(sock: zmq.Socket, endpoint: str) -> str:
-        """Bind wildcard, ipc and inproc endpoints (vLLM's rule); connect to the rest.
-        Returns the endpoint actually bound (``tcp://127.0.0.1:*`` picks a free port)."""
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    def binds(endpoint: str) -> bool:
+        """Whether the PUB socket binds ``endpoint`` (wildcard, ipc and inproc endpoints:
+        vLLM's rule) rather than connecting to it."""
+        return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+    @classmethod
+    def _attach(cls, sock: zmq.Socket, endpoint: str) -> str:
+        """Bind or connect (``binds``). Returns the endpoint actually bound
+        (``tcp://127.0.0.1:*`` picks a free port), or ``endpoint`` when connecting."""
+        if cls.binds(endpoint):
             sock.bind(endpoint)
             return sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sock.connect(endpoint)

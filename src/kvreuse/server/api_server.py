@@ -14,6 +14,7 @@ metrics registry, so several apps (tests) can live in one process.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,12 +55,15 @@ def build_app(
     down). ``served_model_name`` defaults to the engine's model name; requests naming
     another model get 404. ``event_buffer`` (the ``EventBuffer`` the engine's pool writes
     to; default: the engine's own, if any) is resolved here once and exposed to every route
-    as ``app.state.event_buffer`` (``None``: events are off).
+    as ``app.state.event_buffer`` (``None``: events are off). ``app.state.instance_id`` is
+    a new uuid per app (per executor process): ``/health`` and ``/v1/kvreuse/info`` report
+    it, so a router sees a restart even when it missed the downtime.
     Raises ``ValueError`` for an empty served name."""
     names = _served_names(engine, served_model_name)
     engine.start()
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.engine = engine  # AsyncEngine; snapshots go through engine.call(...)
+    app.state.instance_id = uuid.uuid4().hex  # a new process has a new id: its old blocks are gone
     buffer = event_buffer if event_buffer is not None else getattr(engine.engine, "events", None)
     app.state.event_buffer = buffer
     metrics = ServerMetrics(engine, names[0], event_buffer=buffer)

@@ -2,14 +2,19 @@
 
 A router must hash a request exactly as this executor does (``kvreuse.hashing``): same
 model identity, block size, hash algorithm and tokenizer. It also learns where the
-executor publishes KV events. ``tokenizer_probe`` holds the token ids of a fixed text and
-of a fixed chat, so a router can check that its own tokenizer and chat template agree
-before it trusts its keys.
+executor publishes KV events (``zmq_bound``: whether the PUB socket is bound at
+``zmq_endpoint``, so a subscriber can connect there; a publisher that connects out sends
+to whoever bound that address, and a router connecting to it too would hear nothing),
+and the process's ``instance_id`` (new at every start, also on ``/health``).
+``tokenizer_probe`` holds the token ids of a fixed text and of a fixed chat, so a router
+can check that its own tokenizer and chat template agree before it trusts its keys.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+
+from kvreuse.zmq_publisher import bound_endpoints
 
 router = APIRouter()
 
@@ -30,14 +35,17 @@ def tokenizer_probe(tokenizer) -> dict:
 
 @router.get("/v1/kvreuse/info")
 async def kvreuse_info(request: Request) -> dict:
-    """Model identity, cache geometry, hash settings, event transports and a tokenizer probe."""
+    """Process instance id, model identity, cache geometry, hash settings, event transports
+    and a tokenizer probe."""
     state = request.app.state
     engine = state.engine.engine  # the LLMEngine behind the AsyncEngine
     config = engine.config
     tokenizer = engine.tokenizer
     loaded = engine.loaded
     events = state.event_buffer
+    zmq_endpoint = getattr(state, "kv_events_endpoint", None)
     return {
+        "instance_id": state.instance_id,
         "model": state.ctx.served_model_names[0],
         "model_name": engine.model_name,
         "model_id": engine.model_id,
@@ -50,7 +58,8 @@ async def kvreuse_info(request: Request) -> dict:
         "num_blocks": engine.pool.num_blocks,
         "events": {
             "http": events is not None,
-            "zmq_endpoint": getattr(state, "kv_events_endpoint", None),
+            "zmq_endpoint": zmq_endpoint,
+            "zmq_bound": zmq_endpoint is not None and zmq_endpoint in bound_endpoints(),
             "zmq_replay_endpoint": getattr(state, "kv_events_replay_endpoint", None),
             "zmq_topic": getattr(state, "kv_events_topic", ""),
             "zmq_hash_format": getattr(state, "kv_events_hash_format", "int"),

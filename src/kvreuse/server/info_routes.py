@@ -10,6 +10,8 @@ from kvreuse.server.serving import context_of
 
 router = APIRouter()
 
+INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (app.state.instance_id)
+
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
@@ -26,14 +28,18 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 while the engine thread runs and the last idle integrity check passed, else 503
-    (so a router takes this executor out of rotation)."""
+    (so a router takes this executor out of rotation). Every answer carries the process's
+    instance id in the ``x-kvreuse-instance-id`` header: a router that sees it change knows
+    the executor restarted (its cached blocks are gone) even if it never saw it down."""
     engine = context_of(request).engine
+    headers = {INSTANCE_HEADER: request.app.state.instance_id}
     if not engine.is_running:
-        return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503)
+        return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503,
+                            headers=headers)
     if engine.integrity_error is not None:
         return JSONResponse({"status": "error", "detail": f"block pool integrity: {engine.integrity_error}"},
-                            status_code=503)
-    return JSONResponse({"status": "ok"})
+                            status_code=503, headers=headers)
+    return JSONResponse({"status": "ok"}, headers=headers)
 
 
 @router.get("/metrics")

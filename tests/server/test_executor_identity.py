@@ -1,0 +1,54 @@
+"""What a router learns about an executor process: its instance id (``/health`` header and
+``/v1/kvreuse/info``) and whether its ZMQ PUB socket is bound (``events.zmq_bound``)."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi.testclient import TestClient
+
+from kvreuse.event_buffer import EventBuffer
+from kvreuse.server.api_server import build_app
+from kvreuse.server.info_routes import INSTANCE_HEADER
+from kvreuse.zmq_publisher import ZmqEventPublisher, bound_endpoints
+
+from .conftest import free_port
+
+
+def test_every_app_has_its_own_instance_id_on_health_and_info(async_engine):
+    ids = []
+    for _ in range(2):  # two apps: two executor processes, as far as a router can tell
+        with TestClient(build_app(async_engine, served_model_name="tiny")) as c:
+            health = c.get("/health")
+            info = c.get("/v1/kvreuse/info").json()
+            assert health.status_code == 200
+            assert health.json() == {"status": "ok"}
+            assert re.fullmatch(r"[0-9a-f]{32}", health.headers[INSTANCE_HEADER])
+            assert info["instance_id"] == health.headers[INSTANCE_HEADER]
+            assert c.get("/health").headers[INSTANCE_HEADER] == info["instance_id"]  # stable for the app
+            ids.append(info["instance_id"])
+    assert ids[0] != ids[1]
+
+
+def test_info_says_whether_the_zmq_socket_is_bound(async_engine):
+    buffer = EventBuffer(16)
+    bound = ZmqEventPublisher(buffer, "tcp://127.0.0.1:*")
+    connecting = ZmqEventPublisher(buffer, f"tcp://127.0.0.1:{free_port()}")  # connects: nobody can subscribe
+    try:
+        assert (bound.bound, connecting.bound) == (True, False)
+        assert bound_endpoints() >= {bound.endpoint}
+        assert connecting.endpoint not in bound_endpoints()
+        app = build_app(async_engine, served_model_name="tiny")
+        with TestClient(app) as c:
+            assert c.get("/v1/kvreuse/info").json()["events"]["zmq_bound"] is False  # no ZMQ at all
+            for publisher, expected in ((bound, True), (connecting, False)):
+                app.state.kv_events_endpoint = publisher.endpoint  # as `kvreuse serve` advertises it
+                events = c.get("/v1/kvreuse/info").json()["events"]
+                assert (events["zmq_endpoint"], events["zmq_bound"]) == (publisher.endpoint, expected)
+            bound.close()
+            app.state.kv_events_endpoint = bound.endpoint
+            assert c.get("/v1/kvreuse/info").json()["events"]["zmq_bound"] is False  # closed: nothing to join
+    finally:
+        bound.close()
+        connecting.close()
+    assert bound.endpoint not in bound_endpoints()
