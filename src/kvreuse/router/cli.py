@@ -2,11 +2,18 @@
 
     kvreuse route --port P --executor URL [--executor URL ...]
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
+                  [--executor-api-key KEY]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
 differ, loads the executors' tokenizer (not the model) and checks it tokenizes as they do.
 Executors that are down at start are probed in later.
+
+``--executor-api-key`` (default: ``$KVREUSE_EXECUTOR_API_KEY``) is sent with the router's
+own calls (info, health, metrics, KV state and events) to executors started with
+``--api-key``; an executor answering 401 at start stops the router with a message saying
+whether the key is missing or wrong. Proxied client requests carry the client's own
+``Authorization`` header, never this key.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +32,8 @@ from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy
 
 logger = logging.getLogger("kvreuse.router")
+
+EXECUTOR_API_KEY_ENV = "KVREUSE_EXECUTOR_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,16 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health probes")
     p.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                    help="wait this long for at least one executor to answer")
+    p.add_argument("--executor-api-key", default=os.environ.get(EXECUTOR_API_KEY_ENV) or None, metavar="KEY",
+                   help="API key of executors started with --api-key, for the router's own calls (health, "
+                        f"info, KV events); default ${EXECUTOR_API_KEY_ENV}. Clients' requests keep their own key")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
-async def discover(urls: Sequence[str], timeout_s: float) -> dict[str, ExecutorInfo]:
+async def discover(urls: Sequence[str], timeout_s: float, api_key: str | None = None) -> dict[str, ExecutorInfo]:
     """Info of every executor that answers within ``timeout_s`` (waiting for the first
-    one, then a few more seconds for the rest)."""
-    from kvreuse.router.router import fetch_info
+    one, then a few more seconds for the rest), asked with ``api_key``. Raises
+    ``ValueError`` at once for an executor that answers but cannot be used (no info route,
+    or a 401: ``ExecutorAuthError``)."""
+    from kvreuse.router.router import auth_headers, fetch_info
 
+    headers = auth_headers(api_key)
     infos: dict[str, ExecutorInfo] = {}
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient() as client:
@@ -55,7 +71,7 @@ async def discover(urls: Sequence[str], timeout_s: float) -> dict[str, ExecutorI
             for url in urls:
                 if url not in infos:
                     try:
-                        infos[url] = await fetch_info(client, url)
+                        infos[url] = await fetch_info(client, url, headers)
                     except httpx.HTTPError:
                         pass
             if len(infos) == len(urls) or time.monotonic() > deadline:
@@ -78,7 +94,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
     try:
-        infos = asyncio.run(discover(urls, args.startup_timeout))
+        infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))
         first = next(iter(infos.values()))
         tokenizer = load_tokenizer(first)
@@ -93,7 +109,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
     router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
-                    health_interval_s=args.health_interval, seed=args.seed)
+                    health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key)
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)

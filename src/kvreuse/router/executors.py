@@ -20,6 +20,11 @@ class IncompatibleExecutors(ValueError):
     """Executors whose block keys would not agree (different model or hash settings)."""
 
 
+class ExecutorAuthError(ValueError):
+    """An executor answered 401 to the router's own calls: the key given with
+    ``--executor-api-key`` is missing or wrong."""
+
+
 @dataclass(frozen=True)
 class ExecutorInfo:
     url: str
@@ -30,8 +35,9 @@ class ExecutorInfo:
     hash_algorithm: str
     tokenizer_path: str | None
     max_model_len: int
-    events: dict[str, Any]  # {"http": bool, "zmq_endpoint": str | None, ...}
+    events: dict[str, Any]  # {"http": bool, "zmq_endpoint": str | None, "zmq_bound": bool, ...}
     tokenizer_probe: dict[str, Any]
+    instance_id: str | None = None  # one per executor process: a new one means it restarted
 
     @classmethod
     def from_json(cls, url: str, d: dict) -> "ExecutorInfo":
@@ -39,13 +45,22 @@ class ExecutorInfo:
         try:
             return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),
                        d["hash_algorithm"], d.get("tokenizer_path"), int(d.get("max_model_len") or 0),
-                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}))
+                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}), d.get("instance_id"))
         except KeyError as exc:
             raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None
 
     @property
     def settings(self) -> HashSettings:
         return HashSettings(self.model_id, self.block_size, self.hash_algorithm)
+
+    @property
+    def zmq_endpoint(self) -> str | None:
+        """The ZMQ PUB endpoint to subscribe to, or ``None`` (follow SSE instead). Only a
+        publisher that *bound* its socket can be subscribed to: one that connects sends to
+        whoever bound that address, and a router connecting there too would hear nothing.
+        An executor that does not say (``zmq_bound`` absent) is followed over SSE."""
+        endpoint = self.events.get("zmq_endpoint")
+        return endpoint if endpoint and self.events.get("zmq_bound") is True else None
 
 
 def check_compatible(infos: Sequence[ExecutorInfo]) -> HashSettings:
@@ -118,4 +133,5 @@ class Executor:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
                 "in_flight_blocks": self.in_flight_blocks, "load_blocks": self.load_blocks,
                 "requests_routed": self.requests_routed, "failures": self.failures, "last_error": self.last_error,
-                "model_id": None if self.info is None else self.info.model_id}
+                "model_id": None if self.info is None else self.info.model_id,
+                "instance_id": None if self.info is None else self.info.instance_id}

@@ -6,15 +6,19 @@
     GET /v1/kv_cache_events/stream?after=<snapshot's last_event_id>
         each event -> index.apply(...)  -> False at a gap: back to the snapshot
 
-``ZmqFeed`` (when the executor publishes vLLM-format ZMQ events) subscribes to the PUB
-socket and resynchronises from the HTTP snapshot at start and whenever a sequence number
-is skipped. ZMQ batches carry no event ids, so a batch that overlaps the snapshot is
+``ZmqFeed`` (when the executor publishes vLLM-format ZMQ events on a PUB socket it bound)
+subscribes to the PUB socket and resynchronises from the HTTP snapshot at start and
+whenever a sequence number is skipped. ZMQ batches carry no event ids, so a batch that overlaps the snapshot is
 applied again; stores and removals are idempotent, so at worst a block is briefly listed
 where it was just evicted (a miss, never a wrong answer).
 
 Any error (executor down, restart, bad data) clears the executor's mirror and retries
 after ``retry_s``: a restarted executor starts empty, and stale keys would only cost
-misses anyway.
+misses anyway. A feed cannot always tell a restart on its own (a ZMQ subscriber that just
+loaded a snapshot takes the new process's sequence 0 as the next batch), so the router
+also replaces the feed when the executor's instance id changes (``Router.resync``).
+
+``headers`` go with every HTTP call (the router's ``--executor-api-key``).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ logger = logging.getLogger(__name__)
 SnapshotFn = Callable[[], Awaitable[KVSnapshot]]
 
 
-def http_snapshot(client: httpx.AsyncClient, url: str) -> SnapshotFn:
+def http_snapshot(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> SnapshotFn:
     async def fetch() -> KVSnapshot:
-        resp = await client.get(f"{url}/v1/kv_cache_state", timeout=30.0)
+        resp = await client.get(f"{url}/v1/kv_cache_state", headers=headers, timeout=30.0)
         resp.raise_for_status()
         return KVSnapshot.from_json(resp.json())
 
@@ -57,13 +61,15 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
 class SSEFeed:
     """Follows ``url``'s SSE event stream into ``index`` under ``name``."""
 
-    def __init__(self, index: KVIndex, name: str, url: str, client: httpx.AsyncClient, *, retry_s: float = 0.5) -> None:
+    def __init__(self, index: KVIndex, name: str, url: str, client: httpx.AsyncClient, *, retry_s: float = 0.5,
+                 headers: dict[str, str] | None = None) -> None:
         self.index, self.name, self.url, self.client, self.retry_s = index, name, url, client, retry_s
+        self.headers = headers
         self.num_events = 0
 
     async def run(self) -> None:
         """Runs until cancelled."""
-        snapshot = http_snapshot(self.client, self.url)
+        snapshot = http_snapshot(self.client, self.url, self.headers)
         while True:
             try:
                 self.index.load(self.name, await snapshot())
@@ -80,7 +86,7 @@ class SSEFeed:
         after = self.index.mirror(self.name).last_event_id
         timeout = httpx.Timeout(10.0, read=None)
         async with self.client.stream("GET", f"{self.url}/v1/kv_cache_events/stream", params={"after": after},
-                                      timeout=timeout) as resp:
+                                      headers=self.headers, timeout=timeout) as resp:
             resp.raise_for_status()
             async for event in sse_events(resp.aiter_lines()):
                 if not self.index.apply(self.name, event_from_json(event)):

@@ -10,6 +10,15 @@ request is never sent back to a dead executor. ``health_loop`` probes every exec
 again is re-checked (``/v1/kvreuse/info`` must still match the router's hash settings)
 and put back. The proxy (``kvreuse.router.proxy``) marks an executor down at once when it
 refuses a connection.
+
+Restarts: every executor process has an instance id (``/health``'s ``x-kvreuse-instance-id``
+header and ``/v1/kvreuse/info``'s ``instance_id``). When a probe sees a new one, or the
+executor comes back from being down, its mirror is cleared and its feed replaced by a new
+one starting from a fresh snapshot (``resync``): the old process's blocks are gone, and a
+feed cannot always tell (a ZMQ feed takes the new process's first batch as the next one).
+
+The router's own calls to executors (info, health, metrics, snapshots, event streams)
+carry ``control_headers`` (``--executor-api-key``); proxied requests carry the client's.
 """
 
 from __future__ import annotations
@@ -22,13 +31,17 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvreuse.router.executors import Executor, ExecutorInfo, IncompatibleExecutors, parse_load_metrics
+from kvreuse.router.executors import (
+    Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
+)
 from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot
 from kvreuse.router.index import KVIndex
 from kvreuse.router.policy import Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
 
 logger = logging.getLogger(__name__)
+
+INSTANCE_HEADER = "x-kvreuse-instance-id"  # on an executor's /health: its process's instance id
 
 
 @dataclass(frozen=True)
@@ -40,7 +53,8 @@ class RoutedRequest:
 
 class Router:
     def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
-                 client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None) -> None:
+                 client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
+                 executor_api_key: str | None = None) -> None:
         self.executors = {e.name: e for e in executors}
         self.hasher = hasher
         self.settings: HashSettings = hasher.settings
@@ -51,7 +65,9 @@ class Router:
         for e in executors:
             self.index.add_executor(e.name)
         self.rng = random.Random(seed)
+        self.control_headers = auth_headers(executor_api_key)
         self.feeds: dict[str, SSEFeed | ZmqFeed] = {}
+        self._feed_tasks: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self.num_retries = 0
         from kvreuse.router.metrics import RouterMetrics  # it reads this object's state
@@ -69,12 +85,14 @@ class Router:
         return [Candidate(n, overlaps[n], len(keys.keys), self.executors[n].load_blocks, self.executors[n].in_flight)
                 for n in names]
 
-    def decide(self, keys: RequestKeys, exclude: Collection[str] = ()) -> RoutedRequest | None:
-        """The policy's choice among healthy executors not in ``exclude``; ``None`` if none."""
+    def decide(self, keys: RequestKeys, exclude: Collection[str] = (), *, dry_run: bool = False) -> RoutedRequest | None:
+        """The policy's choice among healthy executors not in ``exclude``; ``None`` if none.
+        ``dry_run`` (``/v1/route/explain``) leaves the policy and the tie-break random state
+        as they were, so it does not change what the next request gets."""
         cands = self.candidates(keys, exclude)
         if not cands:
             return None
-        return RoutedRequest(keys, cands, choose(self.policy, cands, self.rng))
+        return RoutedRequest(keys, cands, choose(self.policy, cands, self.rng, dry_run=dry_run))
 
     def prompt_blocks(self, keys: RequestKeys) -> int:
         return -(-keys.num_tokens // self.block_size)
@@ -84,24 +102,41 @@ class Router:
         """Start the health loop and one event feed per executor (call inside the loop)."""
         self._tasks.append(asyncio.create_task(self.health_loop(), name="router-health"))
         for e in self.executors.values():
-            feed = self._feed_for(e)
-            self.feeds[e.name] = feed
-            self._tasks.append(asyncio.create_task(feed.run(), name=f"router-feed-{e.name}"))
+            self._start_feed(e)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._feed_tasks.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._feed_tasks.clear()
+
+    async def resync(self, e: Executor) -> None:
+        """Forget ``e``'s blocks and follow it with a new feed (from ``e.info``'s transports)
+        that starts from a fresh snapshot. For an executor that restarted or came back: the
+        old mirror and the old feed's position mean nothing now. No-op before ``start``."""
+        task = self._feed_tasks.pop(e.name, None)
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # the old feed writes nothing after this
+        self.index.clear(e.name)
+        self._start_feed(e)
+
+    def _start_feed(self, e: Executor) -> None:
+        feed = self._feed_for(e)
+        self.feeds[e.name] = feed
+        self._feed_tasks[e.name] = asyncio.create_task(feed.run(), name=f"router-feed-{e.name}")
 
     def _feed_for(self, e: Executor) -> SSEFeed | ZmqFeed:
-        endpoint = (e.info.events.get("zmq_endpoint") if e.info else None) or None
+        endpoint = e.info.zmq_endpoint if e.info else None
         if endpoint:
             host = httpx.URL(e.url).host
             endpoint = endpoint.replace("*", host).replace("0.0.0.0", host)
-            return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url),
+            return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url, self.control_headers),
                            topic=e.info.events.get("zmq_topic") or "")  # type: ignore[union-attr]
-        return SSEFeed(self.index, e.name, e.url, self.client)
+        return SSEFeed(self.index, e.name, e.url, self.client, headers=self.control_headers)
 
     # ------------------------------------------------------------------ health
     async def health_loop(self) -> None:
@@ -110,23 +145,32 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     async def probe(self, e: Executor) -> None:
-        """One health check: ``/health`` 200, and for a returning executor a matching
-        ``/v1/kvreuse/info``; then its load gauges from ``/metrics``."""
+        """One health check: ``/health`` 200; for an executor that comes back or reports a
+        new instance id (it restarted), a matching ``/v1/kvreuse/info`` and a ``resync``;
+        then its load gauges from ``/metrics``."""
+        headers = self.control_headers
         try:
-            resp = await self.client.get(f"{e.url}/health", timeout=2.0)
+            resp = await self.client.get(f"{e.url}/health", headers=headers, timeout=2.0)
             if resp.status_code != 200:
                 e.mark_down(f"/health answered {resp.status_code}")
                 return
-            if not e.healthy:
-                info = await fetch_info(self.client, e.url)
+            instance = resp.headers.get(INSTANCE_HEADER)  # absent from older executors: no check
+            restarted = instance is not None and instance != (e.info.instance_id if e.info else None)
+            if not e.healthy or restarted:
+                came_back = not e.healthy
+                info = await fetch_info(self.client, e.url, headers)
                 if info.settings != self.settings:
                     raise IncompatibleExecutors(
                         f"{e.url} came back with {info.settings}, the router serves {self.settings}")
                 e.info = info
                 e.healthy = True
                 e.last_error = None
-                logger.info("executor %s is up", e.url)
-            metrics = await self.client.get(f"{e.url}/metrics", timeout=2.0)
+                if came_back:
+                    logger.info("executor %s is up", e.url)
+                else:
+                    logger.warning("executor %s restarted (instance %s): reloading its blocks", e.url, instance)
+                await self.resync(e)
+            metrics = await self.client.get(f"{e.url}/metrics", headers=headers, timeout=2.0)
             if metrics.status_code == 200:
                 e.remote = parse_load_metrics(metrics.text)
         except (httpx.HTTPError, ValueError) as exc:
@@ -135,10 +179,23 @@ class Router:
             e.mark_down(repr(exc))
 
 
-async def fetch_info(client: httpx.AsyncClient, url: str) -> ExecutorInfo:
-    """``GET url/v1/kvreuse/info``. Raises ``httpx.HTTPError`` or ``ValueError``."""
-    resp = await client.get(f"{url}/v1/kvreuse/info", timeout=5.0)
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers of the router's own calls to executors started with ``--api-key``."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def fetch_info(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> ExecutorInfo:
+    """``GET url/v1/kvreuse/info`` with ``headers`` (``auth_headers``). Raises
+    ``httpx.HTTPError`` or ``ValueError`` (``ExecutorAuthError`` for a 401, saying whether
+    the key is missing or wrong)."""
+    resp = await client.get(f"{url}/v1/kvreuse/info", headers=headers, timeout=5.0)
     if resp.status_code == 404:
         raise ValueError(f"{url} has no /v1/kvreuse/info: is it a kvreuse executor of this version?")
+    if resp.status_code == 401:
+        if headers and "authorization" in headers:
+            raise ExecutorAuthError(f"{url} refused the router's API key (401): the key given with "
+                                    "--executor-api-key (or KVREUSE_EXECUTOR_API_KEY) is wrong")
+        raise ExecutorAuthError(f"{url} requires an API key (401): start the router with --executor-api-key KEY "
+                                "(or KVREUSE_EXECUTOR_API_KEY), the key the executor was started with (--api-key)")
     resp.raise_for_status()
     return ExecutorInfo.from_json(url, resp.json())
