@@ -7,7 +7,11 @@
     POST /v1/route/explain                        overlap, load and score per executor, and the choice
 
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
-and sends nothing to any executor.
+and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
+so it changes no policy state: its choice is the one the same request would get next.
+
+A routed request whose client disconnects before the response is abandoned and its
+upstream request closed, so the executor aborts it (``proxy.forward``).
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(router, "/v1/completions", await request.body(), dict(request.headers), chat=False)
+        return await forward(router, "/v1/completions", await request.body(), dict(request.headers), chat=False,
+                             request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(router, "/v1/chat/completions", await request.body(), dict(request.headers), chat=True)
+        return await forward(router, "/v1/chat/completions", await request.body(), dict(request.headers), chat=True,
+                             request=request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -79,7 +85,7 @@ def build_router_app(router: Router) -> FastAPI:
             return error("the body must be a JSON object", 400, "invalid_request_error")
         chat = "messages" in body
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body)
-        routed = router.decide(keys)
+        routed = router.decide(keys, dry_run=True)
         overlaps = {c.name: c for c in (routed.candidates if routed else [])}
         executors = []
         for e in router.executors.values():

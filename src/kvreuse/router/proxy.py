@@ -7,6 +7,11 @@ a non-streamed response is read whole before it is returned; a streamed one is r
 once its first chunk has arrived, and passed through untouched from then on (a break
 after that ends the stream: tokens already sent cannot be unsent). An executor that
 refuses or drops a connection is marked down at once; the health loop brings it back.
+
+A client that disconnects while the router waits for the executor (the whole response
+of a non-streamed request, the first chunk of a streamed one) is noticed: the upstream
+request is closed, which makes the executor abort it and free its blocks, and nothing is
+retried. After the first chunk the streaming response closes the upstream stream itself.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.router.executors import Executor
@@ -27,15 +34,62 @@ logger = logging.getLogger(__name__)
 _RETRY_STATUS = frozenset({502, 503, 504})
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 EXECUTOR_HEADER = "x-kvreuse-executor"  # which executor served the response
+CLIENT_CLOSED = 499  # the status logged for a request whose client left first (nginx's)
+
+T = TypeVar("T")
 
 
 def error(message: str, status: int, type_: str = "service_unavailable") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": None}}, status_code=status)
 
 
-async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool) -> Response:
+async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
+                  request: Request | None = None) -> Response:
     """The executor's response to ``raw`` (a completions or chat body), or a 503 when no
-    executor could take it. Records routing metrics on ``router``."""
+    executor could take it. Records routing metrics on ``router``. ``request`` is the
+    client's (its body already read): if its client disconnects before the response (or a
+    stream's first chunk) arrives, the upstream request is closed and a 499 is returned
+    (to nobody); without it, disconnects are not watched."""
+    gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+    try:
+        return await _forward(router, path, raw, headers, chat=chat, gone=gone)
+    finally:
+        if gone is not None:
+            gone.cancel()  # a streamed response watches the client itself from here
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already: the next ASGI
+    message of a plain POST is ``http.disconnect``), as the executor's ``serving`` does."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
+    """``await aw``, unless ``gone`` completes first: then ``aw`` is cancelled (and waited
+    for, so nothing still reads the upstream response when it is closed) and
+    ``_ClientGone`` raised. A result that is ready wins over a disconnect, so a response
+    returned here is never lost unclosed."""
+    if gone is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
+                   gone: asyncio.Future | None) -> Response:
     try:
         body = json.loads(raw)
     except ValueError:
@@ -54,7 +108,11 @@ async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str]
         executor.begin(blocks)
         router.metrics.decision(routed)
         try:
-            response = await _send(router, executor, path, raw, fwd, blocks)
+            response = await _send(router, executor, path, raw, fwd, blocks, gone)
+        except _ClientGone:
+            executor.end(blocks)
+            logger.info("client left before %s answered; its request there was closed", executor.url)
+            return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
         except _Retry as exc:
             executor.end(blocks)
             executor.failures += 1
@@ -72,12 +130,15 @@ class _Retry(Exception):
 
 
 async def _send(router: Router, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
-                blocks: int) -> Response:
+                blocks: int, gone: asyncio.Future | None) -> Response:
+    """Raises ``_Retry`` (nothing reached the client; ``executor.end`` is the caller's) or
+    ``_ClientGone`` (the upstream response is closed; ``executor.end`` is the caller's)."""
     client = router.client
     request = client.build_request("POST", executor.url + path, content=raw, headers=headers,
                                    timeout=httpx.Timeout(10.0, read=None))
     try:
-        resp = await client.send(request, stream=True)
+        # A non-streamed response's headers come when it is complete: the wait is here.
+        resp = await _unless_gone(client.send(request, stream=True), gone)
     except httpx.TransportError as exc:
         executor.mark_down(f"connection failed: {exc!r}")
         raise _Retry(repr(exc)) from None
@@ -87,7 +148,7 @@ async def _send(router: Router, executor: Executor, path: str, raw: bytes, heade
     out_headers = {"content-type": resp.headers.get("content-type", "application/json"), EXECUTOR_HEADER: executor.url}
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
         try:
-            content = await resp.aread()
+            content = await _unless_gone(resp.aread(), gone)
         except httpx.TransportError as exc:
             executor.mark_down(f"connection broke: {exc!r}")
             raise _Retry(repr(exc)) from None
@@ -97,11 +158,14 @@ async def _send(router: Router, executor: Executor, path: str, raw: bytes, heade
         return Response(content, status_code=resp.status_code, headers=out_headers)
     chunks = resp.aiter_raw()
     try:
-        first = await anext(chunks)
+        first = await _unless_gone(anext(chunks), gone)
     except (httpx.TransportError, StopAsyncIteration) as exc:
         await resp.aclose()
         executor.mark_down(f"stream broke before its first byte: {exc!r}")
         raise _Retry(repr(exc)) from None
+    except _ClientGone:
+        await resp.aclose()
+        raise
 
     async def relay() -> AsyncIterator[bytes]:
         try:

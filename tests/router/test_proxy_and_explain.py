@@ -1,0 +1,163 @@
+"""The proxy when the client leaves before its response, prompts the router cannot hash, and
+``/v1/route/explain`` as a dry run. Executors are played by in-process HTTP transports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.requests import Request
+
+from kvreuse.router.app import build_router_app
+from kvreuse.router.executors import Executor
+from kvreuse.router.policy import make_policy
+from kvreuse.router.prompt_keys import HashSettings, PromptHasher
+from kvreuse.router.proxy import EXECUTOR_HEADER, forward
+from kvreuse.router.router import Router
+
+BS = 4
+RAW = json.dumps({"prompt": list(range(100, 110)), "max_tokens": 1}).encode()  # 10 tokens: 3 prompt blocks
+JSON = {"content-type": "application/json"}
+
+
+def _router(client: httpx.AsyncClient, names=("a",), policy: str = "kv") -> Router:
+    executors = [Executor(f"http://{n}", healthy=True) for n in names]
+    return Router(executors, PromptHasher(None, HashSettings("m", BS, "sha256")), make_policy(policy),
+                  client=client, seed=0)
+
+
+def _client_request() -> tuple[Request, asyncio.Event]:
+    """A POST whose body was read; setting the event is the client disconnecting."""
+    left = asyncio.Event()
+
+    async def receive():
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive), left
+
+
+class _Stalled(httpx.AsyncByteStream):
+    """A body that sends ``first`` (if any) and then nothing until it is closed."""
+
+    def __init__(self, first: bytes | None, closed: list[str]) -> None:
+        self.first, self.closed = first, closed
+
+    async def __aiter__(self):
+        if self.first is not None:
+            yield self.first
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed.append("closed")
+
+
+@pytest.mark.parametrize("stage", ["before_headers", "during_body", "before_first_chunk"])
+def test_a_client_that_leaves_closes_the_upstream_request(stage):
+    # before_headers: a non-streamed response (the executor's headers come with the whole
+    # answer); during_body: headers came, the body has not; before_first_chunk: a stream
+    # whose first token has not come. In each the upstream request must be closed (the
+    # executor then aborts it and frees its blocks) and nothing retried elsewhere.
+    upstream: list[str] = []
+
+    async def scenario():
+        reached = asyncio.Event()
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            upstream.append(request.url.host)
+            reached.set()
+            if stage == "before_headers":
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    upstream.append("cancelled")
+                    raise
+            if stage == "during_body":
+                return httpx.Response(200, headers=JSON, stream=_Stalled(b'{"choi', upstream))
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Stalled(None, upstream))
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client, ("a", "b"))
+            request, left = _client_request()
+            task = asyncio.create_task(forward(router, "/v1/completions", RAW, JSON, chat=False, request=request))
+            await reached.wait()
+            assert sum(e.in_flight for e in router.executors.values()) == 1
+            left.set()
+            response = await task
+            return response, router
+
+    response, router = asyncio.run(scenario())
+    assert response.status_code == 499
+    assert json.loads(response.body)["error"]["type"] == "client_disconnected"
+    assert upstream[1:] == ["cancelled" if stage == "before_headers" else "closed"]
+    assert len(upstream) == 2  # one executor tried, no retry
+    assert [e.in_flight for e in router.executors.values()] == [0, 0]
+    assert [e.in_flight_blocks for e in router.executors.values()] == [0, 0]
+    assert router.num_retries == 0
+    assert all(e.healthy for e in router.executors.values())
+
+
+def test_a_client_that_stays_gets_the_response():
+    async def scenario():
+        def handle(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client)
+            request, _ = _client_request()
+            response = await forward(router, "/v1/completions", RAW, JSON, chat=False, request=request)
+            return response, router
+
+    response, router = asyncio.run(scenario())
+    assert (response.status_code, json.loads(response.body)) == (200, {"choices": [{"text": "ok"}]})
+    assert router.executors["http://a"].in_flight == 0
+
+
+def test_unhashable_token_ids_reach_the_executor_and_its_400_comes_back():
+    huge = json.dumps({"prompt": [10**30] * 40, "max_tokens": 1}).encode()
+    seen: list[bytes] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return httpx.Response(400, json={"error": {"message": "token id out of range", "type": "invalid_request_error"}})
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client)
+            response = await forward(router, "/v1/completions", huge, JSON, chat=False)
+            app = build_router_app(router)  # no lifespan through ASGITransport: nothing is probed
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
+                explain = await c.post("/v1/route/explain", json={"prompt": [10**30] * 40})
+            return response, explain, router
+
+    response, explain, router = asyncio.run(scenario())
+    assert response.status_code == 400
+    assert json.loads(response.body)["error"]["message"] == "token id out of range"
+    assert seen == [huge]
+    assert router.executors["http://a"].in_flight == 0
+    assert explain.status_code == 200
+    d = explain.json()
+    assert (d["prompt_tokens"], d["prompt_blocks"], d["choice"]) == (0, 0, "http://a")
+    assert [(e["overlap_blocks"], e["score"]) for e in d["executors"]] == [(0, 0.0)]
+
+
+def test_explain_does_not_move_round_robin():
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client, ("a", "b"), policy="round_robin")
+            app = build_router_app(router)
+            pairs = []
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
+                for _ in range(4):
+                    explained = (await c.post("/v1/route/explain", json={"prompt": [1, 2]})).json()["choice"]
+                    served = (await c.post("/v1/completions", content=RAW, headers=JSON)).headers[EXECUTOR_HEADER]
+                    pairs.append((explained, served))
+            return pairs
+
+    assert asyncio.run(scenario()) == [("http://a", "http://a"), ("http://b", "http://b"),
+                                       ("http://a", "http://a"), ("http://b", "http://b")]
