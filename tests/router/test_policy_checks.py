@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
 import pytest
 
+from kvreuse.router.cli import route_main
 from kvreuse.router.policy import Candidate, KVPolicy, RoundRobinPolicy, choose, make_policy
 from kvreuse.router.sim_cli import simulate_main
 
@@ -54,3 +56,12 @@ def test_simulate_refuses_a_nan_weight(capsys):
     argv = ["--trace", "unread.jsonl", "--executors", "2", "--capacity-blocks", "8", "--overlap-weight", "nan"]
     assert simulate_main(argv) == 2
     assert capsys.readouterr().err.strip() == "kvreuse simulate: --overlap-weight must be a finite number >= 0, got nan"
+
+
+def test_route_refuses_a_nan_weight_before_looking_for_executors(capsys, monkeypatch):
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # route_main sets the root level; put it back after
+    # Port 1 answers nobody: were the weight checked after discovery, the error would be "no executor answered".
+    assert route_main(["--executor", "http://127.0.0.1:1", "--overlap-weight", "nan", "--startup-timeout", "0",
+                       "--log-level", "warning"]) == 2
+    assert capsys.readouterr().err.strip() == "kvreuse route: --overlap-weight must be a finite number >= 0, got nan"

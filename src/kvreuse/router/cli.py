@@ -94,11 +94,11 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
     try:
+        policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))
         first = next(iter(infos.values()))
         tokenizer = load_tokenizer(first)
-        policy = make_policy(args.routing_policy, args.overlap_weight)
     except ValueError as exc:
         print(f"kvreuse route: {exc}", file=sys.stderr)
         return 2
