@@ -56,7 +56,8 @@ class FakeExecutor:
         return ExecutorInfo.from_json(URL, self.info_json())
 
     def info_json(self) -> dict:
-        return _info_json(self.instance_id, {"zmq_endpoint": self.publisher.endpoint, "zmq_bound": self.publisher.bound})
+        events = {"zmq_endpoint": self.publisher.endpoint, "zmq_bound": self.publisher.bound}
+        return _info_json(self.instance_id, events)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         if not self.reachable:

@@ -121,7 +121,8 @@ def test_unhashable_token_ids_reach_the_executor_and_its_400_comes_back():
 
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request.content)
-        return httpx.Response(400, json={"error": {"message": "token id out of range", "type": "invalid_request_error"}})
+        error = {"message": "token id out of range", "type": "invalid_request_error"}
+        return httpx.Response(400, json={"error": error})
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:

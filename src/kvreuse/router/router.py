@@ -85,7 +85,8 @@ class Router:
         return [Candidate(n, overlaps[n], len(keys.keys), self.executors[n].load_blocks, self.executors[n].in_flight)
                 for n in names]
 
-    def decide(self, keys: RequestKeys, exclude: Collection[str] = (), *, dry_run: bool = False) -> RoutedRequest | None:
+    def decide(self, keys: RequestKeys, exclude: Collection[str] = (), *,
+               dry_run: bool = False) -> RoutedRequest | None:
         """The policy's choice among healthy executors not in ``exclude``; ``None`` if none.
         ``dry_run`` (``/v1/route/explain``) leaves the policy and the tie-break random state
         as they were, so it does not change what the next request gets."""
