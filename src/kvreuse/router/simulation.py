@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 
 from kvreuse.block_pool import BlockPool
 from kvreuse.eviction import make_policy as make_eviction_policy
-from kvreuse.retention import requested_retention
 from kvreuse.router.index import KVIndex, index_key
 from kvreuse.router.policy import Candidate, RoutingPolicy, choose
-from kvreuse.simulator.replay import _evictable_hits, _register  # one replay step, shared (see report)
+from kvreuse.simulator.replay import kv_tokens, serve_request  # the same replay step as one pool
 from kvreuse.simulator.traces import Trace, TraceRequest
 
 
@@ -104,21 +103,12 @@ class SimExecutor:
     def serve(self, req: TraceRequest, index: int, result: RoutedResult, now: float, service: ServiceModel) -> None:
         """Replay one request here (the steps of ``kvreuse.simulator.replay.replay``)."""
         pool, bs = self.pool, self.pool.block_size
-        total = req.prompt_tokens + req.output_tokens
-        n_blocks = -(-total // bs)
-        hits = pool.match_prefix(req.block_keys, req.block_tokens)
-        if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
+        if -(-kv_tokens(req) // bs) > pool.num_blocks:  # the engine refuses it
             result.requests_rejected += 1
             return
-        pool.acquire(hits)
-        retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
-        for block, (priority, duration) in zip(hits, retention):
-            pool.set_retention(block, priority, duration)
-        cached = len(hits) * bs
+        cached = serve_request(pool, req, index)
+        result.prompt_tokens += req.prompt_tokens  # refused requests stay out of the hit rate
         result.cached_tokens += cached
-        blocks = hits + pool.allocate(n_blocks - len(hits))
-        _register(pool, blocks, len(hits), req, retention, index, total // bs)
-        pool.release(reversed(blocks))
         busy = (req.prompt_tokens - cached) / service.prefill_tokens_per_s + req.output_tokens * service.decode_s_per_token
         prompt_blocks = -(-req.prompt_tokens // bs)
         heapq.heappush(self.in_flight, (now + busy, prompt_blocks))
@@ -166,7 +156,6 @@ def simulate_routed(
         chosen = by_name[decision.choice]
         k = names.index(decision.choice)
         result.requests += 1
-        result.prompt_tokens += req.prompt_tokens
         result.requests_per_executor[k] += 1
         window_counts[k] += 1
         chosen.serve(req, i, result, now, service)

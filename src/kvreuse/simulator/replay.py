@@ -103,18 +103,7 @@ def replay(
         if on_request is not None:
             on_request(i)
         result.prompt_tokens += req.prompt_tokens
-        limit = hit_blocks(req, bs)
-        hits = pool.match_prefix(req.block_keys[:limit], req.block_tokens[:limit])
-        if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
-            raise RuntimeError(f"request {i} fits the pool but found no room: blocks are leaking")
-        pool.acquire(hits)
-        retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
-        for block, (priority, duration) in zip(hits, retention):
-            pool.set_retention(block, priority, duration)
-        result.cached_tokens += len(hits) * bs
-        blocks = hits + pool.allocate(n_blocks - len(hits))
-        _register(pool, blocks, len(hits), req, retention, i, total // bs)
-        pool.release(reversed(blocks))
+        result.cached_tokens += serve_request(pool, req, i)
         if progress is not None:
             progress(1)
         if check_every and (i + 1) % check_every == 0:
@@ -124,6 +113,28 @@ def replay(
     result.evictions_by_priority = dict(pool.evictions_by_priority)
     result.blocks_by_priority = pool.blocks_by_priority()
     return result
+
+
+def serve_request(pool: BlockPool, req, index: int) -> int:
+    """One request in ``pool`` as the engine runs it alone: hit its cached prefix, hold
+    prompt + output, cache every full block, release. Returns the cached prompt tokens.
+    The caller checks first that the request fits the pool at all (``kv_tokens``).
+    Raises ``RuntimeError`` if it fits but finds no room (a leak)."""
+    bs = pool.block_size
+    total = kv_tokens(req)
+    n_blocks = -(-total // bs)
+    limit = hit_blocks(req, bs)
+    hits = pool.match_prefix(req.block_keys[:limit], req.block_tokens[:limit])
+    if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
+        raise RuntimeError(f"request {index} fits the pool but found no room: blocks are leaking")
+    pool.acquire(hits)
+    retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
+    for block, (priority, duration) in zip(hits, retention):
+        pool.set_retention(block, priority, duration)
+    blocks = hits + pool.allocate(n_blocks - len(hits))
+    _register(pool, blocks, len(hits), req, retention, index, total // bs)
+    pool.release(reversed(blocks))
+    return len(hits) * bs
 
 
 def kv_tokens(req) -> int:
