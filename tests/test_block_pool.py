@@ -96,3 +96,16 @@ def test_release_of_unheld_block_is_a_broken_invariant():
     pool = BlockPool(2, BS)
     with pytest.raises(RuntimeError):
         pool.release([pool.blocks[0]])
+
+
+def test_reset_drops_cached_blocks_without_counting_evictions():
+    pool = BlockPool(8, BS)
+    blocks, _ = fill(pool, list(range(12)))
+    held, _ = fill(pool, list(range(100, 108)))
+    release(pool, blocks)
+    assert pool.evict_all_cached() == 3  # the released chain; the held one stays
+    pool.check_integrity()
+    assert (pool.num_evictions, pool.evictions_by_priority) == (0, {})
+    assert (pool.num_cached_blocks, pool.num_used_blocks, pool.num_free_blocks) == (0, 2, 6)
+    release(pool, held)
+    assert pool.num_cached_blocks == 2

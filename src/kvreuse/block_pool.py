@@ -308,12 +308,13 @@ class BlockPool:
         return changed
 
     def evict_all_cached(self) -> int:
-        """Forget every cached block not in use (``reset_prefix_cache``). Returns how many."""
+        """Forget every cached block not in use (``reset_prefix_cache``). Returns how many.
+        Not counted as evictions: nothing needed the room."""
         removed: list[BlockHash] = []
         while self._num_cached_free:
             block = self._pop_victim()
             removed.append(block.block_hash)  # type: ignore[arg-type]
-            self._unregister(block)
+            self._unregister(block, evicted=False)
             self._free.append(block)
         if not self._cached:
             self._emit(AllBlocksCleared())
@@ -414,15 +415,17 @@ class BlockPool:
                 return block
         raise RuntimeError("no evictable block although the free count says there is one")
 
-    def _unregister(self, block: KVBlock) -> None:
-        """Remove an unheld cached block from the index (it becomes a bare block)."""
+    def _unregister(self, block: KVBlock, *, evicted: bool = True) -> None:
+        """Remove an unheld cached block from the index (it becomes a bare block).
+        ``evicted``: made room under memory pressure (counted); a reset is not."""
         if self._on_evict is not None:
             self._on_evict(block)
         del self._cached[block.block_hash]  # type: ignore[arg-type]
         self._held_by_priority[block.priority] -= 1
         self._num_cached_free -= 1
-        self.num_evictions += 1
-        self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
+        if evicted:
+            self.num_evictions += 1
+            self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
         parent = self._cached.get(block.parent_hash) if block.parent_hash is not None else None
         if parent is not None:
             parent.num_cached_children -= 1

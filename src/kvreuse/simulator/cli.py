@@ -24,7 +24,11 @@ DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "jsonl": 16, "auto": None}  # Mooncake 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvreuse simulate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvreuse simulate", description=__doc__.split("\n\n")[0],
+        epilog="Routed simulation: add --executors N (with --routing-policy kv|round_robin|least_loaded, "
+               "--overlap-weight W); see 'kvreuse simulate --executors 2 --help'.",
+    )
     p.add_argument("--trace", required=True, help="Mooncake or kvreuse JSONL trace (docs/simulator.md)")
     p.add_argument("--capacity-blocks", type=int, required=True, metavar="N", help="pool size in blocks")
     p.add_argument("--policy", action="append", choices=[*POLICIES, BELADY],
