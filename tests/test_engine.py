@@ -266,3 +266,41 @@ def test_retention_as_a_mapping_or_a_bad_type(tiny_llama):
         llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1), retention={"decode_retention_priority": 101})
     llm.engine.pool.check_integrity()
     assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_explicit_positions_without_context_respect_the_sliding_window(tiny_gemma3):
+    """A PML prompt that selects no module: its tokens sit at positions from the schema's
+    length on, with no context. Sliding-window layers (window 8) mask by those positions,
+    in one pass or chunked (transformers' own mask follows indices, which agree with
+    contiguous positions); gapped positions give the same logits in one pass and chunked."""
+    from kvreuse.models.tiny import tiny_model
+
+    ref = tiny_model("gemma3", seed=0, attn_implementation="eager").model
+    prompt = list(range(300, 320))
+    contiguous, gapped = list(range(100, 120)), [0, 1, 2, 3, 20, 21, 22, 23] + list(range(40, 52))
+    last = {}
+    for chunk in (8192, 6):
+        llm = LLM(loaded=tiny_gemma3, kv_cache_memory_gib=0.01, block_size=4, max_num_batched_tokens=chunk)
+        for positions in (contiguous, gapped):
+            spy = LogitsSpy(llm)
+            llm.engine.add_request(f"p{positions[4]}", prompt, SamplingParams(max_tokens=1, temperature=0),
+                                   prompt_positions=positions)
+            run_steps(llm)
+            last[chunk, positions[4]] = spy.rows[-1]
+    with torch.inference_mode():
+        want = ref(input_ids=torch.tensor([prompt]), position_ids=torch.tensor([contiguous]),
+                   use_cache=False).logits[0, -1].float()
+    for chunk in (8192, 6):
+        assert (last[chunk, 104] - want).abs().max().item() <= 1e-4
+    assert (last[8192, 20] - last[6, 20]).abs().max().item() <= 1e-5
+
+
+def test_tiny_temperature_is_greedy_and_harms_no_other_request(tiny_llama):
+    """1 / 1e-38 overflows to inf (NaN probabilities): such a request samples greedily,
+    as vLLM does, instead of failing the whole step."""
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    prompts = [list(range(10, 30)), list(range(40, 60))]
+    tiny, sampled = SamplingParams(max_tokens=6, temperature=1e-38), SamplingParams(max_tokens=6, temperature=0.7, seed=3)
+    outs = llm.generate(prompts, [tiny, sampled])
+    assert outs[0].token_ids == llm.generate([prompts[0]], GREEDY)[0].token_ids[:6]
+    assert len(outs[1].token_ids) == 6

@@ -308,8 +308,9 @@ class LLMEngine:
                     positions=[seq.position(i) for i in range(c, c + n)],
                     new_slots=[seq.slot(i, bs) for i in range(c, c + n)],
                     context_slots=seq.context_slots + [seq.slot(i, bs) for i in range(c)],
-                    context_positions=(
-                        seq.context_positions + [seq.position(i) for i in range(c)] if seq.context_slots else None
+                    context_positions=(  # explicit positions (PML), with or without module context
+                        seq.context_positions + [seq.position(i) for i in range(c)]
+                        if seq.context_slots or seq.prompt_positions is not None else None
                     ),
                     sample=c + n == seq.num_tokens,
                 )

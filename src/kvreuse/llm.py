@@ -34,7 +34,7 @@ class LLM:
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
         retention=None,
@@ -42,12 +42,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
-        Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML)."""
-        params = sampling_params or SamplingParams()
+        ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
+        Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML) or a
+        list of sampling params whose length differs from the prompts'."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+            per_prompt = list(sampling_params)
+        else:
+            per_prompt = [sampling_params or SamplingParams()] * len(prompts)
         ids = []
-        for prompt in prompts:
+        for prompt, params in zip(prompts, per_prompt):
             rid = f"llm-{next(self._ids)}"
             try:
                 if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema

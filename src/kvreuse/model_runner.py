@@ -130,8 +130,8 @@ class ModelRunner:
             k_pos = torch.tensor(ctx_pos + chunk.positions, dtype=torch.long, device=dev)[None, :]  # [1, L]
             q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
             for window in self.layout.sliding_windows:
-                if c == 0 and n <= window and chunk.context_positions is None:
-                    mask_sliding[window] = None  # the window never cuts: plain causal
+                if c == 0 and chunk.positions[-1] - chunk.positions[0] < window:
+                    mask_sliding[window] = None  # the window never cuts (positions may have gaps): plain causal
                 else:
                     mask_sliding[window] = causal & (k_pos > q_pos - window)
         # Without sliding windows every context key is visible to every new token and its

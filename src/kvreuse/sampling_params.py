@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit on logprobs / top_logprobs
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Validated at construction; ``ValueError`` names the offending field.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` means no top-k cut. ``seed`` makes a
+    ``temperature`` below 1e-5 (0 included) is greedy. ``top_k == 0`` means no top-k cut. ``seed`` makes a
     request's sampling reproducible regardless of what else is batched with it.
     ``logprobs=k`` puts a ``TokenLogprobs`` per output token on each ``RequestOutput``:
     the raw model distribution (before temperature, top-k, top-p), as vLLM does.
@@ -55,4 +56,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW  # 1/T overflows for tiny T (vLLM's _SAMPLING_EPS)
