@@ -1,6 +1,7 @@
 """Model loading: spec resolution, dtype/device parsing, KV shape, identity, tiny models, real models."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,3 +273,29 @@ def test_concurrent_conversion_runs_once_and_is_atomic(tiny_llama, tmp_path, mon
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
     loaded = load_model(str(target), cache_dir=tmp_path)
     assert loaded.name == target.name and loaded.shape.num_layers == 2
+
+
+def test_packaged_conversion_folder_does_not_depend_on_the_install_path(tmp_path):
+    """Every venv (each CI clone) has its own site-packages: a pinned package's GGUF must
+    map to one conversion, a loose .gguf file to one per path."""
+    import dataclasses
+
+    from kvreuse.models import store
+    from kvreuse.models.sources import ModelSource
+
+    a = ModelSource("m", "gguf", Path("/venv-a/site-packages/pkg/m.gguf"), "pkg==1.0", "m.gguf", from_package=True)
+    b = dataclasses.replace(a, path=Path("/venv-b/site-packages/pkg/m.gguf"))
+    assert store.conversion_dir(a, tmp_path) == store.conversion_dir(b, tmp_path)
+    assert store.conversion_dir(a, tmp_path) != store.conversion_dir(dataclasses.replace(a, version="pkg==1.1"), tmp_path)
+    loose_a, loose_b = (dataclasses.replace(x, from_package=False) for x in (a, b))
+    assert store.conversion_dir(loose_a, tmp_path) != store.conversion_dir(loose_b, tmp_path)
+
+
+def test_fp16_gemma_is_refused_naming_dtype(tiny_gemma3):
+    import torch
+
+    from kvreuse.model_loader import finish_model
+
+    with pytest.raises(ValueError, match="--dtype float16: gemma3"):
+        finish_model(tiny_gemma3.model, tiny_gemma3.tokenizer, name="g", weights_hash="0", tokenizer_hash="0",
+                     dtype=torch.float16, device=torch.device("cpu"), path=None)

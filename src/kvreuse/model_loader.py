@@ -239,7 +239,12 @@ def eos_token_ids_of(model: Any, tokenizer: Any) -> tuple[int, ...]:
 def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, tokenizer_hash: str,
                  dtype: torch.dtype, device: torch.device, path: Path | None,
                  attn_implementation: str | None = None) -> LoadedModel:
-    """Put ``model`` in eval mode on ``device``/``dtype`` and wrap it in a :class:`LoadedModel`."""
+    """Put ``model`` in eval mode on ``device``/``dtype`` and wrap it in a :class:`LoadedModel`.
+    Raises ``ValueError`` naming ``--dtype`` for fp16 on Gemma models, whose activations
+    overflow fp16 (NaN logits, also in plain transformers)."""
+    model_type = getattr(model.config, "model_type", "") or ""
+    if dtype == torch.float16 and model_type.startswith(("gemma2", "gemma3")):
+        raise ValueError(f"--dtype float16: {model_type} overflows fp16 (NaN logits); use --dtype bfloat16 or float32")
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)

@@ -47,6 +47,7 @@ class ModelSource:
     path: Path
     version: str
     gguf_name: str | None = None
+    from_package: bool = False  # a pinned PyPI package: the same file in every install
 
 
 def _package_dir(package: str) -> Path | None:
@@ -80,11 +81,11 @@ def _resolve_packaged(p: _Packaged) -> ModelSource:
                          f"(pip install {dist}); {SPEC_HELP}")
     version = f"{dist}=={_dist_version(p.package)}"
     if p.assembled:
-        return ModelSource(p.name, "packaged", pkg_dir, version, p.filename)
+        return ModelSource(p.name, "packaged", pkg_dir, version, p.filename, from_package=True)
     gguf = pkg_dir / p.filename
     if not gguf.is_file():
         raise ValueError(f"model '{p.name}': {gguf} is missing from package '{dist}'; {SPEC_HELP}")
-    return ModelSource(p.name, "gguf", gguf, version, p.filename)
+    return ModelSource(p.name, "gguf", gguf, version, p.filename, from_package=True)
 
 
 def resolve_source(spec: str) -> ModelSource:

@@ -145,7 +145,11 @@ def file_lock(path: Path) -> Iterator[None]:
 
 def conversion_dir(src: ModelSource, cache_root: Path) -> Path:
     """The folder a GGUF source converts into: ``<root>/<name>-<12 hex of source identity>``."""
-    ident = f"{src.kind}|{src.path}|{src.gguf_name}|{src.version}|v{FORMAT_VERSION}"
+    # A packaged GGUF is the same file in every install (its version pins it): key on name
+    # and version, not on the install path, so each new venv (every CI clone) reuses one
+    # conversion instead of spending a minute and a few GB on its own.
+    where = "" if src.from_package else str(src.path)
+    ident = f"{src.kind}|{where}|{src.gguf_name}|{src.version}|v{FORMAT_VERSION}"
     return cache_root / f"{src.name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
