@@ -269,3 +269,29 @@ def test_waiting_requests_holding_module_kv_never_deadlock_the_pool(tiny_llama):
     alone = [roomy.generate(p, params)[0].token_ids for p in prompts]
     assert [outs[f"r{i}"].token_ids for i in range(3)] == alone
     assert engine.pool.num_used_blocks == 0
+
+
+def test_pml_request_arriving_when_the_pool_is_busy_waits_instead_of_failing(tiny_llama):
+    """Its modules were evicted and running requests hold the pool: the request is queued
+    and acquires (recomputes) its module KV when its turn comes, like any request that
+    waits for memory; it is not refused."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    small = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * bytes_per_block / 2**30, block_size=4)
+    roomy = make(tiny_llama)
+    schema = f'<schema name="a"><module name="m">{" ".join(f"wax{i}" for i in range(20))}</module></schema>'
+    prompt = '<prompt schema="a"><m/>and then what happened</prompt>'
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for llm in (small, roomy):
+        llm.register_schema(schema)
+    engine = small.engine
+    engine.add_request("hog", list(range(100, 220)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()  # the hog holds 30 of 40 blocks; part of the module's 13 blocks were evicted for it
+    engine.add_pml_request("pml", prompt, params)  # used to raise "the KV pool has N free blocks"
+    assert engine._requests["pml"].context_released  # it really had to wait for its module KV
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+        engine.pool.check_integrity()
+    assert outs["pml"].token_ids == roomy.generate(prompt, params)[0].token_ids
+    assert engine.pool.num_used_blocks == 0

@@ -21,7 +21,7 @@ from kvreuse.event_buffer import EventBuffer
 from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
-from kvreuse.module_cache import ModuleCache, ModuleContext
+from kvreuse.module_cache import ModuleCache, ModuleContext, PoolBusy
 from kvreuse.retention import as_retention
 from kvreuse.sampler import make_generator, sample_one
 from kvreuse.sampling_params import SamplingParams
@@ -184,8 +184,11 @@ class LLMEngine:
         over its block references and releases them when it ends or is rejected here.
         """
         try:
-            self._check_request(request_id, prompt_token_ids, params, prompt_positions,
-                                len({b.block_id for b in context.blocks}) if context is not None else 0)
+            if context is not None:
+                context_blocks = len({b.block_id for b in context.blocks})
+            else:
+                context_blocks = self.modules.blocks_of(module_plan) if module_plan is not None else 0
+            self._check_request(request_id, prompt_token_ids, params, prompt_positions, context_blocks)
             retention = as_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -202,9 +205,11 @@ class LLMEngine:
             prompt_positions=prompt_positions,
             generator=make_generator(params.seed, self.runner.device),
         )
+        seq.module_plan = module_plan
         if context is not None:
             self._set_context(seq, context)
-            seq.module_plan = module_plan
+        elif module_plan is not None:
+            seq.context_released = True  # acquired at the head of the queue (_restore_context)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -213,10 +218,14 @@ class LLMEngine:
     ) -> None:
         """Queue a ``<prompt schema=...>`` request over a registered schema (``self.modules``).
         Raises ``ValueError`` (a ``PMLError`` naming line/column or the module) if it cannot run."""
-        prepared = self.modules.prepare(pml_text)
+        prepared = self.modules.prepare(pml_text, acquire=False)
+        try:
+            context = self.modules.acquire(prepared.plan)
+        except PoolBusy:
+            context = None  # the pool is busy now: queued, it acquires its module KV when its turn comes
         self.add_request(
             request_id, prepared.token_ids, params, cache_salt=cache_salt, retention=retention,
-            prompt_positions=prepared.position_ids, context=prepared.context, module_plan=prepared.plan,
+            prompt_positions=prepared.position_ids, context=context, module_plan=prepared.plan,
         )
 
     @staticmethod

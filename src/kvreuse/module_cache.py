@@ -52,6 +52,10 @@ def is_pml_prompt(text: str) -> bool:
     return text.lstrip().startswith("<prompt")
 
 
+class PoolBusy(ValueError):
+    """The pool cannot hold a module's KV now (other requests hold the blocks); later it may."""
+
+
 @dataclass(frozen=True)
 class ModuleContext:
     """Assembled module KV for one request. ``blocks`` each carry one reference that the
@@ -79,8 +83,8 @@ class PreparedPrompt:
 
     token_ids: list[int]
     position_ids: list[int]  # ascending; the last is the highest position, so decoding follows it
-    context: ModuleContext
-    plan: ModulePlan  # to acquire the context again after a release (engine, under pressure)
+    context: ModuleContext | None  # None: not acquired yet (``prepare(acquire=False)``)
+    plan: ModulePlan  # to acquire the context (again, after a release under pressure)
 
 
 @dataclass(frozen=True)
@@ -208,12 +212,13 @@ class ModuleCache:
         )
 
     # ------------------------------------------------------------------ requests
-    def prepare(self, pml_text: str) -> PreparedPrompt:
-        """Compile a ``<prompt schema=...>`` and acquire the KV of every module it selects
-        (recomputing evicted ones). The caller owns one reference per context block.
+    def prepare(self, pml_text: str, *, acquire: bool = True) -> PreparedPrompt:
+        """Compile a ``<prompt schema=...>`` and (``acquire``) acquire the KV of every module
+        it selects (recomputing evicted ones); the caller owns one reference per context
+        block. Without ``acquire`` the context is ``None``: call ``acquire(plan)`` later.
 
-        Raises ``PMLError`` naming line/column or the module, ``ValueError`` when the pool
-        cannot hold the modules now."""
+        Raises ``PMLError`` naming line/column or the module, ``PoolBusy`` (a ``ValueError``)
+        when the pool cannot hold the modules now."""
         tree = parse_prompt(pml_text)
         prompt = compile_prompt(tree, self.schemas, self.tokenizer)
         schema = self.schemas[prompt.schema_name]
@@ -229,7 +234,12 @@ class ModuleCache:
             new_tokens.append(tokens[dropped])
             new_positions.append(positions[dropped])
         plan = ModulePlan(schema, tuple(name for name, _, _ in assembled), dropped)
-        return PreparedPrompt(new_tokens, new_positions, self.acquire(plan), plan)
+        return PreparedPrompt(new_tokens, new_positions, self.acquire(plan) if acquire else None, plan)
+
+    def blocks_of(self, plan: ModulePlan) -> int:
+        """Blocks ``plan``'s modules take in the pool (what ``acquire`` holds)."""
+        bs = self.pool.block_size
+        return sum(-(-len(plan.schema.module(name).stored_token_ids) // bs) for name in plan.modules)
 
     def acquire(self, plan: ModulePlan) -> ModuleContext:
         """The KV of ``plan``'s modules, one reference per block for the caller; evicted
@@ -305,7 +315,7 @@ class ModuleCache:
 
     def _allocate(self, n: int, what: str) -> list[KVBlock]:
         if not self.pool.can_allocate(n):
-            raise ValueError(
+            raise PoolBusy(
                 f"the KV pool has {self.pool.num_free_blocks} free blocks but {what} needs {n}: "
                 "retry later or raise --kv-cache-memory"
             )

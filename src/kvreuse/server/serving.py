@@ -175,6 +175,11 @@ async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest
             task.cancel()
         if watcher is not None:
             watcher.cancel()
+        # Read what the cancelled tasks end with, so asyncio logs no "never retrieved".
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not everything.done():
+            everything.cancel()
+        everything.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 @dataclass
