@@ -32,7 +32,8 @@ def tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
     """
     root = Path(cache_dir).expanduser() if cache_dir else store.default_cache_root()
     src = ml.resolve_source("default")
-    ident = hashlib.sha256(f"{src.path}|{src.version}".encode()).hexdigest()[:12]
+    where = "" if src.from_package else str(src.path)  # one copy for every install of the pinned package
+    ident = hashlib.sha256(f"{where}|{src.version}".encode()).hexdigest()[:12]
     target = root / "tokenizers" / f"{src.name}-{ident}"
     if (target / "tokenizer.json").is_file():
         return target
