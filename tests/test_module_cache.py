@@ -295,3 +295,34 @@ def test_pml_request_arriving_when_the_pool_is_busy_waits_instead_of_failing(tin
         engine.pool.check_integrity()
     assert outs["pml"].token_ids == roomy.generate(prompt, params)[0].token_ids
     assert engine.pool.num_used_blocks == 0
+
+
+def test_unwritable_schema_dir_is_a_warning_not_a_failure(tiny_llama, tmp_path, monkeypatch, caplog):
+    """The schema dir is a cache: a failed save leaves the schema serving (persisted False),
+    a restart on a dir whose file must be rewritten still starts, and a file deleted while
+    serving is written again when the schema is registered again."""
+    from kvreuse.schema_store import SchemaStore
+
+    first = make(tiny_llama, schema_dir=str(tmp_path))
+    assert first.register_schema(SCHEMA).persisted is True
+    (path,) = list(tmp_path.rglob("*.safetensors"))
+    path.unlink()
+    again = first.register_schema(SCHEMA)
+    assert (again.computed, again.persisted) == (0, True) and path.is_file()  # rewritten though nothing was computed
+
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # fails its checksum: the restart recomputes and must rewrite it
+    path.write_bytes(bytes(data))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(SchemaStore, "save", refuse)
+    with caplog.at_level("WARNING"):
+        restarted = make(tiny_llama, schema_dir=str(tmp_path))  # used to fail to start
+    (info,) = restarted.engine.restored_schemas
+    assert info.computed == 4 and "cannot save schema 's'" in caplog.text
+    out = restarted.generate('<prompt schema="s"><a/><r who="Bo"/>Go on.</prompt>', GREEDY)[0]
+    assert out.finish_reason == "length"
+    fresh = restarted.register_schema(SINGLE)
+    assert fresh.persisted is False and "one" in restarted.engine.modules.schemas

@@ -97,12 +97,14 @@ class SchemaInfo:
     computed: int  # modules computed by this call
     loaded: int  # modules loaded from the schema dir by this call
     present: int  # modules already in the pool
+    persisted: bool | None = None  # its file is in the schema dir; None: no schema dir
 
     def to_json(self) -> dict:
         return {
             "name": self.name, "schema_hash": self.schema_hash, "length": self.length,
             "modules": list(self.modules), "stored_tokens": self.stored_tokens,
             "computed": self.computed, "loaded": self.loaded, "present": self.present,
+            "persisted": self.persisted,
         }
 
 
@@ -171,8 +173,13 @@ class ModuleCache:
             self._demote(old)
         self.schemas[schema.name] = schema  # swapped in only once every module is in the pool
         self._sources[schema.name] = pml_text
-        if self.store is not None and self._counts["computed"]:
-            self.store.save(schema, pml_text, kv)
+        if self.store is not None and (self._counts["computed"] or not self.store.path(schema).exists()):
+            try:
+                self.store.save(schema, pml_text, kv)
+            except OSError as exc:
+                # The store is a cache: the schema serves from the pool all the same.
+                log.warning("schema dir: cannot save schema %r (%s): it serves now but will not be "
+                            "restored after a restart", schema.name, exc)
         return self.info(schema.name, **self._counts)
 
     def load_store(self) -> list[SchemaInfo]:
@@ -185,8 +192,8 @@ class ModuleCache:
         for text in self.store.sources():
             try:
                 out.append(self.register(text))
-            except ValueError as exc:
-                log.warning("schema dir: skipping a stored schema that no longer compiles: %s", exc)
+            except (ValueError, OSError) as exc:  # a start must never fail on the cache
+                log.warning("schema dir: skipping a stored schema that cannot be restored: %s", exc)
         return out
 
     def remove(self, name: str) -> bool:
@@ -209,6 +216,7 @@ class ModuleCache:
         return SchemaInfo(
             schema.name, schema.schema_hash, schema.length, tuple(m.qualified_name for m in mods),
             sum(len(m.stored_token_ids) for m in mods), computed, loaded, present,
+            None if self.store is None else self.store.path(schema).exists(),
         )
 
     # ------------------------------------------------------------------ requests
