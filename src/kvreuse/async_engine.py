@@ -240,12 +240,15 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                     continue
+                # Durations that ran out while idle fall back to priority 35 now (metrics,
+                # dashboard and BlockUpdated events follow), not at the next allocation.
+                self.engine.pool.expire()
                 self._publish_stats()
                 self._idle_integrity_check()
                 # Clear before re-checking the inbox so a command sent in between is not missed.
                 self._wake.clear()
                 if self._inbox.empty():
-                    self._wake.wait()
+                    self._wake.wait(self._until_next_expiry())
         except BaseException:  # noqa: BLE001 - the loop must never die silently
             logger.critical("engine thread crashed; failing every in-flight request", exc_info=True)
             raise
@@ -253,6 +256,12 @@ class AsyncEngine:
             self._running = False
             self._fail_all(EngineDeadError("the engine has stopped"))
             self._drain_after_stop()
+
+    def _until_next_expiry(self) -> float | None:
+        """Seconds to sleep while idle: until the pool's next retention expiry, else forever."""
+        pool = self.engine.pool
+        due = pool.next_expiry()
+        return None if due is None else min(max(due - pool.clock(), 0.01), 3600.0)
 
     def _drain_inbox(self) -> None:
         while True:

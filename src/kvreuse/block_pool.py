@@ -289,6 +289,10 @@ class BlockPool:
                 self._start_expiry(block)
                 self._make_evictable(block)
 
+    def next_expiry(self) -> float | None:
+        """Clock time of the earliest pending expiry (it may have been cancelled since), or None."""
+        return self._expiry[0][0] if self._expiry else None
+
     def expire(self, now: float | None = None) -> int:
         """Drop every released block whose duration has run out back to the default
         priority (``allocate`` calls this before it evicts). Returns how many changed."""

@@ -85,10 +85,12 @@ class KVCacheManager:
         unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
         if num_new > self.pool.num_free_blocks - unheld_hits:
             return False
+        # a reuse takes the request's priority when it gives one, and always its duration;
+        # worked out before anything is held, so a failure here leaks no block
+        wanted = [self.retention_fn(seq, i, bs) or (None, None) for i in range(len(hits))]
         self.pool.acquire(hits)
-        for i, block in enumerate(hits):
-            # a reuse takes the request's priority when it gives one, and always its duration
-            self.pool.set_retention(block, *(self.retention_fn(seq, i, bs) or (None, None)))
+        for block, (priority, duration) in zip(hits, wanted):
+            self.pool.set_retention(block, priority, duration)
         seq.blocks = hits + self.pool.allocate(num_new)
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs

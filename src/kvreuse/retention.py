@@ -221,9 +221,12 @@ def _check_priority(v: object, path: str) -> None:
         raise ValueError(f"{path}: must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {v!r}")
 
 
+MAX_DURATION_MS = 10**12  # ~31.7 years; null means no expiry at all
+
+
 def _check_duration(v: object, path: str) -> None:
-    if v is not None and (not _is_int(v) or v <= 0):  # type: ignore[operator]
-        raise ValueError(f"{path}: must be a positive integer (ms) or null, got {v!r}")
+    if v is not None and (not _is_int(v) or not 0 < v <= MAX_DURATION_MS):  # type: ignore[operator]
+        raise ValueError(f"{path}: must be a positive integer (ms) up to {MAX_DURATION_MS}, or null, got {v!r:.40}")
 
 
 def _check_range_fields(f: Mapping, path: str) -> None:

@@ -122,3 +122,45 @@ def test_shutdown_fails_waiting_callers(tiny_llama):
     engine.shutdown()
     with pytest.raises(EngineDeadError):
         asyncio.run(_collect(engine, "late"))
+
+
+def test_idle_engine_applies_expired_durations_without_new_requests(own_engine):
+    """A released block's duration runs out while nothing runs: it falls back to priority
+    35 then (stats, metrics and events follow), not at the next allocation."""
+    from kvreuse.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
+
+    class Clock:
+        now = 1000.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    own_engine.engine.pool.clock = clock
+    keep = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 32, 90, duration_ms=1000)])
+
+    async def run():
+        outs = [o async for o in own_engine.generate(list(range(200, 240)), GREEDY, request_id="kept",
+                                                     retention=keep)]
+        assert outs[-1].finished
+        held = await own_engine.call(lambda e: e.pool.blocks_by_priority())
+        clock.now += 60.0
+        for _ in range(100):  # any wake-up runs an idle pass, which expires (no request needed)
+            after = await own_engine.call(lambda e: e.pool.blocks_by_priority())
+            if 90 not in after:
+                break
+            await asyncio.sleep(0.05)
+        return held, after
+
+    held, after = asyncio.run(run())
+    assert held.get(90) == 32 // BLOCK_SIZE
+    assert 90 not in after and sum(after.values()) == sum(held.values())
+    assert own_engine.stats().blocks_by_priority == after
+
+
+def test_retention_duration_beyond_the_limit_is_refused_naming_the_field():
+    from kvreuse.retention import MAX_DURATION_MS, KvCacheRetentionConfig
+
+    with pytest.raises(ValueError, match=r"kv_cache_retention_config.decode_duration_ms: must be a positive integer"):
+        KvCacheRetentionConfig.from_dict({"decode_duration_ms": 10**309})
+    assert KvCacheRetentionConfig.from_dict({"decode_duration_ms": MAX_DURATION_MS}).decode_duration_ms == MAX_DURATION_MS
