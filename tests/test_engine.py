@@ -15,7 +15,7 @@ def run_steps(llm: LLM):
     while llm.engine.has_unfinished_requests():
         for o in llm.engine.step():
             outs[o.request_id] = o
-        llm.engine.pool.check_integrity()
+        llm.engine.check_integrity()  # the pool's checks and every reference owned by a request
     return outs
 
 
@@ -304,3 +304,14 @@ def test_tiny_temperature_is_greedy_and_harms_no_other_request(tiny_llama):
     outs = llm.generate(prompts, [tiny, sampled])
     assert outs[0].token_ids == llm.generate([prompts[0]], GREEDY)[0].token_ids[:6]
     assert len(outs[1].token_ids) == 6
+
+
+def test_engine_integrity_catches_a_reference_no_request_owns(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1, temperature=0))
+    llm.engine.check_integrity()
+    cached = next(b for b in llm.engine.pool.blocks if b.block_hash is not None)
+    llm.engine.pool.acquire([cached])  # held, but by nobody the engine knows
+    with pytest.raises(RuntimeError, match=f"block {cached.block_id} has ref_count 1 but live requests hold 0"):
+        llm.engine.check_integrity()
+    llm.engine.pool.check_integrity()  # the pool alone cannot see it

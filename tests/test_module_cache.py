@@ -265,7 +265,7 @@ def test_waiting_requests_holding_module_kv_never_deadlock_the_pool(tiny_llama):
         assert steps < 1000, "the engine made no progress"
         for out in engine.step():
             outs[out.request_id] = out
-        engine.pool.check_integrity()
+        engine.check_integrity()
     alone = [roomy.generate(p, params)[0].token_ids for p in prompts]
     assert [outs[f"r{i}"].token_ids for i in range(3)] == alone
     assert engine.pool.num_used_blocks == 0
@@ -292,7 +292,7 @@ def test_pml_request_arriving_when_the_pool_is_busy_waits_instead_of_failing(tin
     while engine.has_unfinished_requests():
         for out in engine.step():
             outs[out.request_id] = out
-        engine.pool.check_integrity()
+        engine.check_integrity()
     assert outs["pml"].token_ids == roomy.generate(prompt, params)[0].token_ids
     assert engine.pool.num_used_blocks == 0
 

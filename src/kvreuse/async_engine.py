@@ -181,8 +181,9 @@ class AsyncEngine:
         return self._integrity_error
 
     async def check_integrity(self) -> None:
-        """Run ``pool.check_integrity()`` in the engine thread; raises its ``RuntimeError``."""
-        await self.call(lambda engine: engine.pool.check_integrity())
+        """Run the engine's ``check_integrity()`` (pool and request references) in the engine
+        thread; raises its ``RuntimeError``."""
+        await self.call(lambda engine: engine.check_integrity())
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(engine)`` in the engine thread between steps and return its result
@@ -378,7 +379,7 @@ class AsyncEngine:
 
     def _idle_integrity_check(self) -> None:
         try:
-            self.engine.pool.check_integrity()
+            self.engine.check_integrity()
         except Exception as exc:  # noqa: BLE001 - report, do not crash the server
             if self._integrity_error is None:
                 logger.error("BLOCK POOL INTEGRITY CHECK FAILED while idle: %s", exc, exc_info=True)

@@ -401,6 +401,22 @@ class LLMEngine:
             events_dropped=None if self.events is None else self.events.num_dropped,
         )
 
+    def check_integrity(self) -> None:
+        """The pool's own checks, plus: every block's ref count equals the references the
+        live requests hold (own blocks and PML module blocks), so a leaked reference (a block
+        in use that no request owns) is caught. Raises ``RuntimeError``. Call between steps."""
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for seq in self._requests.values():
+            for block in (*seq.blocks, *seq.context_blocks):
+                held[block.block_id] = held.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_count != held.get(block.block_id, 0):
+                raise RuntimeError(
+                    f"block {block.block_id} has ref_count {block.ref_count} but live requests hold "
+                    f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
+                )
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use; returns how many were dropped."""
         return self.pool.evict_all_cached()
