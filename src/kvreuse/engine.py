@@ -282,6 +282,8 @@ class LLMEngine:
         vocab = self.loaded.shape.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be in the vocabulary [0, {vocab}) (one could never match)")
         # the last sampled token is never fed back, so it needs no slot
         needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks
         if needed > self.pool.num_blocks:

@@ -118,6 +118,7 @@ def test_more_bad_fields_name_the_right_param(client):
         ({"prompt": "a", "suffix": "b"}, "suffix", "suffix"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"prompt": ["a"] * 300, "max_tokens": 1}, "prompt", "at most 256"),
+        ({"prompt": "a", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
     ]
     for body, param, needle in cases:
         err = _error(client.post("/v1/completions", json=body), 400)
@@ -138,5 +139,5 @@ def test_value_error_param_matches_whole_words_only():
 
     assert from_value_error(ValueError("unknown schema 'nope' (known: none)")).param is None
     assert from_value_error(ValueError("n must be between 1 and 16")).param == "n"
-    assert from_value_error(ValueError("stop_token_ids: bad")).param is None
+    assert from_value_error(ValueError("stop_token_ids: bad")).param == "stop_token_ids"  # not "stop"
     assert from_value_error(ValueError("max_tokens=3 is too many")).param == "max_tokens"

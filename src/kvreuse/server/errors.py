@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # Request fields, most specific first: used to name the ``param`` of an engine ValueError.
 _KNOWN_PARAMS = (
     "kv_cache_retention_config", "max_completion_tokens", "max_tokens", "cache_salt", "messages",
-    "prompt", "suffix", "stream_options", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
+    "prompt", "suffix", "stream_options", "stop_token_ids", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
 )
 # Location parts pydantic adds for union members and validators: not field names.
 # Fields that are unions: pydantic reports one failure per member; say what is accepted.
