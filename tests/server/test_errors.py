@@ -82,8 +82,11 @@ def test_unknown_model(client):
 
 
 def test_unknown_route_and_method(client):
-    assert _error(client.get("/v1/nothing"), 404)["type"] == "not_found_error"
-    _error(client.get("/v1/completions"), 405)
+    err = _error(client.post("/v1/nothing"), 404)
+    assert (err["type"], err["message"]) == ("invalid_request_error", "Invalid URL (POST /v1/nothing)")  # OpenAI's
+    assert _error(client.get("/v1/completions"), 405)["message"] == "Invalid URL (GET /v1/completions)"
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"  # client.models.retrieve
+    assert _error(client.get("/v1/models/other"), 404)["code"] == "model_not_found"
 
 
 def test_body_size_limit(client):
@@ -141,3 +144,35 @@ def test_value_error_param_matches_whole_words_only():
     assert from_value_error(ValueError("n must be between 1 and 16")).param == "n"
     assert from_value_error(ValueError("stop_token_ids: bad")).param == "stop_token_ids"  # not "stop"
     assert from_value_error(ValueError("max_tokens=3 is too many")).param == "max_tokens"
+
+
+def test_explicit_nulls_mean_the_defaults(client):
+    """OpenAI clients send null for optional fields they do not set."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "top_k": None, "ignore_eos": None,
+             "seed": None, "stop": None, "stream_options": None, "max_tokens": 2}
+    r = client.post("/v1/completions", json={"prompt": "hi", "echo": None, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "logprobs": None,
+                                                  "top_logprobs": 0, **nulls})
+    assert r.status_code == 200, r.text
+    assert _error(client.post("/v1/completions", json={"prompt": None}), 400)["param"] == "prompt"
+
+
+def test_unimplemented_openai_fields_are_refused_unless_neutral(client):
+    messages = [{"role": "user", "content": "hi"}]
+    refused = [
+        ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"), ({"best_of": 3}, "best_of"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
+    ]
+    for extra, param in refused:
+        err = _error(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra}), 400)
+        assert err["param"] == param, (extra, err)
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
+               "response_format": {"type": "text"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": "none", "seed": 2**63 - 1, "n": 2}
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **{**neutral, "best_of": 2}})
+    assert r.status_code == 200, r.text

@@ -1,4 +1,4 @@
-"""``GET /v1/models``, ``GET /health``, ``GET /metrics``."""
+"""``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics``."""
 
 from __future__ import annotations
 
@@ -6,23 +6,31 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvreuse.server.protocol import now_s
-from kvreuse.server.serving import context_of
+from kvreuse.server.serving import check_model, context_of
 
 router = APIRouter()
 
 INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (app.state.instance_id)
 
 
+def _model_card(ctx, name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "kvreuse",
+            "root": ctx.engine.model_name, "max_model_len": ctx.engine.max_model_len}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     ctx = context_of(request)
     created = now_s()
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "kvreuse",
-         "root": ctx.engine.model_name, "max_model_len": ctx.engine.max_model_len}
-        for name in ctx.served_model_names
-    ]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_card(ctx, n, created) for n in ctx.served_model_names]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    """OpenAI's ``models.retrieve``; 404 ``model_not_found`` naming ``model`` otherwise."""
+    ctx = context_of(request)
+    check_model(ctx, model_id)
+    return JSONResponse(_model_card(ctx, model_id, now_s()))
 
 
 @router.get("/health")

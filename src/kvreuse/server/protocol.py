@@ -13,27 +13,36 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from kvreuse.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def _drop_nulls(data: Any) -> Any:
+    """An explicit ``null`` means "the default" (OpenAI's spec allows null for optional
+    fields and clients send it); a required field sent as null is then reported missing."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM: usage on every chunk
 
+    _nulls = model_validator(mode="before")(_drop_nulls)
+
 
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+    _nulls = model_validator(mode="before")(_drop_nulls)
 
     model: StrictStr | None = None  # None: the served model (vLLM accepts it missing)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=-1)  # vLLM extra; -1 and 0 mean off
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - 16)  # int64, room for n offsets
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 (seed + n offset fits uint64)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None  # vLLM extra
     ignore_eos: StrictBool = False  # vLLM extra
@@ -46,12 +55,35 @@ class _GenerationRequest(BaseModel):
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
     kv_cache_retention_config: dict[str, Any] | None = None
     request_id: StrictStr | None = None
+    # OpenAI fields kvreuse does not implement: accepted at their neutral values, else a 400
+    # naming them (silently ignoring them would hand the client something it did not ask for)
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def _refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: penalties are not supported; leave {name} out or 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported; leave logit_bias out or empty")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported (only best_of == n); leave best_of out")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: structured output is not supported; only {\"type\": \"text\"}")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError('tools: tool calling is not supported; leave tools out or set tool_choice: "none"')
 
     def sampling_params(self, default_max_tokens: int, *, seed_offset: int = 0) -> SamplingParams:
         """The engine's ``SamplingParams``; ``seed_offset`` separates the ``n`` samples.
 
         Raises ``ValueError`` (naming the field) for combinations the model cannot check.
         """
+        self._refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -159,7 +191,7 @@ class ChatCompletionRequest(_GenerationRequest):
             self.max_tokens = self.max_completion_tokens
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 without logprobs is harmless (vLLM)
             raise ValueError("top_logprobs: requires logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
