@@ -34,10 +34,10 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvreuse.eviction import EvictionPolicy, LRUPolicy
 from kvreuse.hashing import BlockHash
+from kvreuse.kv_block import DEFAULT_PRIORITY, KVBlock  # re-exported: callers import them from here
 from kvreuse.kv_events import (
     DEVICE_LEVEL,
     AllBlocksCleared,
@@ -49,25 +49,7 @@ from kvreuse.kv_events import (
     StoredBlock,
 )
 
-DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 Clock = Callable[[], float]  # seconds; injectable so expiry is tested without sleeping
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    block_id: int  # index into the runner's KV storage; fixed for the pool's life
-    ref_count: int = 0  # running requests holding this block
-    block_hash: BlockHash | None = None  # set once full and registered in the prefix index
-    parent_hash: BlockHash | None = None  # key of the previous block in its chain
-    token_ids: tuple[int, ...] = ()  # tokens of a registered block, checked on every hit
-    depth: int = 0  # position of the block in its chain (0 = first block)
-    priority: int = DEFAULT_PRIORITY  # retention priority 0-100
-    duration_s: float | None = None  # how long the priority holds once released (None = until evicted)
-    expires_at: float | None = None  # clock time when priority falls back; set only while released
-    last_access: int = 0  # logical tick of the last acquire/release (LRU order, exact in tests)
-    access_count: int = 0  # hits + first use, for frequency-aware policies
-    num_cached_children: int = 0  # registered blocks whose parent is this one
-    version: int = 0  # bumps invalidate this block's heap entries
 
 
 class BlockPool:
@@ -200,11 +182,10 @@ class BlockPool:
                 block.ref_count = 0
                 self._reset(block)
                 self._free.append(block)
-            if removed:
-                self._emit(BlocksRemoved(tuple(removed), self.cache_level))
             raise
-        if removed:
-            self._emit(BlocksRemoved(tuple(removed), self.cache_level))
+        finally:
+            if removed:  # evicted either way: consumers must hear of it
+                self._emit(BlocksRemoved(tuple(removed), self.cache_level))
         return out
 
     def register(

@@ -244,7 +244,7 @@ class LLMEngine:
         seq = waiting[0]
         try:
             self._set_context(seq, self.modules.acquire(seq.module_plan))
-        except ValueError:
+        except PoolBusy:
             pass  # not now: running requests will free blocks
 
     def _break_context_deadlock(self) -> bool:

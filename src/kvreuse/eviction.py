@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvreuse.block_pool import KVBlock
+    from kvreuse.kv_block import KVBlock
     from kvreuse.hashing import BlockHash
 
 DEFAULT_NUM_BLOCKS = 4096  # pool size assumed by policies that scale with it when not told

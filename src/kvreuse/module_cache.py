@@ -150,6 +150,8 @@ class ModuleCache:
                 f"schema {schema.name!r} spans {schema.length} positions but the model's context is "
                 f"{self.max_model_len}: no prompt over it could run (shorten it or raise --max-model-len)"
             )
+        old = self.schemas.get(schema.name)  # keeps serving until the new one is complete
+        replaces = old is not None and old.schema_hash != schema.schema_hash
         self._counts = {"computed": 0, "loaded": 0, "present": 0}
         todo = schema.precompute_modules
         kv: dict[str, torch.Tensor] = {}  # for the store, read while the blocks are held
@@ -164,12 +166,10 @@ class ModuleCache:
         except BaseException:
             # The schema registered before (if any) stays in service; what this attempt
             # cached goes back to the default priority.
-            old = self.schemas.get(schema.name)
-            if old is None or old.schema_hash != schema.schema_hash:
+            if old is None or replaces:
                 self._demote(schema)
             raise
-        old = self.schemas.get(schema.name)
-        if old is not None and old.schema_hash != schema.schema_hash:
+        if replaces:
             self._demote(old)
         self.schemas[schema.name] = schema  # swapped in only once every module is in the pool
         self._sources[schema.name] = pml_text

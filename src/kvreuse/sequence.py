@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvreuse.block_pool import KVBlock
+from kvreuse.kv_block import KVBlock
 from kvreuse.hashing import BlockHash
 from kvreuse.logprobs import TokenLogprobs
 from kvreuse.sampling_params import SamplingParams

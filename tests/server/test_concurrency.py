@@ -71,9 +71,10 @@ def _finished_count(client, reason: str) -> float:
     return 0.0
 
 
-def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, async_engine, monkeypatch):
-    # The tiny model decodes 200 tokens in well under a second; pace it like a real model so
-    # the request is certainly still running when the client goes away.
+@pytest.fixture
+def paced(async_engine, monkeypatch):
+    """The tiny model decodes 200 tokens in well under a second; pace it like a real model so
+    a request is certainly still running when its client goes away."""
     step = async_engine.engine.step
 
     def paced_step():
@@ -82,6 +83,11 @@ def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, async_e
 
     monkeypatch.setattr(async_engine.engine, "step", paced_step)
     wait_idle(async_engine)
+    return async_engine
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, paced):
+    async_engine = paced
     finished_before = _finished_count(client, "length")
     body = {"prompt": words(100, 300), "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
@@ -107,16 +113,9 @@ def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, async_e
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_client_disconnect_before_a_whole_response_aborts_it(client, live_url, async_engine, monkeypatch, path):
+def test_client_disconnect_before_a_whole_response_aborts_it(client, live_url, paced, path):
     """Not streaming: the client gives up while the request runs; it is aborted too."""
-    step = async_engine.engine.step
-
-    def paced_step():
-        time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(async_engine.engine, "step", paced_step)
-    wait_idle(async_engine)
+    async_engine = paced
     finished_before = _finished_count(client, "length")
     body = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
     if path == "/v1/completions":

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.router.executors import Executor
 from kvreuse.router.router import Router
+from kvreuse.server.serving import client_disconnected  # the executor's own watcher
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +51,12 @@ async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str]
     client's (its body already read): if its client disconnects before the response (or a
     stream's first chunk) arrives, the upstream request is closed and a 499 is returned
     (to nobody); without it, disconnects are not watched."""
-    gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+    gone = asyncio.ensure_future(client_disconnected(request)) if request is not None else None
     try:
         return await _forward(router, path, raw, headers, chat=chat, gone=gone)
     finally:
         if gone is not None:
             gone.cancel()  # a streamed response watches the client itself from here
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body was read already: the next ASGI
-    message of a plain POST is ``http.disconnect``), as the executor's ``serving`` does."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _ClientGone(Exception):

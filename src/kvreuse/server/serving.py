@@ -140,7 +140,7 @@ async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[Requ
         yield output
 
 
-async def _disconnected(request: Request) -> None:
+async def client_disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body was read already: the next ASGI
     message of a plain POST is ``http.disconnect``)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -163,7 +163,7 @@ async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest
 
     tasks = [asyncio.ensure_future(last(r)) for r in requests]
     everything = asyncio.gather(*tasks)
-    watcher = asyncio.ensure_future(_disconnected(http_request)) if http_request is not None else None
+    watcher = asyncio.ensure_future(client_disconnected(http_request)) if http_request is not None else None
     try:
         if watcher is not None:
             await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)

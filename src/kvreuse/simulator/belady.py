@@ -21,7 +21,7 @@ from kvreuse.simulator.replay import ReplayResult, hit_blocks, kv_tokens, replay
 from kvreuse.simulator.traces import Trace
 
 if TYPE_CHECKING:
-    from kvreuse.block_pool import KVBlock
+    from kvreuse.kv_block import KVBlock
 
 
 class BeladyPolicy(EvictionPolicy):

@@ -1,0 +1,30 @@
+"""One KV block's bookkeeping: its id, references, prefix-cache key and retention.
+
+The block holds no tensors: ``block_id`` indexes the model runner's KV storage. The
+``BlockPool`` owns every block and is the only writer of these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvreuse.hashing import BlockHash
+
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int  # index into the runner's KV storage; fixed for the pool's life
+    ref_count: int = 0  # running requests holding this block
+    block_hash: BlockHash | None = None  # set once full and registered in the prefix index
+    parent_hash: BlockHash | None = None  # key of the previous block in its chain
+    token_ids: tuple[int, ...] = ()  # tokens of a registered block, checked on every hit
+    depth: int = 0  # position of the block in its chain (0 = first block)
+    priority: int = DEFAULT_PRIORITY  # retention priority 0-100
+    duration_s: float | None = None  # how long the priority holds once released (None = until evicted)
+    expires_at: float | None = None  # clock time when priority falls back; set only while released
+    last_access: int = 0  # logical tick of the last acquire/release (LRU order, exact in tests)
+    access_count: int = 0  # hits + first use, for frequency-aware policies
+    num_cached_children: int = 0  # registered blocks whose parent is this one
+    version: int = 0  # bumps invalidate this block's heap entries
