@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.zmq_publisher import ZmqEventPublisher
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.publisher import ZmqEventPublisher
 
 SUBSCRIBER = r"""
 import sys, msgpack, zmq
@@ -48,7 +48,7 @@ def load(model: str, device: str):
         from kvreuse.models.tiny import tiny_model
 
         return tiny_model("llama", seed=0)
-    from kvreuse.model_loader import load_model
+    from kvreuse.models.loader import load_model
 
     return load_model(model, device=device)
 
@@ -164,7 +164,7 @@ def main() -> None:
 def full_path_cpu_per_event(n: int = 20_000) -> float:
     """CPU seconds (all threads of this process) per event for append + publish: the
     engine thread's buffer append plus the publisher thread's conversion, msgpack and send."""
-    from kvreuse.kv_events import BlocksStored, StoredBlock
+    from kvreuse.events.records import BlocksStored, StoredBlock
 
     buffer = EventBuffer(n)
     publisher = ZmqEventPublisher(buffer, "tcp://127.0.0.1:*").start()

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvreuse.eviction import LRUPolicy
-from kvreuse.hashing import BlockHash
+from kvreuse.cache.eviction import LRUPolicy
+from kvreuse.cache.hashing import BlockHash
 from kvreuse.simulator.replay import hit_blocks, replay
 from kvreuse.simulator.traces import Trace, read_trace
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.model_loader import load_model
+from kvreuse.models.loader import load_model
 
 RESULTS = Path(__file__).parent / "results"
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)

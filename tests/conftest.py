@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_model():
     """SmolLM2-135M-Instruct, fp32, CPU. The first run ever converts the GGUF (~25 s)."""
-    from kvreuse.model_loader import load_model
+    from kvreuse.models.loader import load_model
     return load_model("default")
 
 

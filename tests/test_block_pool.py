@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import BlocksRemoved, BlocksStored, CacheCreated
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import BlocksRemoved, BlocksStored, CacheCreated
 
 BS = 4
 

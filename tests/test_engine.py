@@ -125,7 +125,7 @@ def test_cache_salt_isolates(tiny_llama):
 
 
 def test_retention_config_sets_block_priorities_and_reuse_overwrites(tiny_llama):
-    from kvreuse.retention import KvCacheRetentionConfig
+    from kvreuse.cache.retention import KvCacheRetentionConfig
 
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
     pool = llm.engine.pool
@@ -137,7 +137,7 @@ def test_retention_config_sets_block_priorities_and_reuse_overwrites(tiny_llama)
     out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), retention=cfg)[0]
     pool.check_integrity()
     tokens = prompt + out.token_ids[:-1]  # the last sampled token was never computed
-    from kvreuse.hashing import hash_token_blocks
+    from kvreuse.cache.hashing import hash_token_blocks
 
     keys = hash_token_blocks(tokens, 4, model_id=llm.engine.model_id)
     assert [pool.get_cached(k).priority for k in keys] == [80, 80, 35, 35, 35]  # block 4 starts in the prompt
@@ -207,8 +207,8 @@ def test_duplicate_block_computed_in_one_step_is_shared(tiny_llama):
                                           (("zzz", "ld, st"), False), (("never",), False)])
 def test_streamed_pieces_add_up_to_the_text_with_stop_strings(tiny_llama, stop, include):
     """A stop string spanning tokens: nothing streamed is taken back or sent twice."""
-    from kvreuse.sequence import Sequence
-    from kvreuse.stop_checker import check_stop
+    from kvreuse.engine.sequence import Sequence
+    from kvreuse.engine.stop_checker import check_stop
 
     tokenizer = tiny_llama.tokenizer
     ids = tokenizer.encode("hello world, stop here please", add_special_tokens=False)

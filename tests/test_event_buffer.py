@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer, locked_snapshot
-from kvreuse.hashing import BlockHash
-from kvreuse.kv_events import (
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer, locked_snapshot
+from kvreuse.cache.hashing import BlockHash
+from kvreuse.events.records import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,

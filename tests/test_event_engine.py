@@ -13,9 +13,9 @@ import httpx
 import pytest
 import zmq
 
-from kvreuse.event_buffer import EventBuffer, engine_thread_snapshot
-from kvreuse.kv_events import BlocksRemoved, CacheMirror, KVSnapshot, event_from_json
-from kvreuse.zmq_publisher import ZmqEventPublisher
+from kvreuse.events.buffer import EventBuffer, engine_thread_snapshot
+from kvreuse.events.records import BlocksRemoved, CacheMirror, KVSnapshot, event_from_json
+from kvreuse.events.publisher import ZmqEventPublisher
 from tests.test_event_routes import Server, read_sse
 from tests.test_zmq_events import SUBSCRIBER
 
@@ -24,8 +24,8 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama):
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
     from kvreuse.server.api_server import build_app
 
     buffer = EventBuffer(100_000)

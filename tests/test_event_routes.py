@@ -13,9 +13,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer, locked_snapshot
-from kvreuse.kv_events import CacheMirror, KVSnapshot, event_from_json
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer, locked_snapshot
+from kvreuse.events.records import CacheMirror, KVSnapshot, event_from_json
 from kvreuse.server import events_routes
 
 from tests.test_zmq_events import run_requests  # same request driver as the ZMQ tests

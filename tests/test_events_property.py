@@ -11,11 +11,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.eviction import PriorityPolicy
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import CacheCreated, CacheMirror, KVSnapshot, event_from_json, event_to_json
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.eviction import PriorityPolicy
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import CacheCreated, CacheMirror, KVSnapshot, event_from_json, event_to_json
 
 BS = 2
 NUM_BLOCKS = 6

@@ -4,9 +4,9 @@ exact block ids and ``check_integrity`` after every step."""
 
 import pytest
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.eviction import POLICIES, LogFrequencyPolicy, LRUPolicy, PriorityPolicy, TwoQueuePolicy, make_policy
-from kvreuse.hashing import hash_token_blocks
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.cache.eviction import POLICIES, LogFrequencyPolicy, LRUPolicy, PriorityPolicy, TwoQueuePolicy, make_policy
+from kvreuse.cache.hashing import hash_token_blocks
 
 BS = 4
 

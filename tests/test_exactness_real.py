@@ -44,7 +44,7 @@ def test_default_model_reuse_is_exact(default_model):
 
 @pytest.fixture(scope="module")
 def gemma3():
-    from kvreuse.model_loader import load_model
+    from kvreuse.models.loader import load_model
 
     return load_model("gemma3-270m")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse import engine as engine_module
+from kvreuse.engine import llm_engine as engine_module
 from tests.engine_helpers import reference_logits
 
 PROMPT = [(i * 53) % 3000 + 20 for i in range(37)]

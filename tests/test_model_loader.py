@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvreuse import model_loader as ml
-from kvreuse.model_loader import load_model, parse_device, parse_dtype, resolve_model_spec, shape_from_config
+from kvreuse.models import loader as ml
+from kvreuse.models.loader import load_model, parse_device, parse_dtype, resolve_model_spec, shape_from_config
 from kvreuse.models.tiny import tiny_model
 
 
@@ -294,7 +294,7 @@ def test_packaged_conversion_folder_does_not_depend_on_the_install_path(tmp_path
 def test_fp16_gemma_is_refused_naming_dtype(tiny_gemma3):
     import torch
 
-    from kvreuse.model_loader import finish_model
+    from kvreuse.models.loader import finish_model
 
     with pytest.raises(ValueError, match="--dtype float16: gemma3"):
         finish_model(tiny_gemma3.model, tiny_gemma3.tokenizer, name="g", weights_hash="0", tokenizer_hash="0",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.model_runner import MAX_RUNS, SeqChunk, _runs
+from kvreuse.engine.model_runner import MAX_RUNS, SeqChunk, _runs
 
 
 def test_runs_split_at_gaps_and_give_up_past_the_limit():
@@ -36,7 +36,7 @@ def test_full_attention_reads_the_context_in_slot_order(tiny_llama, tiny_gemma3)
 
 def test_reordered_context_gives_the_same_logits_as_gathering_in_prompt_order(tiny_llama, monkeypatch):
     """Slot-order runs in place vs one gather in prompt order: same logits (1e-5)."""
-    import kvreuse.model_runner as model_runner
+    import kvreuse.engine.model_runner as model_runner
 
     torch.manual_seed(0)
     runner = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4).engine.runner
@@ -57,7 +57,7 @@ def test_reordered_context_gives_the_same_logits_as_gathering_in_prompt_order(ti
 def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, request, monkeypatch):
     """Decodes past ``decode_in_place_min`` context tokens take the in-place path; tokens
     and logprobs equal the padded, gathered batch's (Gemma: across its sliding window)."""
-    import kvreuse.attention as attention
+    import kvreuse.engine.attention as attention
 
     loaded = request.getfixturevalue(arch)
     in_place_decodes = []

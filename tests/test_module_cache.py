@@ -5,7 +5,7 @@ persistence to a schema dir, and bad prompts leaving the pool intact."""
 import pytest
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.module_cache import MODULE_PRIORITY
+from kvreuse.pml.module_cache import MODULE_PRIORITY
 from kvreuse.pml import PMLSemanticError, PMLSyntaxError
 from tests.engine_helpers import LogitsSpy
 
@@ -301,7 +301,7 @@ def test_unwritable_schema_dir_is_a_warning_not_a_failure(tiny_llama, tmp_path, 
     """The schema dir is a cache: a failed save leaves the schema serving (persisted False),
     a restart on a dir whose file must be rewritten still starts, and a file deleted while
     serving is written again when the schema is registered again."""
-    from kvreuse.schema_store import SchemaStore
+    from kvreuse.pml.schema_store import SchemaStore
 
     first = make(tiny_llama, schema_dir=str(tmp_path))
     assert first.register_schema(SCHEMA).persisted is True

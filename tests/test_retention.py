@@ -4,11 +4,11 @@ exact block ids and eviction order and ``check_integrity`` after every step."""
 
 import pytest
 
-from kvreuse.block_pool import DEFAULT_PRIORITY, BlockPool
-from kvreuse.eviction import PriorityPolicy
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import BlockUpdated
-from kvreuse.retention import (
+from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool
+from kvreuse.cache.eviction import PriorityPolicy
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import BlockUpdated
+from kvreuse.cache.retention import (
     KvCacheRetentionConfig,
     TokenRangeRetentionConfig,
     block_priorities,

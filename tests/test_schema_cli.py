@@ -1,6 +1,6 @@
 """`kvreuse schema`: errors are one line and exit code 2, never a traceback."""
 
-from kvreuse.schema_cli import schema_main
+from kvreuse.pml.schema_cli import schema_main
 
 
 def test_unreachable_server_is_a_clear_error(capsys):

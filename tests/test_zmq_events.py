@@ -13,11 +13,11 @@ import msgpack
 import pytest
 import zmq
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_event_decoder import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, decode_batch
-from kvreuse.zmq_publisher import ZmqEventPublisher, encode_batch, to_vllm_events, wire_hash
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, decode_batch
+from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_events, wire_hash
 
 BS = 4
 
@@ -245,7 +245,7 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     thread stays live and catches up (PUB drops for the stalled peer instead of blocking)."""
     import threading
 
-    from kvreuse.event_buffer import locked_snapshot
+    from kvreuse.events.buffer import locked_snapshot
 
     buf = EventBuffer(256)
     pool = BlockPool(64, BS, events=buf)

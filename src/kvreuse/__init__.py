@@ -6,13 +6,13 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `import kvreuse.block_pool` (router, simulator) never imports torch.
+    # Lazy so that `import kvreuse.cache.block_pool` (router, simulator) never imports torch.
     if name == "LLM":
         from kvreuse.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from kvreuse.sampling_params import SamplingParams
+        from kvreuse.engine.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

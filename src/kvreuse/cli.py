@@ -76,13 +76,13 @@ def _load_model(spec: str, dtype: str, device: str):
         from kvreuse.models.tiny import tiny_model
 
         return tiny_model(spec[len(TINY_PREFIX):], dtype=dtype, device=device)
-    from kvreuse.model_loader import load_model
+    from kvreuse.models.loader import load_model
 
     return load_model(spec, dtype=dtype, device=device)
 
 
 def _engine_config(args: argparse.Namespace):
-    from kvreuse.engine import EngineConfig
+    from kvreuse.engine.llm_engine import EngineConfig
 
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(
@@ -109,8 +109,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from rich.console import Console
 
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import LLMEngine
     from kvreuse.server.api_server import build_app
     from kvreuse.server.serving import ServerLimits
 
@@ -123,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
             loaded = _load_model(args.model, config.dtype, config.device)
         buffer_size = args.event_buffer_max_size or (_DEFAULT_EVENT_BUFFER if args.kv_events_endpoint else 0)
         if buffer_size:
-            from kvreuse.event_buffer import EventBuffer
+            from kvreuse.events.buffer import EventBuffer
 
             buffer = EventBuffer(buffer_size)
         with console.status("allocating the KV pool ..."):
@@ -134,7 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print(f"[bold red]kvreuse serve:[/] {exc}")
         return 2
     if args.kv_events_endpoint:
-        from kvreuse.zmq_publisher import ZmqEventPublisher
+        from kvreuse.events.publisher import ZmqEventPublisher
 
         # The snapshot runs in the engine thread, so it sees the pool between steps.
         publisher = ZmqEventPublisher(
@@ -185,7 +185,7 @@ def _delegate(target: str) -> Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("serve the OpenAI-compatible API", _add_serve_arguments, run_serve),
     "simulate": _delegate("kvreuse.router.sim_cli:simulate_main"),  # --executors N: routed; else kvreuse.simulator.cli
-    "schema": _delegate("kvreuse.schema_cli:schema_main"),  # PML: precompute / list / delete
+    "schema": _delegate("kvreuse.pml.schema_cli:schema_main"),  # PML: precompute / list / delete
     "route": _delegate("kvreuse.router.cli:route_main"),
 }
 

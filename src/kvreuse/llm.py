@@ -11,10 +11,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from kvreuse.engine import EngineConfig, LLMEngine, RequestOutput
-from kvreuse.kv_events import event_to_json
-from kvreuse.module_cache import SchemaInfo, is_pml_prompt
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvreuse.events.records import event_to_json
+from kvreuse.pml.module_cache import SchemaInfo, is_pml_prompt
+from kvreuse.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int]
 

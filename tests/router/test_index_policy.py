@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.hashing import hash_token_blocks
-from kvreuse.kv_events import event_from_json, event_to_json, take_snapshot
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.records import event_from_json, event_to_json, take_snapshot
 from kvreuse.router.index import KVIndex, index_key
 from kvreuse.router.policy import Candidate, KVPolicy, choose, make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher

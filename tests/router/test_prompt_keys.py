@@ -6,7 +6,7 @@ import random
 import sys
 import threading
 
-from kvreuse.hashing import hash_token_blocks
+from kvreuse.cache.hashing import hash_token_blocks
 from kvreuse.router.index import index_key
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
 

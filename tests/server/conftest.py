@@ -18,8 +18,8 @@ from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 
 @pytest.fixture(scope="session")
 def async_engine(tiny_llama):
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
     config = EngineConfig(kv_cache_memory_gib=0.02, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=32)

@@ -15,8 +15,8 @@ def fresh_client(loaded, *, api_key: str | None = None, limits=None, **config) -
     ``(client, async_engine)`` and shuts the engine down afterwards."""
     from fastapi.testclient import TestClient
 
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
     from kvreuse.server.api_server import build_app
 
     settings = {"kv_cache_memory_gib": 0.002, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, **config}

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.engine.sampling_params import SamplingParams
 
 from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 
@@ -14,8 +14,8 @@ from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 @pytest.fixture
 def own_engine(tiny_llama):
     """A private engine (these tests break steps on purpose)."""
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE,
                                                 max_model_len=MAX_MODEL_LEN), tiny_llama))
@@ -101,7 +101,7 @@ def test_a_broken_step_fails_in_flight_requests_and_the_loop_keeps_serving(own_e
             raise RuntimeError("simulated device failure")
         return real_step()
 
-    from kvreuse.async_engine import EngineError
+    from kvreuse.engine.async_engine import EngineError
 
     monkeypatch.setattr(own_engine.engine, "step", step_that_breaks_once)
     with pytest.raises(EngineError, match="simulated device failure"):
@@ -114,8 +114,8 @@ def test_a_broken_step_fails_in_flight_requests_and_the_loop_keeps_serving(own_e
 
 
 def test_shutdown_fails_waiting_callers(tiny_llama):
-    from kvreuse.async_engine import AsyncEngine, EngineDeadError
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.async_engine import AsyncEngine, EngineDeadError
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
     engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, max_model_len=MAX_MODEL_LEN), tiny_llama))
     engine.start()
@@ -127,7 +127,7 @@ def test_shutdown_fails_waiting_callers(tiny_llama):
 def test_idle_engine_applies_expired_durations_without_new_requests(own_engine):
     """A released block's duration runs out while nothing runs: it falls back to priority
     35 then (stats, metrics and events follow), not at the next allocation."""
-    from kvreuse.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
+    from kvreuse.cache.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 
     class Clock:
         now = 1000.0
@@ -159,7 +159,7 @@ def test_idle_engine_applies_expired_durations_without_new_requests(own_engine):
 
 
 def test_retention_duration_beyond_the_limit_is_refused_naming_the_field():
-    from kvreuse.retention import MAX_DURATION_MS, KvCacheRetentionConfig
+    from kvreuse.cache.retention import MAX_DURATION_MS, KvCacheRetentionConfig
 
     with pytest.raises(ValueError, match=r"kv_cache_retention_config.decode_duration_ms: must be a positive integer"):
         KvCacheRetentionConfig.from_dict({"decode_duration_ms": 10**309})

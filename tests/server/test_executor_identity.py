@@ -7,10 +7,10 @@ import re
 
 from fastapi.testclient import TestClient
 
-from kvreuse.event_buffer import EventBuffer
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.server.api_server import build_app
 from kvreuse.server.info_routes import INSTANCE_HEADER
-from kvreuse.zmq_publisher import ZmqEventPublisher, bound_endpoints
+from kvreuse.events.publisher import ZmqEventPublisher, bound_endpoints
 
 from .conftest import free_port
 

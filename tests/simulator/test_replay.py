@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.eviction import make_policy
+from kvreuse.cache.eviction import make_policy
 from kvreuse.simulator.belady import replay_belady
 from kvreuse.simulator.cli import simulate_main
 from kvreuse.simulator.replay import replay

@@ -1,4 +1,4 @@
-"""Model helpers behind :mod:`kvreuse.model_loader`: spec resolution, the conversion cache and
+"""Model helpers behind :mod:`kvreuse.models.loader`: spec resolution, the conversion cache and
 identity, tiny random-weight test models."""
 
 import os

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvreuse.attention import ForwardContext, paged_attention
+from kvreuse.engine.attention import ForwardContext, paged_attention
 
 
 def supports(model: torch.nn.Module) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvreuse import model_loader as ml
+from kvreuse.models import loader as ml
 from kvreuse.models import store
 
 ARCHES = ("llama", "gemma3")

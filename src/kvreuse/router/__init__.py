@@ -2,7 +2,7 @@
 
 ::
 
-    client ─▶ RouterApp ─▶ PromptHasher (tokenizer + kvreuse.hashing) ─▶ block keys
+    client ─▶ RouterApp ─▶ PromptHasher (tokenizer + kvreuse.cache.hashing) ─▶ block keys
                   │                                                        │
                   │           KVIndex (key -> executors, per level) ◀──────┘ overlaps
                   │               ▲ events (ZMQ or SSE), snapshots

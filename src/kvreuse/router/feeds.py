@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
-from kvreuse.kv_events import KVSnapshot, event_from_json
+from kvreuse.events.records import KVSnapshot, event_from_json
 from kvreuse.router.index import KVIndex, index_key
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class ZmqFeed:
         import zmq
         import zmq.asyncio
 
-        from kvreuse.kv_event_decoder import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+        from kvreuse.events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)

@@ -1,6 +1,6 @@
 """The router's index: block key -> executors holding it, fed by each executor's KV events.
 
-Keys are the low 64 bits of a ``kvreuse.hashing`` block hash (``index_key``), the form
+Keys are the low 64 bits of a ``kvreuse.cache.hashing`` block hash (``index_key``), the form
 vLLM-compatible ZMQ events carry, so events from ZMQ (int hashes) and HTTP (hex of the
 full hash) land in one index. A 64-bit collision can only make the router prefer an
 executor that then misses; the executor checks stored tokens on every hit, so the answer
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.kv_events import (
+from kvreuse.events.records import (
     DEVICE_LEVEL,
     AllBlocksCleared,
     BlocksRemoved,

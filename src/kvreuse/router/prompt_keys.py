@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.hashing import BlockHash, hash_token_blocks
+from kvreuse.cache.hashing import BlockHash, hash_token_blocks
 from kvreuse.router.index import IndexKey, index_key
 
 

@@ -50,7 +50,7 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
 
 
 def routed_main(argv: Sequence[str]) -> int:
-    from kvreuse.eviction import make_policy as make_eviction_policy
+    from kvreuse.cache.eviction import make_policy as make_eviction_policy
     from kvreuse.simulator.replay import replay
     from kvreuse.simulator.traces import read_trace
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.block_pool import BlockPool
-from kvreuse.eviction import make_policy as make_eviction_policy
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.cache.eviction import make_policy as make_eviction_policy
 from kvreuse.router.index import KVIndex, index_key
 from kvreuse.router.policy import Candidate, RoutingPolicy, choose
 from kvreuse.simulator.replay import kv_tokens, serve_request  # the same replay step as one pool

@@ -24,7 +24,7 @@ class TokenizerMismatch(ValueError):
 def tokenizer_folder(info: ExecutorInfo) -> Path:
     if info.tokenizer_path and Path(info.tokenizer_path).is_dir():
         return Path(info.tokenizer_path)
-    from kvreuse.model_loader import prepare_folder
+    from kvreuse.models.loader import prepare_folder
 
     return prepare_folder(info.model_name)[1]
 

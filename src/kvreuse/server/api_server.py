@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from kvreuse import __version__
-from kvreuse.async_engine import AsyncEngine
+from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.server import (
     chat_routes, completions_routes, dashboard_routes, events_routes, executor_info_routes, info_routes,
     schema_routes, tokenize_routes,

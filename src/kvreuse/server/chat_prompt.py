@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
+from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
 from kvreuse.server.errors import APIError
 from kvreuse.server.protocol import ChatMessage
 

@@ -16,9 +16,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvreuse.async_engine import EngineError
-from kvreuse.logprobs import TokenLogprobs
-from kvreuse.module_cache import is_pml_prompt
+from kvreuse.engine.async_engine import EngineError
+from kvreuse.engine.logprobs import TokenLogprobs
+from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
 from kvreuse.server.chat_prompt import merge_retention, render_chat
 from kvreuse.server.errors import APIError, error_body, from_value_error

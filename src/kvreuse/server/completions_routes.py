@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvreuse.async_engine import EngineError
-from kvreuse.logprobs import TokenLogprobs
-from kvreuse.module_cache import is_pml_prompt
+from kvreuse.engine.async_engine import EngineError
+from kvreuse.engine.logprobs import TokenLogprobs
+from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.server.errors import error_body, from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict

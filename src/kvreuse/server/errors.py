@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvreuse.async_engine import EngineError
+from kvreuse.engine.async_engine import EngineError
 from kvreuse.pml import PMLError
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ What the routes read from ``app.state``:
   thread), else ``await app.state.engine.call(...)``, which runs it on the engine thread
   between steps, so the blocks and ``last_event_id`` describe the same instant.
 
-Hashes are hex strings (see ``kvreuse.kv_events``). A consumer that sees a first event id
+Hashes are hex strings (see ``kvreuse.events.records``). A consumer that sees a first event id
 greater than ``after + 1``, or ``last_event_id < after`` (the executor restarted), must
 reload ``/v1/kv_cache_state`` and continue with ``after = its last_event_id``.
 """
@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.kv_events import KVSnapshot, event_to_json
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.records import KVSnapshot, event_to_json
 
 router = APIRouter()
 

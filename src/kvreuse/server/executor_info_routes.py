@@ -1,6 +1,6 @@
 """``GET /v1/kvreuse/info``: what a router needs to know to compute this executor's block keys.
 
-A router must hash a request exactly as this executor does (``kvreuse.hashing``): same
+A router must hash a request exactly as this executor does (``kvreuse.cache.hashing``): same
 model identity, block size, hash algorithm and tokenizer. It also learns where the
 executor publishes KV events (``zmq_bound``: whether the PUB socket is bound at
 ``zmq_endpoint``, so a subscriber can connect there; a publisher that connects out sends
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from kvreuse.zmq_publisher import bound_endpoints
+from kvreuse.events.publisher import bound_endpoints
 
 router = APIRouter()
 

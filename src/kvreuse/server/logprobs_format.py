@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvreuse.logprobs import TokenLogprobs
+from kvreuse.engine.logprobs import TokenLogprobs
 
 _FLOOR = -9999.0
 

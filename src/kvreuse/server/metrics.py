@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvreuse.async_engine import AsyncEngine
-    from kvreuse.engine import RequestOutput
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import RequestOutput
 
 # vLLM's TTFT buckets, trimmed; CPU prefill of long prompts runs into seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from kvreuse.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvreuse.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _drop_nulls(data: Any) -> Any:

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from kvreuse.async_engine import AsyncEngine
-from kvreuse.retention import FIELD as RETENTION_FIELD
-from kvreuse.retention import KvCacheRetentionConfig
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.engine.async_engine import AsyncEngine
+from kvreuse.cache.retention import FIELD as RETENTION_FIELD
+from kvreuse.cache.retention import KvCacheRetentionConfig
+from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server.errors import APIError, ClientDisconnected, from_value_error
 from kvreuse.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from kvreuse.engine import RequestOutput
+    from kvreuse.engine.llm_engine import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from kvreuse.eviction import EvictionPolicy
-from kvreuse.hashing import BlockHash
+from kvreuse.cache.eviction import EvictionPolicy
+from kvreuse.cache.hashing import BlockHash
 from kvreuse.simulator.replay import ReplayResult, hit_blocks, kv_tokens, replay
 from kvreuse.simulator.traces import Trace
 
 if TYPE_CHECKING:
-    from kvreuse.kv_block import KVBlock
+    from kvreuse.cache.kv_block import KVBlock
 
 
 class BeladyPolicy(EvictionPolicy):

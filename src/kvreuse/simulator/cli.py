@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvreuse.eviction import POLICIES
+from kvreuse.cache.eviction import POLICIES
 from kvreuse.simulator.plot import BELADY, plot_sweep, run_policy, sweep
 from kvreuse.simulator.replay import ReplayResult
 from kvreuse.simulator.traces import read_trace

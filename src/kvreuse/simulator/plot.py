@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvreuse.eviction import make_policy
+from kvreuse.cache.eviction import make_policy
 from kvreuse.simulator.belady import replay_belady
 from kvreuse.simulator.replay import ReplayResult, replay
 from kvreuse.simulator.traces import Trace

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvreuse.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
-from kvreuse.eviction import EvictionPolicy
-from kvreuse.hashing import hash_block
-from kvreuse.retention import requested_retention
+from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
+from kvreuse.cache.eviction import EvictionPolicy
+from kvreuse.cache.hashing import hash_block
+from kvreuse.cache.retention import requested_retention
 from kvreuse.simulator.traces import Trace
 
 DECODE_EXTRA_KEY = "sim-output"  # marks the synthetic keys of output blocks

@@ -1,6 +1,6 @@
 """Trace readers: turn a request trace into ``TraceRequest`` records with block keys.
 
-Keys come from the shared hash (``kvreuse.hashing``), so a simulated hit is exactly the
+Keys come from the shared hash (``kvreuse.cache.hashing``), so a simulated hit is exactly the
 hit the engine would see. Two input formats (see ``docs/simulator.md``):
 
 * **Mooncake** (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``): each
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.hashing import BlockHash, hash_block, hash_token_blocks
-from kvreuse.retention import KvCacheRetentionConfig
+from kvreuse.cache.hashing import BlockHash, hash_block, hash_token_blocks
+from kvreuse.cache.retention import KvCacheRetentionConfig
 
 MOONCAKE_MODEL_ID = "mooncake-trace"  # model identity folded into the first block's key
 

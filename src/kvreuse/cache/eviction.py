@@ -19,8 +19,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvreuse.kv_block import KVBlock
-    from kvreuse.hashing import BlockHash
+    from kvreuse.cache.kv_block import KVBlock
+    from kvreuse.cache.hashing import BlockHash
 
 DEFAULT_NUM_BLOCKS = 4096  # pool size assumed by policies that scale with it when not told
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
-from kvreuse.kv_events import Event, KVEvent, KVSnapshot, take_snapshot
+from kvreuse.events.records import Event, KVEvent, KVSnapshot, take_snapshot
 
 DEFAULT_MAX_BATCH = 1024  # events per read; bounds how long a reader holds the lock
 

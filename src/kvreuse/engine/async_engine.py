@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvreuse.engine import EngineStats, LLMEngine, RequestOutput
+    from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
 

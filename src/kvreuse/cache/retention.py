@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvreuse.kv_block import DEFAULT_PRIORITY
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.engine.sampling_params import SamplingParams
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -14,21 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvreuse.allocator import keep_freed_memory
-from kvreuse.block_pool import BlockPool
-from kvreuse.eviction import make_policy
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
-from kvreuse.logprobs import TokenLogprobs, compute_logprobs
-from kvreuse.model_runner import KVLayout, ModelRunner, SeqChunk
-from kvreuse.module_cache import ModuleCache, ModuleContext, PoolBusy
-from kvreuse.retention import as_retention
-from kvreuse.sampler import make_generator, sample_one
-from kvreuse.sampling_params import SamplingParams
-from kvreuse.scheduler import Scheduler
-from kvreuse.schema_store import SchemaStore
-from kvreuse.sequence import Sequence
-from kvreuse.stop_checker import check_stop
+from kvreuse.engine.allocator import keep_freed_memory
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.cache.eviction import make_policy
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
+from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
+from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
+from kvreuse.pml.module_cache import ModuleCache, ModuleContext, PoolBusy
+from kvreuse.cache.retention import as_retention
+from kvreuse.engine.sampler import make_generator, sample_one
+from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.engine.scheduler import Scheduler
+from kvreuse.pml.schema_store import SchemaStore
+from kvreuse.engine.sequence import Sequence
+from kvreuse.engine.stop_checker import check_stop
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class RequestOutput:
     num_cached_tokens: int
     ttft_s: float | None
     # With SamplingParams(logprobs=k), one entry per output token (cumulative / this step's);
-    # None otherwise. The raw model distribution, before temperature (kvreuse.logprobs).
+    # None otherwise. The raw model distribution, before temperature (kvreuse.engine.logprobs).
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
 
@@ -108,7 +108,7 @@ class LLMEngine:
     """One executor. Not thread-safe: one thread calls ``add_request``/``step``/``abort``."""
 
     def __init__(self, config: EngineConfig, loaded=None, *, events=None, retention_fn: RetentionFn | None = None):
-        from kvreuse.model_loader import load_model  # heavy import kept off the router's path
+        from kvreuse.models.loader import load_model  # heavy import kept off the router's path
 
         self.config = config
         if loaded is None:

@@ -6,10 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvreuse.kv_block import KVBlock
-from kvreuse.hashing import BlockHash
-from kvreuse.logprobs import TokenLogprobs
-from kvreuse.sampling_params import SamplingParams
+from kvreuse.cache.kv_block import KVBlock
+from kvreuse.cache.hashing import BlockHash
+from kvreuse.engine.logprobs import TokenLogprobs
+from kvreuse.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

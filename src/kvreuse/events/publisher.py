@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 import msgpack
 import zmq
 
-from kvreuse.event_buffer import EventBuffer
-from kvreuse.kv_events import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvreuse.hashing import BlockHash
+from kvreuse.cache.hashing import BlockHash
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvreuse.kv_cache_manager import KVCacheManager
-from kvreuse.sequence import Sequence, SequenceStatus
+from kvreuse.cache.kv_cache_manager import KVCacheManager
+from kvreuse.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
-from kvreuse.hashing import BlockHash, hash_block
-from kvreuse.model_runner import ModelRunner, SeqChunk
+from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
+from kvreuse.cache.hashing import BlockHash, hash_block
+from kvreuse.engine.model_runner import ModelRunner, SeqChunk
 from kvreuse.pml import (
     CompiledModule,
     CompiledSchema,
@@ -39,7 +39,7 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
-from kvreuse.schema_store import SchemaStore, StoreMismatch
+from kvreuse.pml.schema_store import SchemaStore, StoreMismatch
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict
     from tqdm import tqdm
 
     from kvreuse.cli import _load_model
-    from kvreuse.engine import EngineConfig, LLMEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                           kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,

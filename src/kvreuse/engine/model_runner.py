@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvreuse import attention
-from kvreuse.attention import DecodeBatch, ForwardContext, PrefillItem
+from kvreuse.engine import attention
+from kvreuse.engine.attention import DecodeBatch, ForwardContext, PrefillItem
 from kvreuse.models import llama
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvreuse.hashing import BlockHash
+from kvreuse.cache.hashing import BlockHash
 
 DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compatibility
 

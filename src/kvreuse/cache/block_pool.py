@@ -35,10 +35,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from kvreuse.eviction import EvictionPolicy, LRUPolicy
-from kvreuse.hashing import BlockHash
-from kvreuse.kv_block import DEFAULT_PRIORITY, KVBlock  # re-exported: callers import them from here
-from kvreuse.kv_events import (
+from kvreuse.cache.eviction import EvictionPolicy, LRUPolicy
+from kvreuse.cache.hashing import BlockHash
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, KVBlock  # re-exported: callers import them from here
+from kvreuse.events.records import (
     DEVICE_LEVEL,
     AllBlocksCleared,
     BlocksRemoved,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvreuse.sequence import Sequence
+from kvreuse.engine.sequence import Sequence
 
 
 def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int]) -> tuple[str, str | None]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvreuse.block_pool import BlockPool, KVBlock
-from kvreuse.hashing import BlockHash, hash_block, root_extra_keys
-from kvreuse.retention import DEFAULT_PRIORITY, requested_retention
-from kvreuse.sequence import Sequence
+from kvreuse.cache.block_pool import BlockPool, KVBlock
+from kvreuse.cache.hashing import BlockHash, hash_block, root_extra_keys
+from kvreuse.cache.retention import DEFAULT_PRIORITY, requested_retention
+from kvreuse.engine.sequence import Sequence
 
 # (sequence, block index, block size) -> None when the request asks nothing of this block,
 # else (priority or None to keep the block's, duration in s or None for "until evicted")
