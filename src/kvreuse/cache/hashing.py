@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NewType
 
 import msgpack
@@ -66,6 +66,47 @@ def root_extra_keys(model_id: str, cache_salt: str | None = None) -> tuple:
     return (model_id,) if cache_salt is None else (model_id, "salt", cache_salt)
 
 
+def _chain(
+    parent: BlockHash | None, token_ids: Sequence[int], block_size: int, first_extra: tuple, algorithm: str,
+    *, partial_tail: bool,
+) -> Iterator[BlockHash]:
+    """The chain walk itself: keys of consecutive blocks of ``token_ids`` after ``parent``,
+    ``first_extra`` folded into the first of them only."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size} (--block-size)")
+    stop = len(token_ids) if partial_tail else len(token_ids) - block_size + 1
+    extra = first_extra
+    for start in range(0, max(stop, 0), block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra, algorithm)
+        extra = ()
+        yield parent
+
+
+def extend_chain(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    root_extra: tuple,
+    algorithm: str = "sha256",
+    upto_tokens: int | None = None,
+    partial_tail: bool = False,
+) -> list[BlockHash]:
+    """Append to ``hashes`` (the keys of blocks ``0..len(hashes)-1`` of ``token_ids``, as this
+    function made them) the keys of the following blocks: every full block within the first
+    ``upto_tokens`` tokens (default: all), and with ``partial_tail`` the trailing partial
+    block too (PML modules key their last, partial block). ``root_extra`` goes into block 0
+    only. The incremental form of the chain: a sequence calls it as its tokens grow and
+    hashes each block once. Mutates and returns ``hashes``."""
+    bs = block_size
+    end = len(token_ids) if upto_tokens is None else min(upto_tokens, len(token_ids))
+    done = len(hashes)
+    parent = hashes[-1] if hashes else None
+    hashes.extend(_chain(parent, token_ids[done * bs : end], bs, () if done else root_extra, algorithm,
+                         partial_tail=partial_tail))
+    return hashes
+
+
 def hash_token_blocks(
     token_ids: Sequence[int],
     block_size: int,
@@ -82,15 +123,8 @@ def hash_token_blocks(
     for the first block (PML modules use it); ``parent`` continues an existing chain,
     in which case the first block gets no extra keys (the parent already carries them).
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size} (--block-size)")
-    hashes: list[BlockHash] = []
     if parent is None:
         extra = first_extra_keys if first_extra_keys is not None else root_extra_keys(model_id, cache_salt)
     else:
         extra = ()
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra, algorithm)
-        hashes.append(parent)
-        extra = ()
-    return hashes
+    return list(_chain(parent, token_ids, block_size, extra, algorithm, partial_tail=False))

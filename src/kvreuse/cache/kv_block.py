@@ -6,6 +6,7 @@ The block holds no tensors: ``block_id`` indexes the model runner's KV storage. 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvreuse.cache.hashing import BlockHash
@@ -28,3 +29,15 @@ class KVBlock:
     access_count: int = 0  # hits + first use, for frequency-aware policies
     num_cached_children: int = 0  # registered blocks whose parent is this one
     version: int = 0  # bumps invalidate this block's heap entries
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints: blocks needed for ``a`` tokens of ``b`` per block."""
+    return -(-a // b)
+
+
+def block_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV slots of token indices ``start..end-1`` of a sequence whose blocks, in token order,
+    are ``block_ids``: token ``i`` lives at ``block_ids[i // bs] * bs + i % bs``."""
+    bs = block_size
+    return [block_ids[i // bs] * bs + i % bs for i in range(start, end)]

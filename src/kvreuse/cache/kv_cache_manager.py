@@ -1,25 +1,46 @@
-"""Per-request use of the block pool: prefix hits at admission, blocks as tokens grow,
-registration of every block that becomes full, release at the end.
+"""The one admission path into the block pool, and its per-request use by the engine.
 
-The manager is the only caller of the pool in the engine; it keeps the prefix-cache
-counters (queries and hits, in tokens) that ``/metrics`` reports.
+Every caller that puts a request's KV into the pool (the engine, PML modules, the
+simulator and the routed simulator) goes through two calls here:
+
+    admit(keys, token_blocks, num_blocks=..., max_hits=..., retention=...)
+        match the longest cached prefix (stored tokens checked), check capacity, acquire
+        the hits and apply the request's retention to them, allocate the rest
+        -> Admission(blocks, num_hits), or None with nothing changed
+    register(blocks, keys, token_blocks, start, end, retention=...)
+        enter full blocks in the prefix index; a block someone else registered first is
+        adopted and ours freed, in this one place
+
+The engine's ``admit`` / ``grow`` / ``commit_computed`` / ``free`` wrap them for a
+``Sequence`` and keep the prefix-cache counters (queries and hits, in tokens) that
+``/metrics`` reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvreuse.cache.block_pool import BlockPool, KVBlock
-from kvreuse.cache.hashing import BlockHash, hash_block, root_extra_keys
-from kvreuse.cache.retention import DEFAULT_PRIORITY, requested_retention
-from kvreuse.engine.sequence import Sequence
+from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
+from kvreuse.cache.retention import requested_retention
 
-# (sequence, block index, block size) -> None when the request asks nothing of this block,
-# else (priority or None to keep the block's, duration in s or None for "until evicted")
-RetentionFn = Callable[[Sequence, int, int], tuple[int | None, float | None] | None]
+if TYPE_CHECKING:  # the simulators use this module without the engine (or torch)
+    from kvreuse.engine.sequence import Sequence
+
+Retention = tuple[int | None, float | None]
+"""(priority, or None to keep a reused block's; duration in s, or None for "until evicted")."""
+
+BlockRetention = Callable[[int], Retention | None]
+"""Block index -> the retention a request asks for that block; ``None``: it asks nothing."""
+
+# (sequence, block index, block size) -> the retention the request asks for that block
+RetentionFn = Callable[["Sequence", int, int], Retention | None]
 
 
-def request_retention(seq: Sequence, index: int, block_size: int) -> tuple[int | None, float | None] | None:
+def request_retention(seq: Sequence, index: int, block_size: int) -> Retention | None:
     """The retention a request's ``KvCacheRetentionConfig`` gives block ``index``
     (SPEC 3: the range holding the block's first token, decode retention for generated
     blocks); ``None`` without a config."""
@@ -31,14 +52,47 @@ def request_retention(seq: Sequence, index: int, block_size: int) -> tuple[int |
     )[-1]
 
 
+def _asks_nothing(index: int) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What an admitted request holds: ``blocks`` in token order, one reference each owned by
+    the caller (release them through the pool, tail first); the first ``num_hits`` came from
+    the prefix cache with valid KV, the rest are fresh and must be computed."""
+
+    blocks: tuple[KVBlock, ...]
+    num_hits: int
+
+
+class _TokenBlocks:
+    """Block ``j``'s token ids of a token list, sliced when asked (a registration touches
+    only its new blocks; iteration stops at the last full block)."""
+
+    __slots__ = ("tokens", "block_size")
+
+    def __init__(self, tokens: list[int], block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.block_size
+
+    def __getitem__(self, j: int) -> list[int]:
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        return self.tokens[j * self.block_size : (j + 1) * self.block_size]
+
+
 class KVCacheManager:
-    """Allocation and prefix caching for sequences. Engine thread only."""
+    """Allocation and prefix caching for sequences. Engine thread only (the simulators
+    own their pools and call ``admit``/``register`` alone)."""
 
     def __init__(
         self,
         pool: BlockPool,
         *,
-        model_id: str,
+        model_id: str = "",
         hash_algorithm: str = "sha256",
         enable_prefix_caching: bool = True,
         retention_fn: RetentionFn = request_retention,
@@ -52,19 +106,78 @@ class KVCacheManager:
         self.queries_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hits_tokens = 0  # of which served from it
 
-    # ------------------------------------------------------------------ hashing
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ------------------------------------------------------------------ the admission path
+    def admit_blocks(
+        self,
+        keys: Seq[BlockHash],
+        token_blocks: Seq[Seq[int]],
+        *,
+        num_blocks: int,
+        max_hits: int | None = None,
+        retention: BlockRetention = _asks_nothing,
+    ) -> Admission | None:
+        """Hold ``num_blocks`` blocks for a request whose leading blocks have ``keys`` /
+        ``token_blocks`` (indexable and iterable, one entry per key at least): the longest cached run of them (at most ``max_hits``, default all)
+        is acquired, each hit taking the request's retention (its priority when it gives one,
+        its duration always), and fresh blocks make up the rest. Returns ``None`` and changes
+        nothing when the pool cannot hold them now."""
+        limit = len(keys) if max_hits is None else min(max_hits, len(keys))
+        hits = self.pool.match_prefix(keys[:limit], token_blocks) if limit > 0 else []
+        num_new = num_blocks - len(hits)
+        unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
+        if num_new > self.pool.num_free_blocks - unheld_hits:
+            return None
+        # worked out before anything is held, so a failure here leaks no block
+        wanted = [retention(i) or (None, None) for i in range(len(hits))]
+        self.pool.acquire(hits)
+        for block, (priority, duration) in zip(hits, wanted):
+            self.pool.set_retention(block, priority, duration)
+        return Admission(tuple(hits) + tuple(self.pool.allocate(num_new)), len(hits))
+
+    def register_blocks(
+        self,
+        blocks: list[KVBlock],
+        keys: Seq[BlockHash],
+        token_blocks: Seq[Seq[int]],
+        start: int,
+        end: int,
+        *,
+        retention: BlockRetention = _asks_nothing,
+        default_priority: int = DEFAULT_PRIORITY,
+    ) -> None:
+        """Enter ``blocks[start:end]`` (computed, held by the caller) in the prefix index under
+        ``keys``, each with the retention asked for it (``default_priority`` where it gives no
+        priority). A key another request registered first (e.g. the last block of a
+        block-aligned prompt, never served as a hit) is shared instead: the caller's
+        ``blocks[j]`` is replaced by the registered copy (same tokens at the same positions,
+        so the same KV), which it now holds, and its own block is freed, so a chain stays one
+        chain and every held block is referenced. Mutates ``blocks``."""
+        for j in range(start, end):
+            wanted = retention(j)
+            priority, duration = wanted if wanted is not None else (None, None)
+            kept = self.pool.register(
+                blocks[j], keys[j], keys[j - 1] if j else None, token_blocks[j], depth=j,
+                priority=default_priority if priority is None else priority, duration_s=duration,
+            )
+            if kept is not blocks[j]:
+                self.pool.acquire([kept])
+                self.pool.release([blocks[j]])
+                blocks[j] = kept
+                if wanted is not None:
+                    self.pool.set_retention(kept, priority, duration)
+
+    # ------------------------------------------------------------------ sequences
     def _extend_hashes(self, seq: Sequence, upto_tokens: int) -> None:
         """Make ``seq.block_hashes`` cover every full block within the first ``upto_tokens``."""
-        tokens = seq.token_ids
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), upto_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else None
-            extra = root_extra_keys(self.model_id, seq.cache_salt) if i == 0 else ()
-            seq.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], extra, self.hash_algorithm))
+        extend_chain(seq.block_hashes, seq.token_ids, self.block_size,
+                     root_extra=root_extra_keys(self.model_id, seq.cache_salt), algorithm=self.hash_algorithm,
+                     upto_tokens=upto_tokens)
 
-    # ------------------------------------------------------------------ admission
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def _token_blocks(self, seq: Sequence) -> "_TokenBlocks":
+        return _TokenBlocks(seq.token_ids, self.block_size)
 
     def admit(self, seq: Sequence, *, first_time: bool) -> bool:
         """Give a waiting sequence its blocks: hits from the prefix cache for its leading full
@@ -73,30 +186,24 @@ class KVCacheManager:
         cannot hold it now."""
         bs = self.block_size
         num_tokens = seq.num_tokens
-        hits: list[KVBlock] = []
+        keys: list[BlockHash] = []
+        max_hits = 0
         if self.enable_prefix_caching and seq.prompt_positions is None:
             self._extend_hashes(seq, num_tokens)
-            max_hit_blocks = (num_tokens - 1) // bs
-            tokens = seq.token_ids
-            hits = self.pool.match_prefix(
-                seq.block_hashes[:max_hit_blocks], [tokens[i * bs : (i + 1) * bs] for i in range(max_hit_blocks)]
-            )
-        num_new = self.blocks_needed(num_tokens) - len(hits)
-        unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
-        if num_new > self.pool.num_free_blocks - unheld_hits:
+            max_hits = (num_tokens - 1) // bs
+            keys = seq.block_hashes[:max_hits]
+        admission = self.admit_blocks(
+            keys, self._token_blocks(seq), num_blocks=self.blocks_needed(num_tokens), max_hits=max_hits,
+            retention=lambda i: self.retention_fn(seq, i, bs),
+        )
+        if admission is None:
             return False
-        # a reuse takes the request's priority when it gives one, and always its duration;
-        # worked out before anything is held, so a failure here leaks no block
-        wanted = [self.retention_fn(seq, i, bs) or (None, None) for i in range(len(hits))]
-        self.pool.acquire(hits)
-        for block, (priority, duration) in zip(hits, wanted):
-            self.pool.set_retention(block, priority, duration)
-        seq.blocks = hits + self.pool.allocate(num_new)
-        seq.num_registered_blocks = len(hits)
-        seq.num_computed_tokens = len(hits) * bs
+        seq.blocks = list(admission.blocks)
+        seq.num_registered_blocks = admission.num_hits
+        seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
             # PML module KV assembled in front of the prompt counts as reused prompt tokens.
-            seq.num_cached_tokens = len(hits) * bs + len(seq.context_slots)
+            seq.num_cached_tokens = admission.num_hits * bs + len(seq.context_slots)
             self.queries_tokens += seq.num_prompt_tokens + len(seq.context_slots)
             self.hits_tokens += seq.num_cached_tokens
         return True
@@ -121,29 +228,8 @@ class KVCacheManager:
         if full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, full * bs)
-        tokens = seq.token_ids
-        for i in range(seq.num_registered_blocks, full):
-            wanted = self.retention_fn(seq, i, bs)
-            priority, duration = wanted if wanted is not None else (None, None)
-            kept = self.pool.register(
-                seq.blocks[i],
-                seq.block_hashes[i],
-                seq.block_hashes[i - 1] if i else None,
-                tokens[i * bs : (i + 1) * bs],
-                depth=i,
-                priority=DEFAULT_PRIORITY if priority is None else priority,
-                duration_s=duration,
-            )
-            if kept is not seq.blocks[i]:
-                # Another request registered this block first (e.g. the last block of a
-                # block-aligned prompt, never served as a hit): share its copy (same tokens
-                # at the same positions, so the same KV) and free ours, so the chain stays
-                # one chain and every held block is referenced.
-                self.pool.acquire([kept])
-                self.pool.release([seq.blocks[i]])
-                seq.blocks[i] = kept
-                if wanted is not None:
-                    self.pool.set_retention(kept, priority, duration)
+        self.register_blocks(seq.blocks, seq.block_hashes, self._token_blocks(seq), seq.num_registered_blocks,
+                             full, retention=lambda i: self.retention_fn(seq, i, bs))
         seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY
+from kvreuse.cache.kv_block import cdiv
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -145,7 +146,7 @@ def requested_retention(
     prompt = num_tokens if num_prompt_tokens is None else num_prompt_tokens
     if not 0 <= prompt <= num_tokens:
         raise ValueError(f"num_prompt_tokens must be in [0, {num_tokens}], got {num_prompt_tokens}")
-    n_blocks = -(-num_tokens // block_size)
+    n_blocks = cdiv(num_tokens, block_size)
     if config is None:
         return [(None, None)] * n_blocks
     ranges = config.token_range_retention_configs

@@ -155,7 +155,7 @@ class LLMEngine:
             keep_freed_memory()  # no page faults on activations after a long prefill
         gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
         self.modules = ModuleCache(  # PML schemas: module KV precomputed into the pool
-            self.pool, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
+            self.kv, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
             chunk_tokens=config.max_num_batched_tokens,
             store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
             src_dir=config.schema_src_dir, max_model_len=self.max_model_len,

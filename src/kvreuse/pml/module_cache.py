@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
-from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
-from kvreuse.cache.hashing import BlockHash, hash_block
+from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
+from kvreuse.cache.hashing import BlockHash, extend_chain
+from kvreuse.cache.kv_block import block_slots, cdiv
+from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.engine.model_runner import ModelRunner, SeqChunk
 from kvreuse.pml import (
     CompiledModule,
@@ -108,12 +110,21 @@ class SchemaInfo:
         }
 
 
+def _module_retention(index: int) -> tuple[int, None]:
+    return (MODULE_PRIORITY, None)  # registration lifts every cached block of the module back
+
+
+def _keep_retention(index: int) -> None:
+    return None  # a request reading a module asks nothing: its blocks keep their priority (and no duration)
+
+
 class ModuleCache:
-    """Registered schemas and their module blocks in ``pool``. Not thread-safe."""
+    """Registered schemas and their module blocks in ``kv``'s pool, which they enter through
+    its admission path. Not thread-safe."""
 
     def __init__(
         self,
-        pool: BlockPool,
+        kv: KVCacheManager,
         runner: ModelRunner,
         tokenizer,
         *,
@@ -124,7 +135,8 @@ class ModuleCache:
         src_dir: str | Path | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.max_model_len = max_model_len  # a schema must leave room for a prompt; None: no check
         self.runner = runner
         self.tokenizer = tokenizer
@@ -247,7 +259,7 @@ class ModuleCache:
     def blocks_of(self, plan: ModulePlan) -> int:
         """Blocks ``plan``'s modules take in the pool (what ``acquire`` holds)."""
         bs = self.pool.block_size
-        return sum(-(-len(plan.schema.module(name).stored_token_ids) // bs) for name in plan.modules)
+        return sum(cdiv(len(plan.schema.module(name).stored_token_ids), bs) for name in plan.modules)
 
     def acquire(self, plan: ModulePlan) -> ModuleContext:
         """The KV of ``plan``'s modules, one reference per block for the caller; evicted
@@ -263,7 +275,7 @@ class ModuleCache:
                 module = schema.module(name)
                 blocks = self._ensure(schema, module)
                 held += blocks
-                slots += [blocks[j // bs].block_id * bs + j % bs for j in range(len(module.stored_token_ids))]
+                slots += block_slots([b.block_id for b in blocks], 0, len(module.stored_token_ids), bs)
                 positions += module.stored_position_ids
         except BaseException:
             self.pool.release(reversed(held))
@@ -282,43 +294,33 @@ class ModuleCache:
         tokens = module.stored_token_ids
         bs = self.pool.block_size
         extra: tuple = ("pml", self.model_id, schema.schema_hash, module.qualified_name)
-        hashes: list[BlockHash] = []
-        pieces = [tokens[i : i + bs] for i in range(0, len(tokens), bs)]
-        parent = None
-        for piece in pieces:
-            parent = hash_block(parent, piece, extra, self.hash_algorithm)
-            hashes.append(parent)
-            extra = ()
-        return hashes, pieces
+        hashes = extend_chain([], tokens, bs, root_extra=extra, algorithm=self.hash_algorithm, partial_tail=True)
+        return hashes, [tokens[i : i + bs] for i in range(0, len(tokens), bs)]
 
     def _ensure(self, schema: CompiledSchema, module: CompiledModule, promote: bool = False) -> list[KVBlock]:
         """The module's blocks, each acquired once by the caller; missing ones are loaded or
         computed. ``promote`` (registration) lifts blocks already cached back to the module
-        priority (a schema deleted and registered again). Raises ``ValueError`` if the pool
-        cannot hold them now."""
+        priority (a schema deleted and registered again). Raises ``PoolBusy`` (a
+        ``ValueError``) if the pool cannot hold them now; nothing is held then."""
         hashes, pieces = self.module_hashes(schema, module)
-        hits = self.pool.match_prefix(hashes, pieces)
-        self.pool.acquire(hits)
-        if promote:
-            for block in hits:
-                self.pool.set_retention(block, MODULE_PRIORITY, None)
-        if len(hits) == len(hashes):
-            self._counts["present"] += 1
-            return hits
-        try:
-            new = self._fill(schema, module, len(hits))
-        except BaseException:
-            self.pool.release(reversed(hits))
-            raise
-        blocks = hits + new
-        for b in range(len(hits), len(blocks)):
-            kept = self.pool.register(
-                blocks[b], hashes[b], hashes[b - 1] if b else None, pieces[b], depth=b, priority=MODULE_PRIORITY
+        admission = self.kv.admit_blocks(hashes, pieces, num_blocks=len(hashes),
+                                         retention=_module_retention if promote else _keep_retention)
+        if admission is None:
+            needed = len(hashes) - len(self.pool.match_prefix(hashes, pieces))
+            raise PoolBusy(
+                f"the KV pool has {self.pool.num_free_blocks} free blocks but module {module.qualified_name!r} "
+                f"needs {needed}: retry later or raise --kv-cache-memory"
             )
-            if kept is not blocks[b]:  # cannot happen with leaves-only eviction; stay correct anyway
-                self.pool.acquire([kept])
-                self.pool.release([blocks[b]])
-                blocks[b] = kept
+        blocks, num_hits = list(admission.blocks), admission.num_hits
+        if num_hits == len(hashes):
+            self._counts["present"] += 1
+            return blocks
+        try:
+            self._fill(schema, module, num_hits, blocks[num_hits:])
+        except BaseException:
+            self.pool.release(reversed(blocks))
+            raise
+        self.kv.register_blocks(blocks, hashes, pieces, num_hits, len(blocks), default_priority=MODULE_PRIORITY)
         return blocks
 
     def _allocate(self, n: int, what: str) -> list[KVBlock]:
@@ -329,21 +331,13 @@ class ModuleCache:
             )
         return self.pool.allocate(n)
 
-    def _fill(self, schema: CompiledSchema, module: CompiledModule, num_hits: int) -> list[KVBlock]:
-        """Blocks ``num_hits..`` of the module, allocated and filled (from the store or by a forward pass)."""
-        bs = self.pool.block_size
-        num_stored = len(module.stored_token_ids)
-        new = self._allocate(-(-num_stored // bs) - num_hits, f"module {module.qualified_name!r}")
-        try:
-            if self.store is not None and self._load(schema, module, num_hits, new):
-                self._counts["loaded"] += 1
-            else:
-                self._compute(schema, module, num_hits, new)
-                self._counts["computed"] += 1
-        except BaseException:
-            self.pool.release(reversed(new))
-            raise
-        return new
+    def _fill(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
+        """Fill blocks ``num_hits..`` of the module (``new``, held) from the store or by a forward pass."""
+        if self.store is not None and self._load(schema, module, num_hits, new):
+            self._counts["loaded"] += 1
+        else:
+            self._compute(schema, module, num_hits, new)
+            self._counts["computed"] += 1
 
     def _load(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> bool:
         try:
@@ -355,7 +349,7 @@ class ModuleCache:
             return False
         bs = self.pool.block_size
         lo = num_hits * bs
-        slots = [new[(j - lo) // bs].block_id * bs + (j - lo) % bs for j in range(lo, len(module.stored_token_ids))]
+        slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
         cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
         index = torch.tensor(slots, dtype=torch.long, device=cache.device)
         # files hold [layers, 2, tokens, kv_heads, head_dim]
@@ -369,15 +363,16 @@ class ModuleCache:
         bs = self.pool.block_size
         run = schema.precompute_input(module.qualified_name)
         lo = num_hits * bs  # stored tokens below this are already in the pool
+        new_slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
         targets: list[int | None] = []
         j = 0
         for keep in run.store:
-            targets.append(new[(j - lo) // bs].block_id * bs + (j - lo) % bs if keep and j >= lo else None)
+            targets.append(new_slots[j - lo] if keep and j >= lo else None)
             j += keep
         num_scratch = sum(t is None for t in targets)
-        scratch = self._allocate(-(-num_scratch // bs), f"precomputing module {module.qualified_name!r}")
+        scratch = self._allocate(cdiv(num_scratch, bs), f"precomputing module {module.qualified_name!r}")
         try:
-            free = (b.block_id * bs + k for b in scratch for k in range(bs))
+            free = iter(block_slots([b.block_id for b in scratch], 0, num_scratch, bs))
             slots = [t if t is not None else next(free) for t in targets]
             ids, pos = list(run.token_ids), list(run.position_ids)
             for start in range(0, len(ids), self.chunk_tokens):
@@ -390,7 +385,7 @@ class ModuleCache:
     def _read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> torch.Tensor:
         """The module's stored KV ``[layers, 2, tokens, kv_heads, head_dim]`` (CPU copy)."""
         bs = self.pool.block_size
-        slots = [blocks[j // bs].block_id * bs + j % bs for j in range(len(module.stored_token_ids))]
+        slots = block_slots([b.block_id for b in blocks], 0, len(module.stored_token_ids), bs)
         cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
         index = torch.tensor(slots, dtype=torch.long, device=cache.device)
         return cache[:, :, :, index].transpose(2, 3).contiguous().cpu()

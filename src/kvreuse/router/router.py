@@ -38,6 +38,7 @@ from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot
 from kvreuse.router.index import KVIndex
 from kvreuse.router.policy import Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
+from kvreuse.cache.kv_block import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Router:
         return RoutedRequest(keys, cands, choose(self.policy, cands, self.rng, dry_run=dry_run))
 
     def prompt_blocks(self, keys: RequestKeys) -> int:
-        return -(-keys.num_tokens // self.block_size)
+        return cdiv(keys.num_tokens, self.block_size)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

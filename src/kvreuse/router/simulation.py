@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import make_policy as make_eviction_policy
+from kvreuse.cache.kv_block import cdiv
+from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.router.index import KVIndex, index_key
 from kvreuse.router.policy import Candidate, RoutingPolicy, choose
 from kvreuse.simulator.replay import kv_tokens, serve_request  # the same replay step as one pool
@@ -93,6 +95,7 @@ class SimExecutor:
         index.add_executor(name)
         self.pool = BlockPool(capacity_blocks, block_size, policy=make_eviction_policy(eviction_policy),
                               clock=clock, events=_IndexFeed(index, name))
+        self.cache = KVCacheManager(self.pool)
         self.in_flight: list[tuple[float, int]] = []  # heap of (end time, prompt blocks)
         self.load_blocks = 0
 
@@ -103,14 +106,14 @@ class SimExecutor:
     def serve(self, req: TraceRequest, index: int, result: RoutedResult, now: float, service: ServiceModel) -> None:
         """Replay one request here (the steps of ``kvreuse.simulator.replay.replay``)."""
         pool, bs = self.pool, self.pool.block_size
-        if -(-kv_tokens(req) // bs) > pool.num_blocks:  # the engine refuses it
+        if cdiv(kv_tokens(req), bs) > pool.num_blocks:  # the engine refuses it
             result.requests_rejected += 1
             return
-        cached = serve_request(pool, req, index)
+        cached = serve_request(self.cache, req, index)
         result.prompt_tokens += req.prompt_tokens  # refused requests stay out of the hit rate
         result.cached_tokens += cached
         busy = (req.prompt_tokens - cached) / service.prefill_tokens_per_s + req.output_tokens * service.decode_s_per_token
-        prompt_blocks = -(-req.prompt_tokens // bs)
+        prompt_blocks = cdiv(req.prompt_tokens, bs)
         heapq.heappush(self.in_flight, (now + busy, prompt_blocks))
         self.load_blocks += prompt_blocks
 

@@ -19,6 +19,7 @@ from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.simulator.replay import ReplayResult, hit_blocks, kv_tokens, replay
 from kvreuse.simulator.traces import Trace
+from kvreuse.cache.kv_block import cdiv
 
 if TYPE_CHECKING:
     from kvreuse.cache.kv_block import KVBlock
@@ -40,7 +41,7 @@ class BeladyPolicy(EvictionPolicy):
         for i in range(len(trace.requests) - 1, -1, -1):
             req = trace.requests[i]
             next_after[i] = [upcoming.get(k, math.inf) for k in req.block_keys]
-            if capacity_blocks is None or -(-kv_tokens(req) // bs) <= capacity_blocks:
+            if capacity_blocks is None or cdiv(kv_tokens(req), bs) <= capacity_blocks:
                 for k in req.block_keys[: hit_blocks(req, bs)]:
                     upcoming[k] = i
         self._trace = trace

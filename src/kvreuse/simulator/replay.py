@@ -26,9 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool, KVBlock
+from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import hash_block
+from kvreuse.cache.kv_block import cdiv
+from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.cache.retention import requested_retention
 from kvreuse.simulator.traces import Trace
 
@@ -87,6 +89,7 @@ def replay(
     """
     now = 0.0
     pool = BlockPool(capacity_blocks, trace.block_size, policy=policy, clock=lambda: now)
+    cache = KVCacheManager(pool)
     result = ReplayResult(policy.name, capacity_blocks)
     bs = trace.block_size
     started = time.perf_counter()
@@ -94,8 +97,7 @@ def replay(
         now = max(now, req.timestamp_s)
         result.requests += 1
         total = kv_tokens(req)
-        n_blocks = -(-total // bs)
-        if n_blocks > capacity_blocks:  # the engine refuses it (400): not part of the hit rate
+        if cdiv(total, bs) > capacity_blocks:  # the engine refuses it (400): not part of the hit rate
             result.requests_rejected += 1
             if progress is not None:
                 progress(1)
@@ -103,7 +105,7 @@ def replay(
         if on_request is not None:
             on_request(i)
         result.prompt_tokens += req.prompt_tokens
-        result.cached_tokens += serve_request(pool, req, i)
+        result.cached_tokens += serve_request(cache, req, i)
         if progress is not None:
             progress(1)
         if check_every and (i + 1) % check_every == 0:
@@ -115,26 +117,25 @@ def replay(
     return result
 
 
-def serve_request(pool: BlockPool, req, index: int) -> int:
-    """One request in ``pool`` as the engine runs it alone: hit its cached prefix, hold
-    prompt + output, cache every full block, release. Returns the cached prompt tokens.
-    The caller checks first that the request fits the pool at all (``kv_tokens``).
-    Raises ``RuntimeError`` if it fits but finds no room (a leak)."""
-    bs = pool.block_size
+def serve_request(cache: KVCacheManager, req, index: int) -> int:
+    """One request in ``cache``'s pool as the engine runs it alone, through the engine's own
+    admission path: hit its cached prefix, hold prompt + output, cache every full block,
+    release. Returns the cached prompt tokens. The caller checks first that the request fits
+    the pool at all (``kv_tokens``). Raises ``RuntimeError`` if it fits but finds no room
+    (a leak)."""
+    bs = cache.block_size
     total = kv_tokens(req)
-    n_blocks = -(-total // bs)
-    limit = hit_blocks(req, bs)
-    hits = pool.match_prefix(req.block_keys[:limit], req.block_tokens[:limit])
-    if n_blocks - len(hits) > pool.num_free_blocks - _evictable_hits(hits):
-        raise RuntimeError(f"request {index} fits the pool but found no room: blocks are leaking")
-    pool.acquire(hits)
     retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
-    for block, (priority, duration) in zip(hits, retention):
-        pool.set_retention(block, priority, duration)
-    blocks = hits + pool.allocate(n_blocks - len(hits))
-    _register(pool, blocks, len(hits), req, retention, index, total // bs)
-    pool.release(reversed(blocks))
-    return len(hits) * bs
+    asked = (lambda j: None) if req.retention is None else retention.__getitem__
+    admission = cache.admit_blocks(req.block_keys, req.block_tokens, num_blocks=cdiv(total, bs),
+                                   max_hits=hit_blocks(req, bs), retention=asked)
+    if admission is None:
+        raise RuntimeError(f"request {index} fits the pool but found no room: blocks are leaking")
+    blocks = list(admission.blocks)
+    keys, tokens = _block_keys(req, index, total // bs)
+    cache.register_blocks(blocks, keys, tokens, admission.num_hits, total // bs, retention=asked)
+    cache.pool.release(reversed(blocks))
+    return admission.num_hits * bs
 
 
 def kv_tokens(req) -> int:
@@ -149,29 +150,13 @@ def hit_blocks(req, block_size: int) -> int:
     return min(len(req.block_keys), max(req.prompt_tokens - 1, 0) // block_size)
 
 
-def _evictable_hits(hits: list[KVBlock]) -> int:
-    """Hits that ``num_free_blocks`` counts as free now (cached, unheld); acquiring them
-    takes them out of it."""
-    return sum(1 for b in hits if b.ref_count == 0)
-
-
-def _register(pool: BlockPool, blocks: list[KVBlock], first_new: int, req, retention, index: int, n_full: int) -> None:
-    """Cache the request's full blocks from ``first_new`` on (prompt blocks under their
-    trace keys, the rest under keys unique to request ``index``)."""
-    parent = req.block_keys[first_new - 1] if first_new else None
-    n_prompt_keys = len(req.block_keys)
-    for j in range(first_new, n_full):
-        if j < n_prompt_keys:
-            key, tokens = req.block_keys[j], req.block_tokens[j]
-        else:
-            tokens = (index, j)
-            key = hash_block(parent, tokens, (DECODE_EXTRA_KEY, index))
-        priority, duration = retention[j]
-        kept = pool.register(blocks[j], key, parent, tokens, depth=j, priority=DEFAULT_PRIORITY if priority is None else priority, duration_s=duration)
-        if kept is not blocks[j]:  # already cached (a collision-checked miss): hold the cached one
-            pool.acquire([kept])
-            if priority is not None or duration is not None:
-                pool.set_retention(kept, priority, duration)
-            pool.release([blocks[j]])
-            blocks[j] = kept
-        parent = key
+def _block_keys(req, index: int, n_full: int) -> tuple[list, list]:
+    """Keys and tokens of the request's first ``n_full`` blocks: prompt blocks under their
+    trace keys, the rest under keys unique to request ``index`` (their tokens are unknown)."""
+    keys, tokens = list(req.block_keys[:n_full]), list(req.block_tokens[:n_full])
+    parent = keys[-1] if keys else None
+    for j in range(len(keys), n_full):
+        parent = hash_block(parent, (index, j), (DECODE_EXTRA_KEY, index))
+        keys.append(parent)
+        tokens.append((index, j))
+    return keys, tokens

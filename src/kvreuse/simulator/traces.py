@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvreuse.cache.hashing import BlockHash, hash_block, hash_token_blocks
 from kvreuse.cache.retention import KvCacheRetentionConfig
+from kvreuse.cache.kv_block import cdiv
 
 MOONCAKE_MODEL_ID = "mooncake-trace"  # model identity folded into the first block's key
 
@@ -45,7 +46,7 @@ class Trace:
     @property
     def num_block_lookups(self) -> int:
         """Prompt blocks looked up over the whole trace (the replay's unit of work)."""
-        return sum(-(-r.prompt_tokens // self.block_size) for r in self.requests)
+        return sum(cdiv(r.prompt_tokens, self.block_size) for r in self.requests)
 
 
 def read_trace(path: str | Path, *, block_tokens: int, trace_format: str = "auto", limit: int | None = None) -> Trace:
