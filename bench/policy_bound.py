@@ -39,7 +39,7 @@ from kvreuse.simulator.replay import hit_blocks, replay
 from kvreuse.simulator.traces import Trace, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 512
 
 

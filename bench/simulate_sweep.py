@@ -19,7 +19,7 @@ from kvreuse.simulator.plot import plot_sweep, sweep
 from kvreuse.simulator.traces import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
-TRACE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:

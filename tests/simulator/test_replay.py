@@ -12,7 +12,7 @@ from kvreuse.simulator.cli import simulate_main
 from kvreuse.simulator.replay import replay
 from kvreuse.simulator.traces import read_trace
 
-MOONCAKE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+MOONCAKE = Path(__file__).resolve().parents[2] / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def write(tmp_path, records, name="t.jsonl"):
@@ -98,7 +98,6 @@ def test_jsonl_text_and_errors(tmp_path):
         read_trace(write(tmp_path, [{"prompt": "x"}]), block_tokens=4)
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake trace not present")
 def test_mooncake_slice_belady_bounds_every_policy():
     trace = read_trace(MOONCAKE, block_tokens=512, limit=600)
     rates = {n: replay(trace, make_policy(n, num_blocks=1000), 1000, check_every=200).hit_rate
