@@ -92,9 +92,8 @@ def test_limits_are_validated_where_built():
 
 @pytest.mark.parametrize(
     "body, char, column, fixed",
-    [  # prose; code (error on line 3)
+    [  # prose: "&B" starts an entity reference, which is malformed
         ('  <module name="m">Soul, funk and R&B hits</module>', "&", 36, "R&amp;B"),
-        ('  <module name="m">\nif 0 <= i < n:\n</module>', "<", 6, "0 &lt;= i &lt; n"),
     ],
 )
 def test_bare_ampersand_or_less_than_in_text_says_how_to_escape_it(body, char, column, fixed):
@@ -117,3 +116,28 @@ def test_well_formed_errors_get_no_escape_hint():
         with pytest.raises(PMLSyntaxError) as info:
             parse_schema(text)
         assert "a bare" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "literal",
+    [
+        "if 0 <= i < n: return a && b",
+        "x < 3 & y > 2; 1<2; a <= b; c & d; e<=f; 1 &&2; <",
+        "pointers: p->q, a < -1, <> and < / >",
+    ],
+)
+def test_bare_less_than_and_ampersand_that_cannot_start_markup_stay_as_written(literal):
+    text = f'<schema name="s">\n  <module name="m">\n{literal}\n</module>\n</schema>'
+    assert parse_schema(text).body[0].body[0].text.strip() == literal
+
+
+def test_literals_next_to_markup_cdata_entities_and_positions():
+    # entities and CDATA keep their meaning; a real tag after a literal '<' still parses
+    text = '<schema name="s"><module name="m">a < b &amp; c &#38; <![CDATA[0 < 1 && 2]]> d</module></schema>'
+    assert parse_schema(text).body[0].body[0].text == "a < b & c & 0 < 1 && 2 d"
+    # a malformed tag after literals is reported at its own column in the original text
+    bad = '<schema name="s">\n<module name="m">é < x && y <bad</module>\n</schema>'
+    with pytest.raises(PMLSyntaxError) as info:
+        parse_schema(bad)
+    assert (info.value.line, info.value.column) == (2, 33)
+    assert bad.split("\n")[1][32] == "<"

@@ -10,6 +10,13 @@ can reach outside the document or blow up its size refused:
 - the document size (characters), element nesting depth and element count are capped by
   ``MarkupLimits``.
 
+PML text is written by people, and code and prose hold ``0 <= i < n`` and ``a && b``. A ``<``
+or ``&`` that cannot start markup (``<`` not followed by a name, ``/``, ``!`` or ``?``; ``&``
+not followed by a name or ``#``) is kept as literal text, byte for byte, outside CDATA,
+comments and processing instructions; anything that does start a tag or a reference and is
+malformed is still an error at its own line and column. (The reference implementation parses
+with lxml's recover mode, which silently deletes such characters.)
+
 Every failure is a ``PMLSyntaxError`` with a 1-based line and column.
 """
 
@@ -64,9 +71,10 @@ class Element:
 class _Builder:
     """Expat callbacks that build the tree; one instance per document."""
 
-    def __init__(self, parser: expat.XMLParserType, limits: MarkupLimits) -> None:
+    def __init__(self, parser: expat.XMLParserType, limits: MarkupLimits, shifts: "_Shifts") -> None:
         self._parser = parser
         self._limits = limits
+        self._shifts = shifts  # where literal '<' / '&' were escaped, to report original columns
         # Each open element: (tag, attrs, children list, line, column).
         self._stack: list[tuple[str, tuple[tuple[str, str], ...], list, int, int]] = []
         self._text: list[str] = []
@@ -75,7 +83,8 @@ class _Builder:
         self.root: Element | None = None
 
     def _where(self) -> tuple[int, int]:
-        return self._parser.CurrentLineNumber, self._parser.CurrentColumnNumber + 1
+        line = self._parser.CurrentLineNumber
+        return line, _unshift(self._shifts, line, self._parser.CurrentColumnNumber) + 1
 
     def _flush_text(self) -> None:
         if self._text and self._stack:
@@ -136,8 +145,9 @@ def read_markup(text: str, limits: MarkupLimits = MarkupLimits()) -> Element:
             1,
             1,
         )
+    escaped, shifts = _escape_literals(text)
     parser = expat.ParserCreate(encoding="utf-8")
-    builder = _Builder(parser, limits)
+    builder = _Builder(parser, limits, shifts)
     parser.buffer_text = False  # one callback per chunk, so positions mark where text starts
     parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
     parser.StartElementHandler = builder.start
@@ -153,17 +163,78 @@ def read_markup(text: str, limits: MarkupLimits = MarkupLimits()) -> Element:
     # case where it would otherwise pass them through silently.
     parser.SkippedEntityHandler = builder.refuse("an entity reference")
     try:
-        parser.Parse(text.encode("utf-8"), True)
+        parser.Parse(escaped.encode("utf-8"), True)
     except expat.ExpatError as exc:
         reason = expat.ErrorString(exc.code)
-        hint, column = "", exc.offset + 1
+        offset = _unshift(shifts, exc.lineno, exc.offset)
+        hint, column = "", offset + 1
         if exc.code == expat.errors.codes[expat.errors.XML_ERROR_INVALID_TOKEN]:
-            hint, column = _escape_hint(text, exc.lineno, exc.offset)
+            hint, column = _escape_hint(text, exc.lineno, offset)
         raise PMLSyntaxError(f"malformed markup: {reason}{hint}", exc.lineno, column) from None
     except RecursionError:  # defensive: the depth cap should make this unreachable
         raise PMLSyntaxError("markup nested too deeply", 1, 1) from None
     assert builder.root is not None  # expat guarantees a root element on success
     return builder.root
+
+
+_Shifts = dict[int, list[tuple[int, int]]]
+"""line -> ascending (0-based column in the original line, characters added before it)."""
+
+_LITERAL_SKIP = (("<![CDATA[", "]]>"), ("<!--", "-->"), ("<?", "?>"))  # regions kept as written
+
+
+def _starts_name(char: str) -> bool:
+    return char.isalpha() or char in "_:"
+
+
+def _escape_literals(text: str) -> tuple[str, _Shifts]:
+    """``text`` with every ``<`` / ``&`` that cannot start markup escaped (``&lt;`` /
+    ``&amp;``), so expat reads it as the character itself, and where columns moved. CDATA
+    sections, comments and processing instructions are copied untouched."""
+    out: list[str] = []
+    shifts: _Shifts = {}
+    line, line_start, added = 1, 0, 0
+    i, n, copied = 0, len(text), 0
+    while i < n:
+        char = text[i]
+        if char == "\n":
+            line, line_start, added = line + 1, i + 1, 0
+            i += 1
+            continue
+        if char not in "<&":
+            i += 1
+            continue
+        skip = next((end for start, end in _LITERAL_SKIP if text.startswith(start, i)), None)
+        if skip is not None:  # jump past the region (counting its lines); malformed: expat says so
+            stop = text.find(skip, i)
+            stop = n if stop < 0 else stop + len(skip)
+            newlines = text.count("\n", i, stop)
+            if newlines:
+                line, line_start, added = line + newlines, text.rfind("\n", i, stop) + 1, 0
+            i = stop
+            continue
+        following = text[i + 1] if i + 1 < n else ""
+        literal = (not (_starts_name(following) or following in "/!?")) if char == "<" else \
+            (not (_starts_name(following) or following == "#"))
+        if literal:
+            out.append(text[copied:i])
+            out.append("&lt;" if char == "<" else "&amp;")
+            copied = i + 1
+            added += 3 if char == "<" else 4
+            shifts.setdefault(line, []).append((i - line_start, added))
+        i += 1
+    out.append(text[copied:])
+    return "".join(out), shifts
+
+
+def _unshift(shifts: _Shifts, line: int, column: int) -> int:
+    """Expat's 0-based ``column`` on ``line`` of the escaped text, in the original text."""
+    moved = 0
+    for original, added in shifts.get(line, ()):
+        if column - added < original + 1:  # expat's column lies before this escape's end
+            break
+        moved = added
+    return column - moved
 
 
 def _escape_hint(text: str, line: int, offset: int) -> tuple[str, int]:
