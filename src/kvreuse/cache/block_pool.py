@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvreuse.cache.eviction import EvictionPolicy, LRUPolicy
 from kvreuse.cache.hashing import BlockHash
-from kvreuse.cache.kv_block import DEFAULT_PRIORITY, KVBlock  # re-exported: callers import them from here
+from kvreuse.cache.integrity import check_pool
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock  # re-exported: callers import them from here
 from kvreuse.events.records import (
     DEVICE_LEVEL,
     AllBlocksCleared,
@@ -67,6 +68,7 @@ class BlockPool:
         clock: Clock = time.monotonic,
         events: EventSink | None = None,
         cache_level: str = DEVICE_LEVEL,
+        record_evictions: bool = False,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the pool needs at least one block, got {num_blocks} (raise --kv-cache-memory)")
@@ -83,6 +85,11 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._free: deque[KVBlock] = deque(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        # cached blocks per parent key, parent cached or not: a lower tier receives a chain
+        # leaf first (device eviction order), so a block may arrive after its children
+        self._children: dict[BlockHash, int] = {}
+        # evicted blocks not yet taken (record_evictions): a lower tier copies them out
+        self._evicted: list[EvictedBlock] | None = [] if record_evictions else None
         self._num_cached_free = 0  # registered blocks with ref_count == 0
         self._heap: list[tuple[tuple, int, int, int]] = []  # (key, seq, version, block_id)
         self._heap_seq = 0
@@ -172,6 +179,8 @@ class BlockPool:
                 else:
                     block = self._pop_victim()
                     removed.append(block.block_hash)  # type: ignore[arg-type]
+                    if self._evicted is not None:
+                        self._evicted.append(EvictedBlock.of(block))
                     self._unregister(block)
                 block.ref_count = 1
                 block.access_count = 1
@@ -224,6 +233,9 @@ class BlockPool:
         block.expires_at = None
         self._cached[block_hash] = block
         self._held_by_priority[priority] = self._held_by_priority.get(priority, 0) + 1
+        block.num_cached_children = self._children.get(block_hash, 0)
+        if parent_hash is not None:
+            self._children[parent_hash] = self._children.get(parent_hash, 0) + 1
         parent = self._cached.get(parent_hash) if parent_hash is not None else None
         if parent is not None:
             parent.num_cached_children += 1
@@ -236,6 +248,30 @@ class BlockPool:
             )
         )
         return block
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The blocks evicted since the last call, in eviction order (with
+        ``record_evictions``; else always empty). Their KV is still in their slots until the
+        caller writes there: a lower tier copies it out first. Clears the list."""
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
+        return out
+
+    def remove_cached(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget cached blocks nobody holds (a lower tier handing its copy up to the device:
+        the block moves, it is not evicted, so it is not counted as an eviction). Emits
+        ``BlocksRemoved`` at this pool's level. Raises ``RuntimeError`` for a held or
+        uncached block."""
+        removed: list[BlockHash] = []
+        for block in blocks:
+            if block.ref_count or block.block_hash is None:
+                raise RuntimeError(f"remove_cached of block {block.block_id}, which is held or not cached")
+            removed.append(block.block_hash)
+            self._unregister(block, evicted=False)
+            self._free.append(block)
+        if removed:
+            self._emit(BlocksRemoved(tuple(removed), self.cache_level))
 
     def set_retention(self, block: KVBlock, priority: int | None, duration_s: float | None) -> None:
         """Apply a reusing request's retention to a registered block: its priority when
@@ -312,45 +348,7 @@ class BlockPool:
         """Raise ``RuntimeError`` if the bookkeeping is inconsistent: free + cached + in use
         == total, ref counts >= 0, index, children and per-priority counts agree, and no
         block in use has a running duration. O(n): for tests and idle checks."""
-        free_ids = {b.block_id for b in self._free}
-        if len(free_ids) != len(self._free):
-            raise RuntimeError("a block appears twice in the free list")
-        n_cached_free = n_used = 0
-        children: dict[BlockHash, int] = {}
-        for block in self.blocks:
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block.block_id} has ref_count {block.ref_count}")
-            if block.block_id in free_ids:
-                if block.ref_count or block.block_hash is not None:
-                    raise RuntimeError(f"free block {block.block_id} is held or keyed")
-            elif block.ref_count > 0:
-                n_used += 1
-            elif block.block_hash is not None:
-                n_cached_free += 1
-            else:
-                raise RuntimeError(f"block {block.block_id} is lost: unheld, unkeyed and not free")
-            if block.block_hash is not None:
-                if self._cached.get(block.block_hash) is not block:
-                    raise RuntimeError(f"block {block.block_id} is keyed but not in the index")
-                if block.parent_hash in self._cached:
-                    children[block.parent_hash] = children.get(block.parent_hash, 0) + 1  # type: ignore[index]
-        for block in self._cached.values():
-            if block.num_cached_children != children.get(block.block_hash, 0):  # type: ignore[arg-type]
-                raise RuntimeError(
-                    f"block {block.block_id} counts {block.num_cached_children} children, index has "
-                    f"{children.get(block.block_hash, 0)}"  # type: ignore[arg-type]
-                )
-        held: dict[int, int] = {}
-        for block in self._cached.values():
-            held[block.priority] = held.get(block.priority, 0) + 1
-            if block.ref_count and block.expires_at is not None:
-                raise RuntimeError(f"block {block.block_id} is in use but its duration is running")
-        if held != {p: n for p, n in self._held_by_priority.items() if n}:
-            raise RuntimeError(f"blocks by priority {self._held_by_priority} != actual {held}")
-        if n_cached_free != self._num_cached_free:
-            raise RuntimeError(f"cached-free count {self._num_cached_free} != actual {n_cached_free}")
-        if len(self._free) + n_cached_free + n_used != self.num_blocks:
-            raise RuntimeError("free + cached + in use != total")
+        check_pool(self)
 
     # ------------------------------------------------------------------ internals
     def _next_tick(self) -> int:
@@ -411,6 +409,12 @@ class BlockPool:
         if evicted:
             self.num_evictions += 1
             self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
+        if block.parent_hash is not None:
+            left = self._children[block.parent_hash] - 1
+            if left:
+                self._children[block.parent_hash] = left
+            else:
+                del self._children[block.parent_hash]
         parent = self._cached.get(block.parent_hash) if block.parent_hash is not None else None
         if parent is not None:
             parent.num_cached_children -= 1

@@ -41,3 +41,22 @@ def block_slots(block_ids: Sequence[int], start: int, end: int, block_size: int)
     are ``block_ids``: token ``i`` lives at ``block_ids[i // bs] * bs + i % bs``."""
     bs = block_size
     return [block_ids[i // bs] * bs + i % bs for i in range(start, end)]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """What the pool knew of a block it just evicted: enough for a lower tier to keep it
+    (its KV stays in slot ``block_id`` until the caller writes there)."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    depth: int
+    priority: int
+    duration_s: float | None
+
+    @staticmethod
+    def of(block: KVBlock) -> "EvictedBlock":
+        return EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids,  # type: ignore[arg-type]
+                            block.depth, block.priority, block.duration_s)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvreuse.cache.block_pool import BlockPool, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
+from kvreuse.cache.host_tier import HostTier
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 from kvreuse.cache.retention import requested_retention
 
@@ -63,7 +64,8 @@ class Admission:
     the prefix cache with valid KV, the rest are fresh and must be computed."""
 
     blocks: tuple[KVBlock, ...]
-    num_hits: int
+    num_hits: int  # cached blocks, wherever they were found (device + onboarded)
+    num_onboarded: int = 0  # of which copied up from the host tier
 
 
 class _TokenBlocks:
@@ -96,8 +98,12 @@ class KVCacheManager:
         hash_algorithm: str = "sha256",
         enable_prefix_caching: bool = True,
         retention_fn: RetentionFn = request_retention,
+        lower: HostTier | None = None,
     ) -> None:
+        if lower is not None and pool._evicted is None:
+            raise ValueError("a pool with a host tier below must be built with record_evictions=True")
         self.pool = pool
+        self.lower = lower  # host tier: device evictions go there, admission continues there
         self.block_size = pool.block_size
         self.model_id = model_id
         self.hash_algorithm = hash_algorithm
@@ -126,16 +132,45 @@ class KVCacheManager:
         nothing when the pool cannot hold them now."""
         limit = len(keys) if max_hits is None else min(max_hits, len(keys))
         hits = self.pool.match_prefix(keys[:limit], token_blocks) if limit > 0 else []
-        num_new = num_blocks - len(hits)
+        n = len(hits)
+        below: list[KVBlock] = []
+        if self.lower is not None and n < limit:  # the chain goes on in the host tier?
+            below = self.lower.match(keys[n:limit], (token_blocks[j] for j in range(n, limit)))
+        num_new = num_blocks - n
         unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
         if num_new > self.pool.num_free_blocks - unheld_hits:
+            if below:
+                self.lower.cancel(below)  # type: ignore[union-attr]
             return None
         # worked out before anything is held, so a failure here leaks no block
-        wanted = [retention(i) or (None, None) for i in range(len(hits))]
+        wanted = [retention(i) or (None, None) for i in range(n + len(below))]
         self.pool.acquire(hits)
         for block, (priority, duration) in zip(hits, wanted):
             self.pool.set_retention(block, priority, duration)
-        return Admission(tuple(hits) + tuple(self.pool.allocate(num_new)), len(hits))
+        blocks = hits + self.allocate(num_new)
+        if below:
+            self._onboard(blocks, below, keys, token_blocks, n, wanted)
+        return Admission(tuple(blocks), n + len(below), len(below))
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """``n`` fresh blocks (``BlockPool.allocate``: check capacity first); what it evicted
+        goes down to the host tier before anyone writes the evicted slots."""
+        blocks = self.pool.allocate(n)
+        if self.lower is not None:
+            evicted = self.pool.take_evicted()
+            if evicted:
+                self.lower.offload(evicted)
+        return blocks
+
+    def _onboard(self, blocks: list[KVBlock], below: list[KVBlock], keys, token_blocks, n: int, wanted) -> None:
+        """Copy the host tier's continuation ``below`` into ``blocks[n:n+len(below)]`` (fresh),
+        register them on the device with the retention they had, then the request's."""
+        moved = self.lower.onboard(below, [b.block_id for b in blocks[n : n + len(below)]])  # type: ignore[union-attr]
+        kept = {j: (priority, duration) for j, (_, _, _, priority, duration) in enumerate(moved, n)}
+        self.register_blocks(blocks, keys, token_blocks, n, n + len(moved), retention=kept.get)
+        for j in range(n, n + len(moved)):
+            priority, duration = wanted[j]
+            self.pool.set_retention(blocks[j], priority, duration)
 
     def register_blocks(
         self,
@@ -216,7 +251,7 @@ class KVCacheManager:
             return True
         if not self.pool.can_allocate(missing):
             return False
-        seq.blocks += self.pool.allocate(missing)
+        seq.blocks += self.allocate(missing)
         return True
 
     def commit_computed(self, seq: Sequence) -> None:

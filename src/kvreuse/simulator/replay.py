@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import hash_block
-from kvreuse.cache.kv_block import cdiv
+from kvreuse.cache.host_tier import HostTier, OffloadPolicy
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.cache.retention import requested_retention
 from kvreuse.simulator.traces import Trace
@@ -49,6 +50,9 @@ class ReplayResult:
     evictions_by_priority: dict[int, int] = field(default_factory=dict)
     blocks_by_priority: dict[int, int] = field(default_factory=dict)  # at the end of the trace
     seconds: float = 0.0  # wall time of the replay
+    host_blocks: int = 0  # host tier below the pool (0: none)
+    host_cached_tokens: int = 0  # of cached_tokens, onboarded from the host tier
+    offloaded_blocks: int = 0  # device evictions kept by the host tier
 
     @property
     def hit_rate(self) -> float:
@@ -68,6 +72,8 @@ class ReplayResult:
             "evictions_by_priority": {str(k): v for k, v in sorted(self.evictions_by_priority.items())},
             "blocks_by_priority": {str(k): v for k, v in sorted(self.blocks_by_priority.items())},
             "seconds": round(self.seconds, 3),
+            **({"host_blocks": self.host_blocks, "host_cached_tokens": self.host_cached_tokens,
+                "offloaded_blocks": self.offloaded_blocks} if self.host_blocks else {}),
         }
 
 
@@ -79,17 +85,27 @@ def replay(
     on_request: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
     check_every: int = 0,
+    host_blocks: int = 0,
+    host_policy: EvictionPolicy | None = None,
+    offload_min_priority: int = DEFAULT_PRIORITY,
 ) -> ReplayResult:
     """Replay ``trace`` through a fresh ``BlockPool`` of ``capacity_blocks`` blocks.
 
     ``on_request(i)`` runs before request ``i`` (Belady's policy learns the future there);
     ``progress(n)`` is told each ``n`` requests done; ``check_every > 0`` runs
-    ``check_integrity`` every that many requests (tests). Raises ``ValueError`` for a
-    non-positive capacity.
+    ``check_integrity`` every that many requests (tests). ``host_blocks > 0`` puts a host
+    tier of that many blocks below the pool (``host_policy``, default LRU), which keeps
+    evicted blocks of priority >= ``offload_min_priority``, through the engine's own
+    admission path. Raises ``ValueError`` for a non-positive capacity.
     """
     now = 0.0
-    pool = BlockPool(capacity_blocks, trace.block_size, policy=policy, clock=lambda: now)
-    cache = KVCacheManager(pool)
+    host = None
+    if host_blocks:
+        host = HostTier(host_blocks, trace.block_size, policy=host_policy, clock=lambda: now,
+                        offload_policy=OffloadPolicy(offload_min_priority))
+    pool = BlockPool(capacity_blocks, trace.block_size, policy=policy, clock=lambda: now,
+                     record_evictions=host is not None)
+    cache = KVCacheManager(pool, lower=host)
     result = ReplayResult(policy.name, capacity_blocks)
     bs = trace.block_size
     started = time.perf_counter()
@@ -110,10 +126,16 @@ def replay(
             progress(1)
         if check_every and (i + 1) % check_every == 0:
             pool.check_integrity()
+            if host is not None:
+                host.check_integrity()
     result.seconds = time.perf_counter() - started
     result.evictions = pool.num_evictions
     result.evictions_by_priority = dict(pool.evictions_by_priority)
     result.blocks_by_priority = pool.blocks_by_priority()
+    if host is not None:
+        result.host_blocks = host_blocks
+        result.host_cached_tokens = host.stats.onboarded_blocks * bs
+        result.offloaded_blocks = host.stats.offloaded_blocks
     return result
 
 

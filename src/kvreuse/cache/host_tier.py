@@ -1,0 +1,159 @@
+"""The host tier: a second ``BlockPool`` that keeps what the device pool evicts.
+
+TensorRT-LLM's secondary memory, vLLM's CPU offloading, SGLang HiCache's host tier: a device
+block chosen for eviction whose priority is at least ``OffloadPolicy.min_priority`` is
+copied to a host block instead of being dropped, and registered there under the same key,
+parent, tokens and retention. The host pool has its own eviction policy and retention, and
+its own events (cache level ``CPU``, vLLM's medium name for host memory).
+
+Admission matches device -> host: the device pool's longest cached run, then the host
+pool's continuation of that chain. Host blocks found are *onboarded*: copied into fresh
+device blocks, registered there, and forgotten by the host (the tiers are exclusive, so a
+block occupies one of them and device + host hold ``device + host`` distinct blocks).
+
+Nothing here touches a tensor: bytes move through a ``KVMover`` given by the edge (the
+engine's model runner; ``None`` in the simulator, where only bookkeeping exists).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvreuse.cache.block_pool import BlockPool, Clock
+from kvreuse.cache.eviction import EvictionPolicy
+from kvreuse.cache.hashing import BlockHash
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock
+from kvreuse.events.records import EventSink
+
+HOST_LEVEL = "CPU"  # vLLM's KV-event medium for host memory
+
+
+class KVMover(Protocol):
+    """Moves block KV between the device storage and the host storage (the edge: the model
+    runner on CUDA/CPU). Both calls copy whole blocks, one call per batch; they must be
+    complete (or ordered before any later write to the source) when they return."""
+
+    def offload(self, device_block_ids: Sequence[int], host_block_ids: Sequence[int]) -> None: ...
+
+    def onboard(self, host_block_ids: Sequence[int], device_block_ids: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPolicy:
+    """Which evicted device blocks go down to the host: priority >= ``min_priority``
+    (TensorRT-LLM offloads blocks of priority >= 35 by default). A pure score."""
+
+    min_priority: int = DEFAULT_PRIORITY
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_priority <= 101:
+            raise ValueError(f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.min_priority}")
+
+    def offloads(self, block: EvictedBlock) -> bool:
+        return block.priority >= self.min_priority
+
+
+@dataclass
+class TierStats:
+    """Counters since start: blocks offloaded to host, onboarded back, dropped by the host."""
+
+    offloaded_blocks: int = 0
+    onboarded_blocks: int = 0
+    skipped_blocks: int = 0  # evicted below the priority gate: dropped, not offloaded
+    dropped_blocks: int = 0  # passed the gate but found no room (host blocks all held)
+    offload_seconds: float = 0.0
+    onboard_seconds: float = 0.0
+
+
+class HostTier:
+    """Host pool of ``num_blocks`` blocks below a device pool. Engine thread only.
+
+    The caller (``KVCacheManager``) hands it every batch of device evictions before the
+    evicted device slots are written again (``offload``), and asks it to continue a chain
+    at admission (``match`` then ``onboard``)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        offload_policy: OffloadPolicy = OffloadPolicy(),
+        mover: KVMover | None = None,
+        clock: Clock = time.monotonic,
+        events: EventSink | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size, policy=policy, clock=clock, events=events,
+                              cache_level=HOST_LEVEL)
+        self.offload_policy = offload_policy
+        self.mover = mover
+        self.stats = TierStats()
+        self._timer = timer
+
+    # ------------------------------------------------------------------ device -> host
+    def offload(self, evicted: Sequence[EvictedBlock]) -> int:
+        """Keep the evicted device blocks that pass the gate: one host block each (evicting
+        host leaves when full), their KV copied from the device slots (which must not have
+        been written since the eviction), registered under the same key and retention.
+        Blocks already on the host are skipped. Returns how many were copied."""
+        wanted = [e for e in evicted if self.offload_policy.offloads(e)]
+        skipped = len(evicted) - len(wanted)
+        self.stats.skipped_blocks += skipped
+        wanted = [e for e in wanted if self.pool.get_cached(e.block_hash) is None]
+        room = self.pool.num_free_blocks
+        # parents first (a chain arrives leaf first from the device); with less room than
+        # blocks (host blocks held by an admission in progress), the shallowest are kept:
+        # a block is reachable only through its parent
+        wanted.sort(key=lambda e: e.depth)
+        self.stats.dropped_blocks += max(len(wanted) - room, 0)
+        wanted = wanted[:room]
+        if not wanted:
+            return 0
+        started = self._timer()
+        host = self.pool.allocate(len(wanted))
+        if self.mover is not None:
+            self.mover.offload([e.block_id for e in wanted], [b.block_id for b in host])
+        for block, e in zip(host, wanted):
+            kept = self.pool.register(block, e.block_hash, e.parent_hash, e.token_ids, depth=e.depth,
+                                      priority=e.priority, duration_s=e.duration_s)
+            assert kept is block  # filtered above: the key was not on the host
+        self.pool.release(reversed(host))
+        self.stats.offloaded_blocks += len(host)
+        self.stats.offload_seconds += self._timer() - started
+        return len(host)
+
+    # ------------------------------------------------------------------ host -> device
+    def match(self, keys: Sequence[BlockHash], token_blocks) -> list[KVBlock]:
+        """The host's longest run of ``keys`` (stored tokens checked), acquired so nothing
+        evicts it before ``onboard`` or ``cancel``. Changes only those blocks' references."""
+        hits = self.pool.match_prefix(keys, token_blocks)
+        self.pool.acquire(hits)
+        return hits
+
+    def cancel(self, hits: Sequence[KVBlock]) -> None:
+        """Give back ``match``'s hits unused (admission failed)."""
+        self.pool.release(reversed(hits))
+
+    def onboard(self, hits: Sequence[KVBlock], device_block_ids: Sequence[int]) -> list[tuple]:
+        """Copy the host ``hits`` into the device blocks ``device_block_ids`` (fresh, held by
+        the caller) and forget them on the host (the block moves up). Returns, per block,
+        ``(key, parent key, token ids, priority, duration)`` for the caller to register on
+        the device."""
+        if not hits:
+            return []
+        started = self._timer()
+        if self.mover is not None:
+            self.mover.onboard([b.block_id for b in hits], device_block_ids)
+        moved = [(b.block_hash, b.parent_hash, b.token_ids, b.priority, b.duration_s) for b in hits]
+        self.pool.release(reversed(hits))
+        self.pool.remove_cached(reversed(hits))
+        self.stats.onboarded_blocks += len(moved)
+        self.stats.onboard_seconds += self._timer() - started
+        return moved
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
