@@ -20,10 +20,11 @@ from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
-from kvreuse.server.chat_prompt import merge_retention, render_chat
-from kvreuse.server.errors import APIError, error_body, from_value_error
+from kvreuse.api.chat_prompt import merge_retention, render_chat
+from kvreuse.api.errors import APIError, error_body
+from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
-from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
+from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, context_of, new_request_id, parse_retention,
     run_to_completion, sampling_params, sse, start_streams,

@@ -14,23 +14,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from kvreuse.api.probe import tokenizer_probe
 from kvreuse.events.publisher import bound_endpoints
 
 router = APIRouter()
-
-PROBE_TEXT = "kvreuse tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
-PROBE_CHAT = ({"role": "system", "content": "You are a probe."}, {"role": "user", "content": PROBE_TEXT})
-
-
-def tokenizer_probe(tokenizer) -> dict:
-    """Token ids of ``PROBE_TEXT`` (as completions encode it) and of ``PROBE_CHAT`` (as
-    chat renders it: template text, then encoded without special tokens); the chat entry
-    is ``None`` when the tokenizer has no chat template."""
-    chat = None
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(list(PROBE_CHAT), add_generation_prompt=True, tokenize=False)
-        chat = list(tokenizer.encode(text, add_special_tokens=False))
-    return {"text": list(tokenizer.encode(PROBE_TEXT)), "chat": chat}
 
 
 @router.get("/v1/kvreuse/info")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvreuse.server.protocol import now_s
+from kvreuse.api.protocol import now_s
 from kvreuse.server.serving import check_model, context_of
 
 router = APIRouter()

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from kvreuse.pml import PMLError
-from kvreuse.server.errors import APIError
+from kvreuse.api.errors import APIError
 from kvreuse.server.serving import context_of
 
 router = APIRouter()

@@ -19,7 +19,9 @@ from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.server.errors import APIError, ClientDisconnected, from_value_error
+from kvreuse.api.connection import client_disconnected
+from kvreuse.api.errors import APIError
+from kvreuse.server.errors import ClientDisconnected, from_value_error
 from kvreuse.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -138,13 +140,6 @@ async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[Requ
     ):
         tracker.observe(output)
         yield output
-
-
-async def client_disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body was read already: the next ASGI
-    message of a plain POST is ``http.disconnect``)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest],
