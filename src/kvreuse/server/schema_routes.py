@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from kvreuse.pml import PMLError
 from kvreuse.api.errors import APIError
-from kvreuse.server.serving import context_of
+from kvreuse.server.context import context_of
 
 router = APIRouter()
 

@@ -1,7 +1,6 @@
 """What completions and chat share: checks before the engine, running requests, SSE framing.
 
-``ServerContext`` is the app's state (held on ``app.state.ctx``); the route modules take it
-from there, so nothing lives in module globals.
+Every function takes the app's ``ServerContext`` (``kvreuse.server.context``) explicitly.
 """
 
 from __future__ import annotations
@@ -15,49 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from kvreuse.engine.async_engine import AsyncEngine
+from kvreuse.api.connection import client_disconnected
+from kvreuse.api.errors import APIError
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.api.connection import client_disconnected
-from kvreuse.api.errors import APIError
+from kvreuse.server.context import ServerContext
 from kvreuse.server.errors import ClientDisconnected, from_value_error
-from kvreuse.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from kvreuse.engine.llm_engine import RequestOutput
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Request limits (SPEC 9). ``max_prompt_tokens`` ``None`` means the model's context."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    served_model_names: tuple[str, ...]  # the first is the name responses report
-    limits: ServerLimits
-    api_key: str | None = None
-
-    @property
-    def prompt_limit(self) -> int:
-        model_len = self.engine.max_model_len
-        return model_len if self.limits.max_prompt_tokens is None else min(model_len, self.limits.max_prompt_tokens)
-
-
-def context_of(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def check_model(ctx: ServerContext, name: str | None) -> str:

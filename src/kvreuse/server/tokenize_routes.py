@@ -30,7 +30,8 @@ from kvreuse import __version__
 from kvreuse.api.chat_prompt import render_chat
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatMessage
-from kvreuse.server.serving import check_model, context_of
+from kvreuse.server.context import context_of
+from kvreuse.server.serving import check_model
 
 router = APIRouter()
 
