@@ -94,7 +94,6 @@ def build_app(
     on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` guards ``/v1/*``
     and the vLLM admin routes. Raises ``ValueError`` for an empty served name."""
     ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher)
-    engine.start()  # if not running; the owner shuts it down
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
