@@ -94,7 +94,7 @@ class EngineRequest:
     params: SamplingParams
     request_id: str
     cache_salt: str | None
-    retention: Any
+    retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
     pml_text: str | None = None  # a PML prompt (docs/pml.md); prompt_token_ids is then empty
 
 
