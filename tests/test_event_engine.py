@@ -33,8 +33,7 @@ def stack(tiny_llama):
     config = EngineConfig(kv_cache_memory_gib=0.0002, block_size=BS, max_model_len=512, max_num_seqs=8)
     engine = AsyncEngine(LLMEngine(config, tiny_llama, events=buffer))
     app = build_app(engine, served_model_name="tiny")
-    if getattr(engine.engine, "events", None) is None:
-        app.state.event_buffer = buffer  # until LLMEngine keeps the sink it was given
+    engine.start()
     publisher = ZmqEventPublisher(
         buffer, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv-events",
         snapshot_fn=engine_thread_snapshot(engine, buffer), context=zmq.Context(),

@@ -3,6 +3,7 @@ resync; the pool is driven from an 'engine' thread under the step lock."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -17,6 +18,7 @@ from kvreuse.cache.block_pool import BlockPool
 from kvreuse.events.buffer import EventBuffer, locked_snapshot
 from kvreuse.events.records import CacheMirror, KVSnapshot, event_from_json
 from kvreuse.server import events_routes
+from kvreuse.server.context import EventFeed
 
 from tests.test_zmq_events import run_requests  # same request driver as the ZMQ tests
 
@@ -47,10 +49,9 @@ def served():
     buffer = EventBuffer(10_000)
     pool = BlockPool(16, BS, events=buffer)
     lock = threading.Lock()
+    snapshot = locked_snapshot(pool, buffer, lock)  # may wait one "engine step" for the lock: run in a thread
     app = FastAPI()
-    app.include_router(events_routes.router)
-    app.state.event_buffer = buffer
-    app.state.kv_snapshot_fn = locked_snapshot(pool, buffer, lock)
+    app.include_router(events_routes.build_router(EventFeed(buffer, lambda: asyncio.to_thread(snapshot))))
     with Server(app) as url:
         yield url, buffer, pool, lock
 
@@ -182,7 +183,7 @@ def test_sse_resume_from_beyond_the_last_id_says_reset_then_sends_everything(ser
 
 def test_events_off_is_a_404_that_names_the_flag():
     app = FastAPI()
-    app.include_router(events_routes.router)
+    app.include_router(events_routes.build_router(None))
     with Server(app) as url:
         r = httpx.get(f"{url}/v1/kv_cache_events")
     assert r.status_code == 404 and "--event-buffer-max-size" in r.text

@@ -104,15 +104,16 @@ def _pool_summary(engine) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, build the engine and app, serve until interrupted. Returns the exit
-    status (2 for a bad flag or model)."""
+    """Load the model, build the engine, the publisher (with ``--kv-events-endpoint``) and
+    the app, start the engine and the publisher, serve until interrupted, then close both.
+    Returns the exit status (2 for a bad flag or model)."""
     import uvicorn
     from rich.console import Console
 
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import LLMEngine
     from kvreuse.server.api_server import build_app
-    from kvreuse.server.serving import ServerLimits
+    from kvreuse.server.context import ServerLimits
 
     console = Console(stderr=True, soft_wrap=True)  # no wrapping: log lines stay greppable
     buffer = publisher = None
@@ -128,22 +129,21 @@ def run_serve(args: argparse.Namespace) -> int:
             buffer = EventBuffer(buffer_size)
         with console.status("allocating the KV pool ..."):
             engine = AsyncEngine(LLMEngine(config, loaded, events=buffer))
+        if args.kv_events_endpoint:
+            from kvreuse.events.publisher import ZmqEventPublisher
+
+            # The snapshot runs in the engine thread, so it sees the pool between steps.
+            publisher = ZmqEventPublisher(
+                buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
+                snapshot_fn=lambda: engine.call_blocking(lambda e: buffer.snapshot(e.pool), timeout=30),
+            )
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
-                        event_buffer=buffer)
+                        publisher=publisher)  # /v1/kvreuse/info advertises the publisher to routers
     except ValueError as exc:
+        if publisher is not None:
+            publisher.close()
         console.print(f"[bold red]kvreuse serve:[/] {exc}")
         return 2
-    if args.kv_events_endpoint:
-        from kvreuse.events.publisher import ZmqEventPublisher
-
-        # The snapshot runs in the engine thread, so it sees the pool between steps.
-        publisher = ZmqEventPublisher(
-            buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-            snapshot_fn=lambda: engine.call_blocking(lambda e: buffer.snapshot(e.pool), timeout=30),
-        )
-        publisher.start()
-        app.state.kv_events_endpoint = publisher.endpoint  # advertised by /v1/kvreuse/info for routers
-        app.state.kv_events_replay_endpoint = publisher.replay_endpoint
     names = ", ".join(app.state.ctx.served_model_names)
     console.print(f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
                   f"{config.dtype}, context {engine.max_model_len} tokens, served as {names}")
@@ -152,6 +152,9 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print(f"kvreuse: KV events on {args.kv_events_endpoint}"
                       + (f", replay on {args.kv_events_replay_endpoint}" if args.kv_events_replay_endpoint else ""))
     console.print(f"kvreuse: listening on http://{args.host}:{args.port} (OpenAI API under /v1)")
+    engine.start()
+    if publisher is not None:
+        publisher.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

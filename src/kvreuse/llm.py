@@ -9,8 +9,11 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
+from typing import Any
 
+from kvreuse.cache.retention import KvCacheRetentionConfig, as_retention
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo, is_pml_prompt
@@ -37,14 +40,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
-        retention=None,
+        retention: KvCacheRetentionConfig | Mapping[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
-        Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML) or a
-        list of sampling params whose length differs from the prompts'."""
+        ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
+        (a mapping, converted here once).
+        Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
+        retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling
+        params whose length differs from the prompts'."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if isinstance(sampling_params, (list, tuple)):
@@ -54,15 +60,16 @@ class LLM:
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params or SamplingParams()] * len(prompts)
+        config = as_retention(retention)  # the engine takes the typed config
         ids = []
         for prompt, params in zip(prompts, per_prompt):
             rid = f"llm-{next(self._ids)}"
             try:
                 if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
-                    self.engine.add_pml_request(rid, prompt, params, cache_salt=cache_salt, retention=retention)
+                    self.engine.add_pml_request(rid, prompt, params, cache_salt=cache_salt, retention=config)
                 else:
                     token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                    self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=retention)
+                    self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=config)
             except ValueError:
                 for queued in ids:
                     self.engine.abort_request(queued)

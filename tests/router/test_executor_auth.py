@@ -39,6 +39,7 @@ def executor_url(tiny_llama):
 
     config = EngineConfig(kv_cache_memory_gib=0.002, block_size=16, max_model_len=512)
     engine = AsyncEngine(LLMEngine(config, tiny_llama, events=EventBuffer(10_000)))
+    engine.start()  # build_app only builds
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key=KEY, served_model_name="tiny"), host="127.0.0.1",
                                            port=port, log_level="warning", lifespan="off"))

@@ -32,7 +32,7 @@ def async_engine(tiny_llama):
 @pytest.fixture(scope="session")
 def app(async_engine):
     from kvreuse.server.api_server import build_app
-    from kvreuse.server.serving import ServerLimits
+    from kvreuse.server.context import ServerLimits
 
     return build_app(async_engine, served_model_name="tiny", limits=ServerLimits(max_body_bytes=64 * 1024))
 

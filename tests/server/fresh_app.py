@@ -11,8 +11,8 @@ from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 
 @contextmanager
 def fresh_client(loaded, *, api_key: str | None = None, limits=None, **config) -> Iterator:
-    """A ``TestClient`` over a new engine (``EngineConfig`` fields in ``config``); yields
-    ``(client, async_engine)`` and shuts the engine down afterwards."""
+    """A ``TestClient`` over a new, started engine (``EngineConfig`` fields in ``config``);
+    yields ``(client, async_engine)`` and shuts the engine down afterwards."""
     from fastapi.testclient import TestClient
 
     from kvreuse.engine.async_engine import AsyncEngine
@@ -22,6 +22,7 @@ def fresh_client(loaded, *, api_key: str | None = None, limits=None, **config) -
     settings = {"kv_cache_memory_gib": 0.002, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, **config}
     engine = AsyncEngine(LLMEngine(EngineConfig(**settings), loaded))
     try:
+        engine.start()
         extra = {} if limits is None else {"limits": limits}
         with TestClient(build_app(engine, served_model_name="tiny", api_key=api_key, **extra)) as client:
             yield client, engine

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.server.api_server import build_app
 from kvreuse.server.info_routes import INSTANCE_HEADER
-from kvreuse.events.publisher import ZmqEventPublisher, bound_endpoints
+from kvreuse.events.publisher import ZmqEventPublisher
 
 from .conftest import free_port
 
@@ -34,19 +34,23 @@ def test_info_says_whether_the_zmq_socket_is_bound(async_engine):
     buffer = EventBuffer(16)
     bound = ZmqEventPublisher(buffer, "tcp://127.0.0.1:*")
     connecting = ZmqEventPublisher(buffer, f"tcp://127.0.0.1:{free_port()}")  # connects: nobody can subscribe
+
+    def bound_endpoints() -> set[str]:  # where a subscriber can connect now, as each publisher says
+        return {p.endpoint for p in (bound, connecting) if p.subscribable}
+
     try:
         assert (bound.bound, connecting.bound) == (True, False)
         assert bound_endpoints() >= {bound.endpoint}
         assert connecting.endpoint not in bound_endpoints()
-        app = build_app(async_engine, served_model_name="tiny")
-        with TestClient(app) as c:
+        with TestClient(build_app(async_engine, served_model_name="tiny")) as c:
             assert c.get("/v1/kvreuse/info").json()["events"]["zmq_bound"] is False  # no ZMQ at all
-            for publisher, expected in ((bound, True), (connecting, False)):
-                app.state.kv_events_endpoint = publisher.endpoint  # as `kvreuse serve` advertises it
+        for publisher, expected in ((bound, True), (connecting, False)):
+            # as `kvreuse serve` advertises it
+            with TestClient(build_app(async_engine, served_model_name="tiny", publisher=publisher)) as c:
                 events = c.get("/v1/kvreuse/info").json()["events"]
                 assert (events["zmq_endpoint"], events["zmq_bound"]) == (publisher.endpoint, expected)
+        with TestClient(build_app(async_engine, served_model_name="tiny", publisher=bound)) as c:
             bound.close()
-            app.state.kv_events_endpoint = bound.endpoint
             assert c.get("/v1/kvreuse/info").json()["events"]["zmq_bound"] is False  # closed: nothing to join
     finally:
         bound.close()

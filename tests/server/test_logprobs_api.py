@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvreuse.server.chat_prompt import render_chat
-from kvreuse.server.protocol import ChatCompletionRequest
+from kvreuse.api.chat_prompt import render_chat
+from kvreuse.api.protocol import ChatCompletionRequest
 
 from .helpers import words
 

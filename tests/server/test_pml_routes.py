@@ -116,7 +116,7 @@ def test_src_modules_over_http_need_schema_src_dir_and_survive_a_restart(tiny_ll
 def test_pml_prompts_obey_the_prompt_limit_and_default_max_tokens(tiny_llama):
     """--max-prompt-tokens counts the assembled modules; without max_tokens a PML
     completion gets what the context leaves (at most 16), as a plain one does."""
-    from kvreuse.server.serving import ServerLimits
+    from kvreuse.server.context import ServerLimits
 
     from .fresh_app import fresh_client
 

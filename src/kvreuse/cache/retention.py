@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY
 from kvreuse.cache.kv_block import cdiv
@@ -86,14 +87,25 @@ class KvCacheRetentionConfig:
         return cls(tuple(ranges), decode_priority, decode_duration)
 
 
-def as_retention(value: object) -> KvCacheRetentionConfig | None:
-    """A request's retention as given by a Python caller: ``None``, a config, or the JSON
-    form (a mapping). Raises ``ValueError`` naming ``kv_cache_retention_config`` otherwise."""
+def as_retention(value: KvCacheRetentionConfig | Mapping[str, Any] | None) -> KvCacheRetentionConfig | None:
+    """A request's retention as given at the edge (``LLM.generate``): ``None``, a config, or
+    the JSON form (a mapping). Raises ``ValueError`` naming ``kv_cache_retention_config``
+    for a bad mapping or any other type."""
     if value is None or isinstance(value, KvCacheRetentionConfig):
         return value
     if isinstance(value, Mapping):
         return KvCacheRetentionConfig.from_dict(value)
     raise ValueError(f"{FIELD}: expected a KvCacheRetentionConfig or a mapping, got {type(value).__name__}")
+
+
+def checked_retention(value: KvCacheRetentionConfig | None) -> KvCacheRetentionConfig | None:
+    """``value`` unchanged: the engine takes a config or ``None`` (the JSON form is converted
+    once, at the edge, with ``as_retention``). Raises ``ValueError`` naming
+    ``kv_cache_retention_config`` for anything else."""
+    if value is None or isinstance(value, KvCacheRetentionConfig):
+        return value
+    raise ValueError(f"{FIELD}: expected a KvCacheRetentionConfig, got {type(value).__name__} "
+                     "(convert the JSON form with kvreuse.cache.retention.as_retention)")
 
 
 def decode_retention_priority(config: KvCacheRetentionConfig | None) -> int:

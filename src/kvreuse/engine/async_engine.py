@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvreuse.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvreuse.cache.retention import KvCacheRetentionConfig
     from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
-    retention: Any
+    retention: KvCacheRetentionConfig | None
     stream: _Stream
     pml_text: str | None = None  # a PML prompt: compiled and assembled on the engine thread
 
@@ -139,7 +140,7 @@ class AsyncEngine:
         *,
         request_id: str,
         cache_salt: str | None = None,
-        retention: Any = None,
+        retention: KvCacheRetentionConfig | None = None,
         pml_text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one

@@ -22,7 +22,7 @@ from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.pml.module_cache import ModuleCache, ModuleContext, PoolBusy
-from kvreuse.cache.retention import as_retention
+from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
 from kvreuse.engine.sampler import make_generator, sample_one
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler
@@ -173,12 +173,15 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-        retention=None,
+        retention: KvCacheRetentionConfig | None = None,
         prompt_positions: list[int] | None = None,
         context: ModuleContext | None = None,
         module_plan=None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (naming the field) if it can never run.
+
+        ``retention``: a ``KvCacheRetentionConfig`` or ``None`` (the JSON form is converted at
+        the edge, ``as_retention``; anything else is a ``ValueError``).
 
         ``context`` (PML): module KV assembled in front of the prompt; the request takes
         over its block references and releases them when it ends or is rejected here.
@@ -189,7 +192,7 @@ class LLMEngine:
             else:
                 context_blocks = self.modules.blocks_of(module_plan) if module_plan is not None else 0
             self._check_request(request_id, prompt_token_ids, params, prompt_positions, context_blocks)
-            retention = as_retention(retention)
+            retention = checked_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         except ValueError:
@@ -214,7 +217,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def add_pml_request(
-        self, request_id: str, pml_text: str, params: SamplingParams, *, cache_salt: str | None = None, retention=None
+        self, request_id: str, pml_text: str, params: SamplingParams, *, cache_salt: str | None = None,
+        retention: KvCacheRetentionConfig | None = None,
     ) -> None:
         """Queue a ``<prompt schema=...>`` request over a registered schema (``self.modules``).
         Raises ``ValueError`` (a ``PMLError`` naming line/column or the module) if it cannot run."""

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvreuse.cache.retention import KvCacheRetentionConfig
 
 
 class SequenceStatus(enum.Enum):
@@ -31,7 +35,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
-    retention: object | None = None  # KvCacheRetentionConfig, applied by the cache manager
+    retention: KvCacheRetentionConfig | None = None  # applied by the cache manager; None: defaults
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -42,19 +42,6 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = (1 << 64) - 1
 
-# Endpoints that an open publisher of this process bound (as ``ZmqEventPublisher.endpoint``
-# reports them): the server's /v1/kvreuse/info tells routers whether they can subscribe.
-_bound_endpoints: set[str] = set()
-_bound_lock = threading.Lock()
-
-
-def bound_endpoints() -> frozenset[str]:
-    """The ``endpoint`` of every open publisher in this process that bound its PUB socket
-    (a subscriber can connect there); connect-mode publishers are not listed."""
-    with _bound_lock:
-        return frozenset(_bound_endpoints)
-
-
 def wire_hash(block_hash: bytes, hash_format: str) -> int | bytes:
     """Our block hash as vLLM puts it on the wire (``maybe_convert_block_hash``)."""
     return int.from_bytes(block_hash, "big") & _U64 if hash_format == "int" else bytes(block_hash)
@@ -133,8 +120,8 @@ class ZmqEventPublisher:
     sends everything new as one batch (vLLM sends one per engine step; coalescing keeps
     the thread off the engine's GIL).
     ``endpoint``: ``tcp://*:5557`` binds (any ``*``, ipc or inproc binds), ``tcp://host:port``
-    connects; ``bound`` says which (only a bound socket can be subscribed to, and while
-    open it is listed by ``bound_endpoints()``).
+    connects; ``bound`` says which (only a bound socket can be subscribed to);
+    ``subscribable`` says whether a subscriber can connect now (bound and not closed).
     ``replay_endpoint``: a ROUTER serving the last ``replay_steps`` batches.
     ``start()`` launches the thread; ``close()`` stops it and closes the sockets.
     """
@@ -179,9 +166,6 @@ class ZmqEventPublisher:
         self._pub.set_hwm(hwm)
         self.bound = self.binds(endpoint)
         self.endpoint = self._attach(self._pub, endpoint)
-        if self.bound:
-            with _bound_lock:
-                _bound_endpoints.add(self.endpoint)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
@@ -200,13 +184,16 @@ class ZmqEventPublisher:
         """Sequence number of the newest batch sent; -1 before the first."""
         return self._seq - 1
 
+    @property
+    def subscribable(self) -> bool:
+        """Whether a subscriber can connect to ``endpoint`` now: the PUB socket bound it
+        (``bound``) and ``close()`` has not run. The server's ``/v1/kvreuse/info`` reports it."""
+        return self.bound and not self._pub.closed
+
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self.bound:
-            with _bound_lock:
-                _bound_endpoints.discard(self.endpoint)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)

@@ -59,7 +59,7 @@ class PromptHasher:
 
     # ------------------------------------------------------------------ tokens
     def completion_tokens(self, body: dict) -> list[int] | None:
-        from kvreuse.server.protocol import CompletionRequest
+        from kvreuse.api.protocol import CompletionRequest
 
         try:
             prompts = CompletionRequest.model_validate(body).prompts()
@@ -69,9 +69,9 @@ class PromptHasher:
         return list(self.tokenizer.encode(first)) if isinstance(first, str) else list(first)
 
     def chat_tokens(self, body: dict) -> list[int] | None:
-        from kvreuse.server.chat_prompt import render_chat
-        from kvreuse.server.errors import APIError
-        from kvreuse.server.protocol import ChatCompletionRequest
+        from kvreuse.api.chat_prompt import render_chat
+        from kvreuse.api.errors import APIError
+        from kvreuse.api.protocol import ChatCompletionRequest
 
         try:
             req = ChatCompletionRequest.model_validate(body)

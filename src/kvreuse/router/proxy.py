@@ -26,9 +26,10 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvreuse.api.connection import client_disconnected  # the executor's own watcher
+from kvreuse.api.errors import error_response
 from kvreuse.router.executors import Executor
 from kvreuse.router.router import Router
-from kvreuse.server.serving import client_disconnected  # the executor's own watcher
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ T = TypeVar("T")
 
 
 def error(message: str, status: int, type_: str = "service_unavailable") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": None}}, status_code=status)
+    return error_response(message, status=status, type=type_)
 
 
 async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.router.executors import ExecutorInfo
-from kvreuse.server.executor_info_routes import tokenizer_probe
+from kvreuse.api.probe import tokenizer_probe
 
 
 class TokenizerMismatch(ValueError):

@@ -7,8 +7,11 @@
                                         ▼
                                    AsyncEngine ─▶ engine thread ─▶ LLMEngine
 
-The app holds its state on ``app.state.ctx`` (a ``ServerContext``); each app has its own
-metrics registry, so several apps (tests) can live in one process.
+``build_app`` only builds: it starts no thread and opens no socket. The caller starts the
+engine (``engine.start()``) and any publisher before serving, and shuts them down after
+(``kvreuse serve`` does both, ``kvreuse.cli.run_serve``). The app's state is one frozen
+``ServerContext`` on ``app.state.ctx``; each app has its own metrics registry, so several
+apps (tests) can live in one process.
 """
 
 from __future__ import annotations
@@ -16,20 +19,24 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from kvreuse import __version__
 from kvreuse.engine.async_engine import AsyncEngine
+from kvreuse.events.records import KVSnapshot
 from kvreuse.server import (
     chat_routes, completions_routes, dashboard_routes, events_routes, executor_info_routes, info_routes,
     schema_routes, tokenize_routes,
 )
+from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
 from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from kvreuse.server.serving import ServerContext, ServerLimits
+
+if TYPE_CHECKING:
+    from kvreuse.events.publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -43,38 +50,59 @@ def _served_names(engine: AsyncEngine, served_model_name: str | Sequence[str] | 
     return names
 
 
+def engine_event_feed(engine: AsyncEngine) -> EventFeed | None:
+    """The engine's KV events (``None`` when its ``LLMEngine`` has no ``EventBuffer``), with
+    snapshots taken on the engine thread between steps."""
+    buffer = engine.engine.events
+    if buffer is None:
+        return None
+
+    async def snapshot() -> KVSnapshot:
+        return await engine.call(lambda e: buffer.snapshot(e.pool))
+
+    return EventFeed(buffer, snapshot)
+
+
+def build_context(
+    engine: AsyncEngine,
+    *,
+    served_model_name: str | Sequence[str] | None = None,
+    limits: ServerLimits = ServerLimits(),
+    publisher: ZmqEventPublisher | None = None,
+) -> ServerContext:
+    """The state of one app over ``engine``: a new metrics registry, a new ``instance_id``
+    (a uuid: ``/health`` and ``/v1/kvreuse/info`` report it, so a router sees a restart
+    even when it missed the downtime) and the engine's event feed. ``served_model_name``
+    defaults to the engine's model name. Raises ``ValueError`` for an empty served name."""
+    names = _served_names(engine, served_model_name)
+    events = engine_event_feed(engine)
+    metrics = ServerMetrics(engine, names[0], event_buffer=None if events is None else events.buffer)
+    return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher)
+
+
 def build_app(
     engine: AsyncEngine,
     *,
     api_key: str | None = None,
     served_model_name: str | Sequence[str] | None = None,
     limits: ServerLimits = ServerLimits(),
-    event_buffer: Any = None,
+    publisher: ZmqEventPublisher | None = None,
 ) -> FastAPI:
-    """An app serving ``engine`` (started here if it is not running; its owner shuts it
-    down). ``served_model_name`` defaults to the engine's model name; requests naming
-    another model get 404. ``event_buffer`` (the ``EventBuffer`` the engine's pool writes
-    to; default: the engine's own, if any) is resolved here once and exposed to every route
-    as ``app.state.event_buffer`` (``None``: events are off). ``app.state.instance_id`` is
-    a new uuid per app (per executor process): ``/health`` and ``/v1/kvreuse/info`` report
-    it, so a router sees a restart even when it missed the downtime.
-    Raises ``ValueError`` for an empty served name."""
-    names = _served_names(engine, served_model_name)
-    engine.start()
+    """An app serving ``engine``; it starts nothing (the owner starts the engine before
+    serving and shuts it down after). Requests naming a model other than the served names
+    get 404. ``publisher``: the ZMQ publisher of the engine's events, advertised to routers
+    on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` guards ``/v1/*``
+    and the vLLM admin routes. Raises ``ValueError`` for an empty served name."""
+    ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher)
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
-    app.state.engine = engine  # AsyncEngine; snapshots go through engine.call(...)
-    app.state.instance_id = uuid.uuid4().hex  # a new process has a new id: its old blocks are gone
-    buffer = event_buffer if event_buffer is not None else getattr(engine.engine, "events", None)
-    app.state.event_buffer = buffer
-    metrics = ServerMetrics(engine, names[0], event_buffer=buffer)
-    app.state.ctx = ServerContext(engine, metrics, names, limits, api_key)
+    app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(completions_routes.router)
     app.include_router(chat_routes.router)
     app.include_router(info_routes.router)
     app.include_router(executor_info_routes.router)  # GET /v1/kvreuse/info, for routers
     app.include_router(schema_routes.router)  # PML schemas: /v1/schemas (docs/pml.md)
-    app.include_router(events_routes.router)  # KV events: long-poll, SSE, snapshot (docs/events.md)
+    app.include_router(events_routes.build_router(ctx.events))  # KV events: long-poll, SSE, snapshot (docs/events.md)
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
     # Added last = outermost: the size limit runs before the key check reads nothing.

@@ -16,16 +16,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
-from kvreuse.server.chat_prompt import merge_retention, render_chat
-from kvreuse.server.errors import APIError, error_body, from_value_error
+from kvreuse.api.chat_prompt import merge_retention, render_chat
+from kvreuse.api.errors import APIError, error_body
+from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
-from kvreuse.server.protocol import ChatCompletionRequest, now_s, usage_dict
+from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
+from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, context_of, new_request_id, parse_retention,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
     run_to_completion, sampling_params, sse, start_streams,
 )
 
@@ -74,7 +77,8 @@ def pml_message(messages) -> str | None:
     return messages[0].content if is_pml_prompt(messages[0].content) else None
 
 
-async def _create_pml(ctx, body: ChatCompletionRequest, model: str, pml: str, retention, request: Request):
+async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
+                      retention: KvCacheRetentionConfig | None, request: Request):
     # As for plain chat, the reply may fill the context: ask the engine thread where the prompt ends.
     try:
         end = await ctx.engine.call(lambda engine: engine.modules.prompt_end(pml))

@@ -20,12 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
-from kvreuse.server.errors import error_body, from_value_error
+from kvreuse.api.errors import error_body
+from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
-from kvreuse.server.protocol import CompletionRequest, now_s, usage_dict
+from kvreuse.api.protocol import CompletionRequest, now_s, usage_dict
+from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, ServerContext, check_model, check_prompt, check_prompt_length, context_of, new_request_id,
-    parse_retention, run_to_completion, sampling_params, sse, start_streams,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
+    run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from kvreuse.server.serving import context_of
+from kvreuse.server.context import context_of
 
 router = APIRouter()
 
@@ -47,10 +47,9 @@ async def kv_cache_stats(request: Request) -> dict[str, Any]:
     already returned (``/metrics`` reads the snapshot published after the last step)."""
     ctx = context_of(request)
     s = await ctx.engine.call(lambda engine: engine.stats())
-    buffer = request.app.state.event_buffer
-    events: dict[str, Any] = {"enabled": buffer is not None}
-    if buffer is not None:
-        events.update(buffer.stats())
+    events: dict[str, Any] = {"enabled": ctx.events is not None}
+    if ctx.events is not None:
+        events.update(ctx.events.buffer.stats())
     q, h = s.prefix_cache_queries_tokens, s.prefix_cache_hits_tokens
     return {
         "model": ctx.served_model_names[0],

@@ -1,8 +1,6 @@
-"""Errors in OpenAI's JSON shape, and the handlers that put every failure into it.
-
-Every error response is::
-
-    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+"""The handlers that put every failure of the server into OpenAI's error shape
+(``kvreuse.api.errors``), and ``from_value_error``, which names the field a ``ValueError``
+is about.
 
 FastAPI's default 422 for an invalid body becomes a 400 whose message names the field.
 """
@@ -19,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvreuse.api.errors import APIError, error_response
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.pml import PMLError
 
@@ -42,36 +41,6 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "json-or-python", "
 
 class ClientDisconnected(Exception):
     """The client of a non-streaming request went away; its requests were aborted."""
-
-
-class APIError(Exception):
-    """An error the client caused (or a server failure) with its HTTP status and OpenAI fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
-
-    def response(self) -> JSONResponse:
-        return error_response(self.message, status=self.status, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
-                   param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status, headers=headers)
 
 
 def from_value_error(exc: ValueError) -> APIError:

@@ -12,41 +12,46 @@ can check that its own tokenizer and chat template agree before it trusts its ke
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from fastapi import APIRouter, Request
 
-from kvreuse.events.publisher import bound_endpoints
+from kvreuse.api.probe import tokenizer_probe
+from kvreuse.server.context import context_of
+
+if TYPE_CHECKING:
+    from kvreuse.events.publisher import ZmqEventPublisher
 
 router = APIRouter()
 
-PROBE_TEXT = "kvreuse tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
-PROBE_CHAT = ({"role": "system", "content": "You are a probe."}, {"role": "user", "content": PROBE_TEXT})
 
-
-def tokenizer_probe(tokenizer) -> dict:
-    """Token ids of ``PROBE_TEXT`` (as completions encode it) and of ``PROBE_CHAT`` (as
-    chat renders it: template text, then encoded without special tokens); the chat entry
-    is ``None`` when the tokenizer has no chat template."""
-    chat = None
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(list(PROBE_CHAT), add_generation_prompt=True, tokenize=False)
-        chat = list(tokenizer.encode(text, add_special_tokens=False))
-    return {"text": list(tokenizer.encode(PROBE_TEXT)), "chat": chat}
+def _zmq_facts(publisher: ZmqEventPublisher | None) -> dict[str, Any]:
+    """Where ``publisher`` sends (all ``None``/defaults without one). ``zmq_bound`` is read
+    now: true while its PUB socket is bound and open, so a subscriber can connect."""
+    if publisher is None:
+        return {"zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None, "zmq_topic": "",
+                "zmq_hash_format": "int"}
+    return {
+        "zmq_endpoint": publisher.endpoint,
+        "zmq_bound": publisher.subscribable,
+        "zmq_replay_endpoint": publisher.replay_endpoint,
+        "zmq_topic": publisher.topic.decode(),
+        "zmq_hash_format": publisher.hash_format,
+    }
 
 
 @router.get("/v1/kvreuse/info")
 async def kvreuse_info(request: Request) -> dict:
     """Process instance id, model identity, cache geometry, hash settings, event transports
     and a tokenizer probe."""
-    state = request.app.state
-    engine = state.engine.engine  # the LLMEngine behind the AsyncEngine
+    ctx = context_of(request)
+    engine = ctx.engine.engine  # the LLMEngine behind the AsyncEngine
     config = engine.config
     tokenizer = engine.tokenizer
     loaded = engine.loaded
-    events = state.event_buffer
-    zmq_endpoint = getattr(state, "kv_events_endpoint", None)
     return {
-        "instance_id": state.instance_id,
-        "model": state.ctx.served_model_names[0],
+        "instance_id": ctx.instance_id,
+        "model": ctx.served_model_names[0],
         "model_name": engine.model_name,
         "model_id": engine.model_id,
         "model_path": None if loaded.path is None else str(loaded.path),
@@ -56,13 +61,6 @@ async def kvreuse_info(request: Request) -> dict:
         "enable_prefix_caching": config.enable_prefix_caching,
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.pool.num_blocks,
-        "events": {
-            "http": events is not None,
-            "zmq_endpoint": zmq_endpoint,
-            "zmq_bound": zmq_endpoint is not None and zmq_endpoint in bound_endpoints(),
-            "zmq_replay_endpoint": getattr(state, "kv_events_replay_endpoint", None),
-            "zmq_topic": getattr(state, "kv_events_topic", ""),
-            "zmq_hash_format": getattr(state, "kv_events_hash_format", "int"),
-        },
+        "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},
         "tokenizer_probe": tokenizer_probe(tokenizer),
     }

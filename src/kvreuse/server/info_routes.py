@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from kvreuse.server.protocol import now_s
-from kvreuse.server.serving import check_model, context_of
+from kvreuse.api.protocol import now_s
+from kvreuse.server.context import context_of
+from kvreuse.server.serving import check_model
 
 router = APIRouter()
 
-INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (app.state.instance_id)
+INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (ServerContext.instance_id)
 
 
 def _model_card(ctx, name: str, created: int) -> dict:
@@ -39,8 +40,9 @@ async def health(request: Request) -> JSONResponse:
     (so a router takes this executor out of rotation). Every answer carries the process's
     instance id in the ``x-kvreuse-instance-id`` header: a router that sees it change knows
     the executor restarted (its cached blocks are gone) even if it never saw it down."""
-    engine = context_of(request).engine
-    headers = {INSTANCE_HEADER: request.app.state.instance_id}
+    ctx = context_of(request)
+    engine = ctx.engine
+    headers = {INSTANCE_HEADER: ctx.instance_id}
     if not engine.is_running:
         return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503,
                             headers=headers)

@@ -10,7 +10,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvreuse.server.errors import error_body
+from kvreuse.api.errors import error_body
 
 
 async def _send_error(send: Send, status: int, message: str, *, code: str | None = None,

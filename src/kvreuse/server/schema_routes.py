@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from kvreuse.pml import PMLError
-from kvreuse.server.errors import APIError
-from kvreuse.server.serving import context_of
+from kvreuse.api.errors import APIError
+from kvreuse.server.context import context_of
 
 router = APIRouter()
 

@@ -1,7 +1,6 @@
 """What completions and chat share: checks before the engine, running requests, SSE framing.
 
-``ServerContext`` is the app's state (held on ``app.state.ctx``); the route modules take it
-from there, so nothing lives in module globals.
+Every function takes the app's ``ServerContext`` (``kvreuse.server.context``) explicitly.
 """
 
 from __future__ import annotations
@@ -15,47 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from kvreuse.engine.async_engine import AsyncEngine
+from kvreuse.api.connection import client_disconnected
+from kvreuse.api.errors import APIError
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.server.errors import APIError, ClientDisconnected, from_value_error
-from kvreuse.server.metrics import ServerMetrics
+from kvreuse.server.context import ServerContext
+from kvreuse.server.errors import ClientDisconnected, from_value_error
 
 if TYPE_CHECKING:
     from kvreuse.engine.llm_engine import RequestOutput
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Request limits (SPEC 9). ``max_prompt_tokens`` ``None`` means the model's context."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    served_model_names: tuple[str, ...]  # the first is the name responses report
-    limits: ServerLimits
-    api_key: str | None = None
-
-    @property
-    def prompt_limit(self) -> int:
-        model_len = self.engine.max_model_len
-        return model_len if self.limits.max_prompt_tokens is None else min(model_len, self.limits.max_prompt_tokens)
-
-
-def context_of(request: Request) -> ServerContext:
-    return request.app.state.ctx
 
 
 def check_model(ctx: ServerContext, name: str | None) -> str:
@@ -126,7 +94,7 @@ class EngineRequest:
     params: SamplingParams
     request_id: str
     cache_salt: str | None
-    retention: Any
+    retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
     pml_text: str | None = None  # a PML prompt (docs/pml.md); prompt_token_ids is then empty
 
 
@@ -138,13 +106,6 @@ async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[Requ
     ):
         tracker.observe(output)
         yield output
-
-
-async def client_disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body was read already: the next ASGI
-    message of a plain POST is ``http.disconnect``)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest],

@@ -27,10 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.concurrency import run_in_threadpool
 
 from kvreuse import __version__
-from kvreuse.server.chat_prompt import render_chat
-from kvreuse.server.errors import APIError
-from kvreuse.server.protocol import ChatMessage
-from kvreuse.server.serving import check_model, context_of
+from kvreuse.api.chat_prompt import render_chat
+from kvreuse.api.errors import APIError
+from kvreuse.api.protocol import ChatMessage
+from kvreuse.server.context import context_of
+from kvreuse.server.serving import check_model
 
 router = APIRouter()
 

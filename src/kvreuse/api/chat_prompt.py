@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
-from kvreuse.server.errors import APIError
-from kvreuse.server.protocol import ChatMessage
+from kvreuse.api.errors import APIError
+from kvreuse.api.protocol import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""OpenAI's error shape, shared by the executor's server and the router.
+
+Every error response is::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+``APIError`` carries one such error with its HTTP status; raising it from a route (or from
+``render_chat``) gives the client that body. The handlers that turn every other failure into
+this shape are the server's (``kvreuse.server.errors.install_error_handlers``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error the client caused (or a server failure) with its HTTP status and OpenAI fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.message, status=self.status, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status, headers=headers)
