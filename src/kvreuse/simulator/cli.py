@@ -2,9 +2,12 @@
 
     kvreuse simulate --trace FILE --capacity-blocks N [--policy P ...] [--json]
                      [--plot out.png] [--trace-block-tokens 512]
+                     [--host-blocks M [--host-offload-min-priority 35]]
 
 Prints, per policy, the token-level hit rate, evictions (by priority) and Belady's
-offline bound; ``--json`` prints one JSON document instead; ``--plot`` also draws hit rate
+offline bound; with ``--host-blocks M`` each policy replays with a host tier of M blocks
+below the pool (the engine's tier rules, through the same pool code) and the bounds are
+Belady's and an infinite cache's for the combined size; ``--json`` prints one JSON document instead; ``--plot`` also draws hit rate
 against capacity (``--sweep`` capacities, default N/4 .. 4N). Progress goes to stderr.
 """
 
@@ -36,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-block-tokens", "--block-size", dest="block_tokens", type=int, default=None,
                    help="tokens per block (default 512 for Mooncake, 16 for JSONL)")
     p.add_argument("--trace-format", choices=["auto", "mooncake", "jsonl"], default="auto")
+    p.add_argument("--host-blocks", type=int, default=0, metavar="M",
+                   help="a host tier of M blocks below the pool (offload on evict, onboard on a hit)")
+    p.add_argument("--host-offload-min-priority", type=int, default=35, metavar="P",
+                   help="evicted blocks of priority >= P go to the host tier (TensorRT-LLM's default 35)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="PNG", help="also sweep capacities and draw hit rate vs capacity")
@@ -48,6 +55,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.capacity_blocks <= 0:
         print("kvreuse simulate: --capacity-blocks must be positive", file=sys.stderr)
+        return 2
+    if args.host_blocks < 0:
+        print("kvreuse simulate: --host-blocks must be >= 0", file=sys.stderr)
+        return 2
+    if not 0 <= args.host_offload_min_priority <= 101:
+        print("kvreuse simulate: --host-offload-min-priority must be in [0, 101]", file=sys.stderr)
         return 2
     if args.sweep and not args.plot:
         print("kvreuse simulate: --sweep sets the capacities of --plot; add --plot FILE.png", file=sys.stderr)
@@ -65,12 +78,19 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     names = list(dict.fromkeys(args.policy or POLICIES))
     capacity = args.capacity_blocks
     results: list[ReplayResult] = []
-    with _Progress(len(trace.requests) * (len(names) + 1)) as bar:
+    host = args.host_blocks
+    tiers = {"host_blocks": host, "offload_min_priority": args.host_offload_min_priority} if host else {}
+    infinite = None
+    with _Progress(len(trace.requests) * (len(names) + 1 + bool(host))) as bar:
         for name in names:
-            results.append(run_policy(trace, name, capacity, progress=bar.advance))
+            if name == BELADY and host:
+                continue  # the bound below covers it: Belady over the combined size
+            results.append(run_policy(trace, name, capacity, progress=bar.advance, **tiers))
         bound = next((r for r in results if r.policy == BELADY), None) or run_policy(
-            trace, BELADY, capacity, progress=bar.advance
+            trace, BELADY, capacity + host, progress=bar.advance
         )
+        if host:
+            infinite = run_policy(trace, "lru", trace.num_kv_blocks, progress=bar.advance)
     results = [r for r in results if r.policy != BELADY]
     if args.plot:
         sweep_results = sweep(trace, [*names, BELADY] if BELADY not in names else names, capacities,
@@ -86,22 +106,29 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             "block_lookups": trace.num_block_lookups,
             "policies": [r.to_dict() for r in results],
             "belady": bound.to_dict(),
+            **({"host_blocks": host, "host_offload_min_priority": args.host_offload_min_priority,
+                "infinite_cache": infinite.to_dict()} if infinite is not None else {}),
         }
         print(json.dumps(doc, indent=2))
     else:
-        _print_table(trace.name, capacity, block_tokens, results, bound)
+        _print_table(trace.name, capacity, block_tokens, results, bound, host, infinite)
     return 0
 
 
-def _print_table(name: str, capacity: int, block_tokens: int, results: list[ReplayResult], bound: ReplayResult) -> None:
+def _print_table(name: str, capacity: int, block_tokens: int, results: list[ReplayResult], bound: ReplayResult,
+                 host: int = 0, infinite: ReplayResult | None = None) -> None:
     lru = next((r.hit_rate for r in results if r.policy == "lru"), None)
-    print(f"{name}: {capacity} blocks of {block_tokens} tokens")
+    tier = f" + a host tier of {host} blocks" if host else ""
+    print(f"{name}: {capacity} blocks of {block_tokens} tokens{tier}")
     print(f"{'policy':<15} {'hit rate':>9} {'x LRU':>6} {'evictions':>10}  {'seconds':>7}  evictions by priority")
     for r in [*results, bound]:
         ratio = f"{r.hit_rate / lru:.2f}" if lru else "-"
         by_prio = ", ".join(f"{p}: {n}" for p, n in sorted(r.evictions_by_priority.items()))
         label = f"{r.policy} (bound)" if r is bound else r.policy
-        print(f"{label:<15} {r.hit_rate:>9.4f} {ratio:>6} {r.evictions:>10}  {r.seconds:>7.2f}  {by_prio}")
+        from_host = f"  (host: {r.host_cached_tokens / max(r.prompt_tokens, 1):.4f})" if r.host_blocks else ""
+        print(f"{label:<15} {r.hit_rate:>9.4f} {ratio:>6} {r.evictions:>10}  {r.seconds:>7.2f}  {by_prio}{from_host}")
+    if infinite is not None:
+        print(f"{'infinite cache':<15} {infinite.hit_rate:>9.4f}   (Belady bound above: {capacity + host} blocks)")
 
 
 def _sniff_format(path: str) -> str:

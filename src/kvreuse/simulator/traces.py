@@ -48,6 +48,12 @@ class Trace:
         """Prompt blocks looked up over the whole trace (the replay's unit of work)."""
         return sum(cdiv(r.prompt_tokens, self.block_size) for r in self.requests)
 
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks every request of the trace allocates, summed: a pool this large never
+        evicts (the infinite-cache bound)."""
+        return sum(cdiv(r.prompt_tokens + max(r.output_tokens - 1, 0), self.block_size) for r in self.requests)
+
 
 def read_trace(path: str | Path, *, block_tokens: int, trace_format: str = "auto", limit: int | None = None) -> Trace:
     """Read a Mooncake or kvreuse JSONL trace. ``trace_format`` is ``mooncake``, ``jsonl``
