@@ -31,3 +31,16 @@ def make_payload(index: int = 0, namespace: TierNamespace = NS) -> tuple[bytes, 
 @pytest.fixture
 def record() -> BlockRecord:
     return make_record(1)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A running redis-server of this test's own; stopped afterwards (also if killed mid-test)."""
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    if server.binary is None:
+        pytest.skip("redis-server not on PATH (apt-get install redis-server; .ci/run installs it)")
+    server.start()
+    yield server
+    server.stop()
