@@ -34,6 +34,15 @@ def test_first_block_has_no_parent():
     assert out.parent_key is None and out.token_ids == (0, 1, 2, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_largest_finite_values_are_accepted(dtype):
+    info = torch.finfo(dtype)
+    kv = torch.tensor([info.max, -info.max, info.tiny, 0.0], dtype=dtype).repeat(64).reshape(SHAPE)
+    record = make_record(0)
+    out = decode_block(encode_block(BlockRecord(record.key, None, (), kv), NS), NS)
+    assert torch.equal(out.kv, kv) and out.token_ids == ()
+
+
 def test_accepts_memoryview_and_bytearray(record):
     data = encode_block(record, NS)
     assert torch.equal(decode_block(memoryview(data), NS).kv, record.kv)
@@ -95,9 +104,10 @@ def test_wrong_key_shape_dtype_are_refused(record):
         decode_block(data, NS, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_values_are_refused(record, bad):
-    kv = record.kv.clone()
+def test_non_finite_values_are_refused(record, bad, dtype):
+    kv = record.kv.to(dtype)
     kv[1, 1, 1, 3, 7] = bad
     data = encode_block(BlockRecord(record.key, record.parent_key, record.token_ids, kv), NS)
     with pytest.raises(CorruptBlock, match="non-finite"):
