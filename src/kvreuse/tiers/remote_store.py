@@ -1,0 +1,188 @@
+"""The shared remote tier: encoded blocks in Redis (or Valkey), shared by executors of one model.
+
+Keys::
+
+    kvreuse:v<FORMAT_VERSION>:<namespace.tag>:<block key hex>   ->   encode_block bytes
+
+so executors share entries exactly when their ``TierNamespace`` is equal (model fingerprint,
+hash algorithm, block size); the tenant salt is already inside the chained key. With
+``ttl_s`` every write sets it (``SET .. EX``) and every hit renews it (``GETEX .. EX``): the
+TTL is idle time, as on disk. Without it entries live until Redis evicts them
+(``maxmemory-policy``) or someone flushes the database; both are plain misses here.
+
+Contracts (a down, slow or flushed Redis never fails a request):
+
+- No call raises for a store failure. ``get`` returns None, ``put`` False, ``contains``
+  False; each failure is counted (``errors``, ``timeouts``) and warned once per streak.
+- Every socket operation is bounded by ``timeout_s`` (connect and each reply), with no
+  retries inside the client: the worst case of one call is about ``2 x timeout_s``.
+- A ``CircuitBreaker`` opens after ``failure_threshold`` consecutive failures: calls are then
+  skipped without touching the network (``skipped``) for ``cooldown_s``; the next call
+  probes (the client reconnects on its own) and a success closes the breaker.
+- ``get`` returns only blocks that pass ``decode_block``; a stored value that fails is
+  deleted from Redis and counted (``corrupt`` / ``foreign``).
+- Thread-safe (redis-py's connection pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvreuse.cache.hashing import BlockHash
+from kvreuse.tiers.block_codec import BlockRecord, CorruptBlock, ForeignBlock, decode_block
+from kvreuse.tiers.circuit_breaker import BreakerState, CircuitBreaker
+from kvreuse.tiers.namespace import FORMAT_VERSION, TierNamespace
+from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("hits", "misses", "puts", "put_failures", "errors", "timeouts", "skipped", "corrupt", "foreign",
+            "breaker_opened")
+_STORE_ERRORS = (redis.RedisError, OSError)  # redis-py wraps socket errors; OSError for the rest
+
+
+class RemoteStore:
+    """Blocks of one namespace in the Redis database at ``url`` (``redis://HOST:PORT/DB``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: TierNamespace,
+        timeout_s: float = 0.5,
+        ttl_s: float | None = None,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if ttl_s is not None and ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1 s or None, got {ttl_s} (Redis TTLs are whole seconds here)")
+        self.namespace = namespace
+        self.ttl_s = None if ttl_s is None else int(ttl_s)
+        self.prefix = f"kvreuse:v{FORMAT_VERSION}:{namespace.tag}:"
+        pool = redis.ConnectionPool.from_url(  # raises ValueError for a malformed URL: a config error
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # the breaker decides about retrying, not the client
+            health_check_interval=0,
+        )
+        self._client = redis.Redis(connection_pool=pool)
+        self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
+        self._counters = StoreCounters(COUNTERS)
+        self._streak = FailureStreak(logger, f"remote cache {pool.connection_kwargs.get('host')}:"
+                                     f"{pool.connection_kwargs.get('port')}")
+
+    def redis_key(self, key: BlockHash) -> str:
+        """The Redis key of block ``key`` in this namespace."""
+        return self.prefix + bytes(key).hex()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(
+        self, key: BlockHash, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> BlockRecord | None:
+        """The verified block under ``key``, or None (absent, refused, store down or skipped)."""
+        return self.get_many([key], shape=shape, dtype=dtype)[0]
+
+    def get_many(
+        self, keys: Sequence[BlockHash], *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> list[BlockRecord | None]:
+        """``get`` for each key, in one round trip (a pipeline). All None when the store fails."""
+        if not keys:
+            return []
+        values = self._call(lambda: self._fetch(keys))
+        if values is None:
+            self._counters.add("misses", len(keys))
+            return [None] * len(keys)
+        return [self._decode(key, value, shape, dtype) for key, value in zip(keys, values, strict=True)]
+
+    def contains(self, key: BlockHash) -> bool:
+        """Whether Redis holds an entry for ``key`` (not verified; ``get`` verifies)."""
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """``contains`` for each key in one round trip; all False when the store fails."""
+        if not keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.redis_key(key))
+        found = self._call(pipe.execute)
+        return [False] * len(keys) if found is None else [bool(n) for n in found]
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: BlockHash, payload: bytes) -> bool:
+        """Store ``payload`` (``encode_block`` bytes of block ``key``). False when it failed or
+        was skipped."""
+        ok = self._call(lambda: self._client.set(self.redis_key(key), payload, ex=self.ttl_s))
+        self._counters.add("puts" if ok else "put_failures")
+        return bool(ok)
+
+    def delete(self, key: BlockHash) -> bool:
+        """Delete the entry; True when one was deleted."""
+        return bool(self._call(lambda: self._client.delete(self.redis_key(key))))
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start, plus ``breaker_open`` (1 while calls are skipped)."""
+        return self._counters.snapshot() | {"breaker_open": int(self.breaker.state is not BreakerState.CLOSED)}
+
+    def close(self) -> None:
+        """Close the connections (a later call would open new ones)."""
+        self._client.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _fetch(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        if self.ttl_s is None:
+            return self._client.mget([self.redis_key(key) for key in keys])
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getex(self.redis_key(key), ex=self.ttl_s)  # a hit renews the idle TTL
+        return pipe.execute()
+
+    def _decode(self, key, value, shape, dtype) -> BlockRecord | None:
+        if value is None:
+            self._counters.add("misses")
+            return None
+        try:
+            record = decode_block(value, self.namespace, key=key, shape=shape, dtype=dtype)
+        except CorruptBlock as exc:
+            kind = "foreign" if isinstance(exc, ForeignBlock) else "corrupt"
+            self._counters.add(kind)
+            self._counters.add("misses")
+            logger.warning("remote cache: refused %s entry %s (%s); deleted", kind, self.redis_key(key), exc)
+            self.delete(key)
+            return None
+        self._counters.add("hits")
+        return record
+
+    def _call(self, operation: Callable[[], object]) -> object | None:
+        """Run one Redis operation under the breaker; None when skipped or failed."""
+        if not self.breaker.allow():
+            self._counters.add("skipped")
+            return None
+        try:
+            result = operation()
+        except _STORE_ERRORS as exc:
+            self._counters.add("timeouts" if isinstance(exc, (redis.TimeoutError, TimeoutError)) else "errors")
+            self._streak.failed("%s: %s", type(exc).__name__, exc)
+            if self.breaker.record_failure():
+                self._counters.add("breaker_opened")
+                logger.warning("remote cache: circuit breaker open after %d consecutive failures; "
+                               "skipping the store for %.1f s", self.breaker.failure_threshold, self.breaker.cooldown_s)
+            return None
+        if self.breaker.record_success():
+            logger.info("remote cache: circuit breaker closed, store reachable again")
+        self._streak.succeeded()
+        return result
