@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/kvreuse serve "$@"
+# a 4 GiB host tier below the KV pool: evicted prefixes are kept in RAM, not dropped
+exec .venv/bin/kvreuse serve --host-cache-memory 4 "$@"

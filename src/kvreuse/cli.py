@@ -34,6 +34,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV pool size in GiB (fractions allowed)")
+    p.add_argument("--host-cache-memory", type=float, default=0.0, metavar="GIB",
+                   help="host tier below the KV pool, in GiB (0: off): evicted blocks are kept there, not dropped")
+    p.add_argument("--host-offload-min-priority", type=int, default=35, metavar="P",
+                   help="evicted blocks of retention priority >= P go to the host tier (TensorRT-LLM's default 35)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="weights, activations and KV")
@@ -91,7 +95,8 @@ def _engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
-        schema_src_dir=args.schema_src_dir, **extra,
+        schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
+        host_offload_min_priority=args.host_offload_min_priority, **extra,
     )
 
 
@@ -99,8 +104,13 @@ def _pool_summary(engine) -> str:
     num_blocks, block_size = engine.pool.num_blocks, engine.block_size
     per_token = engine.kv_bytes_per_token
     gib = num_blocks * block_size * per_token / 2**30
+    host = ""
+    if engine.host is not None:
+        n = engine.host.pool.num_blocks
+        host = (f"; host tier: {n} blocks = {n * block_size} tokens, {n * block_size * per_token / 2**30:.3f} GiB, "
+                f"priority >= {engine.host.offload_policy.min_priority}")
     return (f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-            f"{gib:.3f} GiB, {per_token} bytes/token; forward: {engine.runner.forward_impl}")
+            f"{gib:.3f} GiB, {per_token} bytes/token{host}; forward: {engine.runner.forward_impl}")
 
 
 def run_serve(args: argparse.Namespace) -> int:

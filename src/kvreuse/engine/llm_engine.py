@@ -18,6 +18,8 @@ from kvreuse.engine.allocator import keep_freed_memory
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import make_policy
 from kvreuse.events.buffer import EventBuffer
+from kvreuse.cache.host_tier import HostTier, OffloadPolicy
+from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
@@ -52,6 +54,8 @@ class EngineConfig:
     seed: int = 0
     schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
     schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
+    host_cache_memory_gib: float = 0.0  # host tier below the device pool (0 = off)
+    host_offload_min_priority: int = 35  # evicted device blocks of this priority or more go to the host
 
     def __post_init__(self) -> None:
         if not self.kv_cache_memory_gib > 0:
@@ -62,6 +66,12 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.host_cache_memory_gib >= 0:
+            raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
+        if not 0 <= self.host_offload_min_priority <= 101:
+            raise ValueError(
+                f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"
+            )
 
 
 @dataclass
@@ -137,11 +147,21 @@ class LLMEngine:
         if events is None and config.event_buffer_max_size > 0:
             events = EventBuffer(config.event_buffer_max_size)
         self.events: EventBuffer | None = events  # None = events off (TensorRT-LLM's default)
+        num_host_blocks = int(config.host_cache_memory_gib * 2**30) // bytes_per_block
+        self.host: HostTier | None = None  # the tier below the device pool; its KVMover is set with the runner
+        if num_host_blocks > 0:
+            self.host = HostTier(
+                num_host_blocks, config.block_size, events=events,
+                policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
+                offload_policy=OffloadPolicy(config.host_offload_min_priority),
+            )
         self.pool = BlockPool(
-            num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events
+            num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events,
+            record_evictions=self.host is not None,
         )
         self.kv = KVCacheManager(
             self.pool,
+            lower=self.host,
             model_id=self.model_id,
             hash_algorithm=config.hash_algorithm,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -151,6 +171,8 @@ class LLMEngine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
         self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
+        if self.host is not None:
+            self.host.mover = HostKVTransfer(self.runner.kv_cache, num_host_blocks, config.block_size)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # no page faults on activations after a long prefill
         gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
@@ -412,6 +434,10 @@ class LLMEngine:
         live requests hold (own blocks and PML module blocks), so a leaked reference (a block
         in use that no request owns) is caught. Raises ``RuntimeError``. Call between steps."""
         self.pool.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
+            if self.host.pool.num_used_blocks:
+                raise RuntimeError(f"{self.host.pool.num_used_blocks} host blocks are held between steps")
         held: dict[int, int] = {}
         for seq in self._requests.values():
             for block in (*seq.blocks, *seq.context_blocks):
@@ -424,5 +450,9 @@ class LLMEngine:
                 )
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block not in use; returns how many were dropped."""
-        return self.pool.evict_all_cached()
+        """Forget every cached block not in use, on the device and in the host tier; returns
+        how many were dropped."""
+        dropped = self.pool.evict_all_cached()
+        if self.host is not None:
+            dropped += self.host.pool.evict_all_cached()
+        return dropped

@@ -329,7 +329,7 @@ class ModuleCache:
                 f"the KV pool has {self.pool.num_free_blocks} free blocks but {what} needs {n}: "
                 "retry later or raise --kv-cache-memory"
             )
-        return self.pool.allocate(n)
+        return self.kv.allocate(n)  # through the manager: what it evicts goes to the host tier first
 
     def _fill(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
         """Fill blocks ``num_hits..`` of the module (``new``, held) from the store or by a forward pass."""
