@@ -18,11 +18,12 @@ from kvreuse.events.records import (
     BlocksStored,
     BlockUpdated,
     CacheCreated,
-    CacheMirror,
     StoredBlock,
     event_from_json,
     event_to_json,
 )
+
+from tests.event_helpers import CacheMirror
 
 H1, H2 = BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 8)
 

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from kvreuse.events.records import CacheMirror, event_from_json
+from kvreuse.events.records import event_from_json
+from tests.event_helpers import CacheMirror
 from tests.test_event_engine import wire_blocks
 from tests.test_event_routes import read_sse
 
