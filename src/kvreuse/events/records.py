@@ -11,6 +11,9 @@ loses bits to a 53-bit JSON number. ``event_to_json`` / ``event_from_json`` roun
 A consumer's view of the cache: apply a snapshot, then every event with a larger id, and
 it equals the pool's set of registered blocks (hash, parent, priority, level); the router's
 ``KVIndex`` is such a consumer. ``docs/events.md`` has the consistency model.
+
+The same records are what ``kvreuse.events.decoder.to_records`` makes of vLLM's ZMQ wire
+messages, which say less: no priority (``None``), and a removal may not name its level.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compat
 class StoredBlock:
     block_hash: BlockHash
     token_ids: tuple[int, ...]
-    priority: int
+    priority: int | None  # None: not known (vLLM's wire format carries no priority)
     cache_level: str = DEVICE_LEVEL
     lora_id: int | None = None
 
@@ -47,7 +50,7 @@ class BlocksStored:
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
     block_hashes: tuple[BlockHash, ...]
-    cache_level: str = DEVICE_LEVEL
+    cache_level: str | None = DEVICE_LEVEL  # None: wherever each block is held (a sender that did not say)
 
 
 @dataclass(frozen=True, slots=True)
