@@ -1,6 +1,6 @@
 """Test-side consumers of KV events: ``CacheMirror``, a full copy of one pool's cache
-rebuilt from a snapshot and the numbered events after it, and the replay-socket catch-up
-shared by the plain-pyzmq subscriber scripts.
+rebuilt from a snapshot and the numbered events after it, and ``CATCH_UP``, the
+replay-socket catch-up shared by the plain-pyzmq subscriber scripts.
 
 The router's own consumer is ``kvreuse.router.index.KVIndex`` (keys and levels only); this
 mirror also keeps parents and priorities, so tests can compare it with the pool exactly.
@@ -77,3 +77,20 @@ class CacheMirror:
             self.blocks.clear()
         self.last_event_id = event.event_id
         return True
+
+
+# Source for the subscriber scripts (plain pyzmq + msgpack, no kvreuse): ask the replay
+# socket for every batch from ``expected`` on, apply those in order, stop at seq -1. The
+# script defines ``replay`` (a DEALER), ``apply(payload)`` and the global ``expected``.
+CATCH_UP = r"""
+def catch_up():
+    global expected
+    replay.send_multipart([b"", expected.to_bytes(8, "big")])
+    while True:
+        _, seq, payload = replay.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1:
+            return
+        if seq == expected:
+            apply(payload); expected += 1
+"""

@@ -21,6 +21,8 @@ from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_ev
 from kvreuse.events.records import AllBlocksCleared
 from kvreuse.events.wire import wire_hash
 
+from tests.event_helpers import CATCH_UP
+
 BS = 4
 
 SUBSCRIBER = r"""
@@ -46,18 +48,7 @@ def apply(payload):
                 blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-
-def catch_up():
-    global expected
-    replay.send_multipart([b"", expected.to_bytes(8, "big")])
-    while True:
-        _, seq, payload = replay.recv_multipart()
-        seq = int.from_bytes(seq, "big", signed=True)
-        if seq == -1:
-            return
-        if seq == expected:
-            apply(payload); expected += 1
-
+""" + CATCH_UP + r"""
 target = int(sys.stdin.readline())  # the test sends the last sequence number when done
 while expected <= target:
     if sub.poll(200):
