@@ -30,19 +30,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.events.records import (
-    DEVICE_LEVEL,
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    BlockUpdated,
-    CacheCreated,
-    Event,
-    KVEvent,
-    KVSnapshot,
-)
+from kvreuse.events.records import DEVICE_LEVEL, AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
+from kvreuse.events.records import CacheCreated, Event, KVEvent, KVSnapshot
 
-IndexKey = int  # low 64 bits of a BlockHash, big-endian (as zmq_publisher.wire_hash "int")
+IndexKey = int  # low 64 bits of a BlockHash, big-endian (as events.wire.wire_hash "int")
 
 
 def index_key(block_hash: bytes) -> IndexKey:
