@@ -1,6 +1,8 @@
-"""Test-side consumers of KV events: ``CacheMirror``, a full copy of one pool's cache
-rebuilt from a snapshot and the numbered events after it, and ``CATCH_UP``, the
-replay-socket catch-up shared by the plain-pyzmq subscriber scripts.
+"""Test-side consumers and snapshot functions of KV events: ``CacheMirror``, a full copy of
+one pool's cache rebuilt from a snapshot and the numbered events after it; ``locked_snapshot``
+and ``engine_thread_snapshot``, consistent snapshot functions for tests that drive a pool or
+an engine; and ``CATCH_UP``, the replay-socket catch-up shared by the plain-pyzmq subscriber
+scripts.
 
 The router's own consumer is ``kvreuse.router.index.KVIndex`` (keys and levels only); this
 mirror also keeps parents and priorities, so tests can compare it with the pool exactly.
@@ -8,10 +10,13 @@ mirror also keeps parents and priorities, so tests can compare it with the pool 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -77,6 +82,30 @@ class CacheMirror:
             self.blocks.clear()
         self.last_event_id = event.event_id
         return True
+
+
+def locked_snapshot(pool: Any, buffer: EventBuffer, engine_lock: threading.Lock) -> Callable[[], KVSnapshot]:
+    """A snapshot function that takes ``engine_lock`` (which the test's "engine" holds while
+    it mutates the pool, i.e. around each step), so the snapshot and its ``last_event_id``
+    describe the same instant."""
+
+    def snapshot() -> KVSnapshot:
+        with engine_lock:
+            return buffer.snapshot(pool)
+
+    return snapshot
+
+
+def engine_thread_snapshot(async_engine: Any, buffer: EventBuffer, timeout: float = 30.0) -> Callable[[], KVSnapshot]:
+    """A blocking snapshot function for plain threads (the ZMQ publisher's resync) when the
+    pool belongs to an ``AsyncEngine``: runs ``buffer.snapshot(engine.pool)`` on the engine
+    thread between steps (``AsyncEngine.call_blocking``) and waits up to ``timeout``, as
+    ``kvreuse serve`` does. Never call it on the engine thread itself."""
+
+    def snapshot() -> KVSnapshot:
+        return async_engine.call_blocking(lambda engine: buffer.snapshot(engine.pool), timeout=timeout)
+
+    return snapshot
 
 
 # Source for the subscriber scripts (plain pyzmq + msgpack, no kvreuse): ask the replay

@@ -238,7 +238,7 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     thread stays live and catches up (PUB drops for the stalled peer instead of blocking)."""
     import threading
 
-    from kvreuse.events.buffer import locked_snapshot
+    from tests.event_helpers import locked_snapshot
 
     buf = EventBuffer(256)
     pool = BlockPool(64, BS, events=buf)
