@@ -115,7 +115,7 @@ class KVIndex:
 
     # ------------------------------------------------------------------ updates
     def store(self, name: str, keys: Iterable[IndexKey], level: str = DEVICE_LEVEL) -> None:
-        """Note ``keys`` as held by ``name`` at ``level`` (a key held elsewhere moves here)."""
+        """Note ``keys`` as held by ``name`` at ``level`` (one it held at another level moves)."""
         mirror = self._mirrors[name]
         for key in keys:
             self._hold(mirror, key, level)
