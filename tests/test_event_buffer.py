@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer, locked_snapshot
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.events.records import (
     AllBlocksCleared,
@@ -18,11 +18,12 @@ from kvreuse.events.records import (
     BlocksStored,
     BlockUpdated,
     CacheCreated,
-    CacheMirror,
     StoredBlock,
     event_from_json,
     event_to_json,
 )
+
+from tests.event_helpers import CacheMirror, locked_snapshot
 
 H1, H2 = BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 8)
 

@@ -15,11 +15,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer, locked_snapshot
-from kvreuse.events.records import CacheMirror, KVSnapshot, event_from_json
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.records import KVSnapshot, event_from_json
 from kvreuse.server import events_routes
 from kvreuse.server.context import EventFeed
 
+from tests.event_helpers import CacheMirror, locked_snapshot
 from tests.test_zmq_events import run_requests  # same request driver as the ZMQ tests
 
 BS = 4

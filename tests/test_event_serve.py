@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from kvreuse.events.records import CacheMirror, event_from_json
+from kvreuse.events.records import event_from_json
+from tests.event_helpers import CATCH_UP, CacheMirror
 from tests.test_event_engine import wire_blocks
 from tests.test_event_routes import read_sse
 
@@ -34,14 +35,7 @@ def apply(payload):
             for h in e[1]: blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-def catch_up():
-    global expected
-    replay.send_multipart([b"", expected.to_bytes(8, "big")])
-    while True:
-        _, seq, payload = replay.recv_multipart()
-        seq = int.from_bytes(seq, "big", signed=True)
-        if seq == -1: return
-        if seq == expected: apply(payload); expected += 1
+""" + CATCH_UP + r"""
 print("ready", flush=True)
 while True:
     ready = dict(poller.poll())

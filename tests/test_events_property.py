@@ -15,7 +15,9 @@ from kvreuse.cache.block_pool import BlockPool
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.eviction import PriorityPolicy
 from kvreuse.cache.hashing import hash_token_blocks
-from kvreuse.events.records import CacheCreated, CacheMirror, KVSnapshot, event_from_json, event_to_json
+from kvreuse.events.records import CacheCreated, KVSnapshot, event_from_json, event_to_json
+
+from tests.event_helpers import CacheMirror
 
 BS = 2
 NUM_BLOCKS = 6

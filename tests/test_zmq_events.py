@@ -16,8 +16,12 @@ import zmq
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import hash_token_blocks
-from kvreuse.events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, UnknownEvent, decode_batch
-from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_events, wire_hash
+from kvreuse.events.decoder import BlockRemoved, BlockStored, UnknownEvent, decode_batch
+from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_events
+from kvreuse.events.records import AllBlocksCleared
+from kvreuse.events.wire import wire_hash
+
+from tests.event_helpers import CATCH_UP
 
 BS = 4
 
@@ -44,18 +48,7 @@ def apply(payload):
                 blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-
-def catch_up():
-    global expected
-    replay.send_multipart([b"", expected.to_bytes(8, "big")])
-    while True:
-        _, seq, payload = replay.recv_multipart()
-        seq = int.from_bytes(seq, "big", signed=True)
-        if seq == -1:
-            return
-        if seq == expected:
-            apply(payload); expected += 1
-
+""" + CATCH_UP + r"""
 target = int(sys.stdin.readline())  # the test sends the last sequence number when done
 while expected <= target:
     if sub.poll(200):
@@ -245,7 +238,7 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     thread stays live and catches up (PUB drops for the stalled peer instead of blocking)."""
     import threading
 
-    from kvreuse.events.buffer import locked_snapshot
+    from tests.event_helpers import locked_snapshot
 
     buf = EventBuffer(256)
     pool = BlockPool(64, BS, events=buf)

@@ -1,3 +1,4 @@
-"""KV cache events: the records the pool emits (``records``), the bounded numbered buffer
-(``buffer``), the vLLM-compatible ZMQ publisher (``publisher``) and the wire decoder
-(``decoder``). Events flow out only: pool -> buffer -> publisher -> router index."""
+"""KV cache events: the records the pool emits (``records``, the one vocabulary every
+producer and consumer speaks), the bounded numbered buffer (``buffer``), vLLM's wire schema
+(``wire``), the vLLM-compatible ZMQ publisher (``publisher``) and the wire decoder into
+records (``decoder``). Events flow out only: pool -> buffer -> publisher -> router index."""

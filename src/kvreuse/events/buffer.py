@@ -153,8 +153,9 @@ class EventBuffer:
 
     def snapshot(self, pool: Any) -> KVSnapshot:
         """The pool's registered blocks labelled with the id of the last event they
-        reflect. The caller must keep the pool from changing while this runs (hold the
-        engine's step lock or run on the engine thread): see ``locked_snapshot``."""
+        reflect. The caller must keep the pool from changing while this runs: run it on the
+        engine thread between steps (``AsyncEngine.call``), or hold the lock the engine
+        holds while it mutates the pool."""
         return take_snapshot(pool, self.last_event_id)
 
     # ------------------------------------------------------------------ internals
@@ -169,31 +170,6 @@ class EventBuffer:
         start = max(0, after + 1 - self._events[0].event_id)
         limit = self.max_batch if max_events is None else max_events
         return list(islice(self._events, start, start + limit))
-
-
-def locked_snapshot(pool: Any, buffer: EventBuffer, engine_lock: threading.Lock) -> Callable[[], KVSnapshot]:
-    """A snapshot function for the HTTP routes and the ZMQ resync: takes ``engine_lock``
-    (which the engine holds while it mutates the pool, i.e. around each step), so the
-    snapshot and its ``last_event_id`` describe the same instant. The engine waits at
-    most for one copy of the block index; the caller may wait for one engine step."""
-
-    def snapshot() -> KVSnapshot:
-        with engine_lock:
-            return buffer.snapshot(pool)
-
-    return snapshot
-
-
-def engine_thread_snapshot(async_engine: Any, buffer: EventBuffer, timeout: float = 30.0) -> Callable[[], KVSnapshot]:
-    """A blocking snapshot function for plain threads (the ZMQ publisher's resync) when the
-    pool belongs to an ``AsyncEngine``: runs ``buffer.snapshot(engine.pool)`` on the engine
-    thread between steps (``AsyncEngine.call_blocking``) and waits up to ``timeout``.
-    Never call it on the engine thread itself."""
-
-    def snapshot() -> KVSnapshot:
-        return async_engine.call_blocking(lambda engine: buffer.snapshot(engine.pool), timeout=timeout)
-
-    return snapshot
 
 
 def _wake(future: asyncio.Future) -> None:

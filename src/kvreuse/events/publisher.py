@@ -12,6 +12,7 @@ encoding of vLLM 0.10/0.11; see docs/events.md) so routers built for vLLM consum
     AllBlocksCleared = ["AllBlocksCleared"]
 
 ``event_encoding="map"`` writes events as maps tagged by ``"type"`` (vLLM after PR #42892).
+The message schema is ``kvreuse.events.wire``.
 Hashes are unsigned 64-bit ints, the low 64 bits of our hash (vLLM's default,
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``), or the full bytes with ``hash_format="bytes"``.
 vLLM has no priorities and no "created"/"updated" events: those are not sent.
@@ -36,15 +37,12 @@ import zmq
 
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
+from kvreuse.events.wire import WIRE_FIELDS, stored_message, wire_hash
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_U64 = (1 << 64) - 1
 
-def wire_hash(block_hash: bytes, hash_format: str) -> int | bytes:
-    """Our block hash as vLLM puts it on the wire (``maybe_convert_block_hash``)."""
-    return int.from_bytes(block_hash, "big") & _U64 if hash_format == "int" else bytes(block_hash)
 
 
 def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[dict]:
@@ -66,11 +64,7 @@ def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[di
                     prev["block_hashes"].append(h)  # type: ignore[index]
                     prev["token_ids"].extend(b.token_ids)  # type: ignore[index]
                 else:
-                    prev = {
-                        "type": "BlockStored", "block_hashes": [h], "parent_block_hash": p,
-                        "token_ids": list(b.token_ids), "block_size": data.block_size,
-                        "lora_id": b.lora_id, "medium": b.cache_level,
-                    }
+                    prev = stored_message([h], p, list(b.token_ids), data.block_size, b.lora_id, b.cache_level)
                     out.append(prev)
                 parent = b.block_hash
         elif isinstance(data, BlocksRemoved):
@@ -89,25 +83,16 @@ def snapshot_to_vllm_events(snapshot: KVSnapshot, hash_format: str = "int") -> l
     """A resync batch: forget everything, then store every block (parents first)."""
     out: list[dict] = [{"type": "AllBlocksCleared"}]
     for b in snapshot.blocks:
-        out.append({
-            "type": "BlockStored", "block_hashes": [wire_hash(b.block_hash, hash_format)],
-            "parent_block_hash": None if b.parent_hash is None else wire_hash(b.parent_hash, hash_format),
-            "token_ids": list(b.token_ids), "block_size": snapshot.block_size, "lora_id": None, "medium": b.cache_level,
-        })
+        parent = None if b.parent_hash is None else wire_hash(b.parent_hash, hash_format)
+        out.append(stored_message([wire_hash(b.block_hash, hash_format)], parent, list(b.token_ids),
+                                  snapshot.block_size, None, b.cache_level))
     return out
-
-
-_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
 
 
 def encode_batch(ts: float, events: list[dict], data_parallel_rank: int, event_encoding: str = "array") -> bytes:
     """msgpack of ``[ts, [events], data_parallel_rank]``; events positional (tag first) or maps."""
     if event_encoding == "array":
-        wire = [[e["type"], *(e[f] for f in _FIELDS[e["type"]])] for e in events]
+        wire = [[e["type"], *(e[f] for f in WIRE_FIELDS[e["type"]])] for e in events]
     else:
         wire = events
     return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)

@@ -8,15 +8,17 @@ JSON form (HTTP API, SSE, snapshot): every block hash is a lowercase **hex strin
 the full hash (64 characters for sha256, 16 for xxh3_64), never an int, so no consumer
 loses bits to a 53-bit JSON number. ``event_to_json`` / ``event_from_json`` round-trip.
 
-A consumer's view of the cache is a ``CacheMirror``: apply a snapshot, then every event
-with a larger id, and it equals the pool's set of registered blocks (hash, parent,
-priority, level). ``docs/events.md`` has the consistency model.
+A consumer's view of the cache: apply a snapshot, then every event with a larger id, and
+it equals the pool's set of registered blocks (hash, parent, priority, level); the router's
+``KVIndex`` is such a consumer. ``docs/events.md`` has the consistency model.
+
+The same records are what ``kvreuse.events.decoder.to_records`` makes of vLLM's ZMQ wire
+messages, which say less: no priority (``None``), and a removal may not name its level.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvreuse.cache.hashing import BlockHash
@@ -28,7 +30,7 @@ DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compat
 class StoredBlock:
     block_hash: BlockHash
     token_ids: tuple[int, ...]
-    priority: int
+    priority: int | None  # None: not known (vLLM's wire format carries no priority)
     cache_level: str = DEVICE_LEVEL
     lora_id: int | None = None
 
@@ -48,7 +50,7 @@ class BlocksStored:
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
     block_hashes: tuple[BlockHash, ...]
-    cache_level: str = DEVICE_LEVEL
+    cache_level: str | None = DEVICE_LEVEL  # None: wherever each block is held (a sender that did not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,61 +234,3 @@ def take_snapshot(pool: Any, last_event_id: int) -> KVSnapshot:
             for b in blocks
         ),
     )
-
-
-# ---------------------------------------------------------------------- consumer
-@dataclass(slots=True)
-class MirroredBlock:
-    parent_hash: BlockHash | None
-    priority: int
-    cache_level: str
-
-
-@dataclass
-class CacheMirror:
-    """A consumer's copy of one executor's cache, rebuilt from a snapshot and events.
-
-    ``apply`` returns ``False`` (and changes nothing) when the event is not the next
-    one (``event_id != last_event_id + 1``): the consumer missed events and must
-    ``load`` a fresh snapshot, then apply only events after its ``last_event_id``.
-    """
-
-    blocks: dict[BlockHash, MirroredBlock] = field(default_factory=dict)
-    last_event_id: int = -1
-
-    def load(self, snapshot: KVSnapshot) -> None:
-        self.blocks = {b.block_hash: MirroredBlock(b.parent_hash, b.priority, b.cache_level) for b in snapshot.blocks}
-        self.last_event_id = snapshot.last_event_id
-
-    def apply_all(self, events: Iterable[Event]) -> bool:
-        """Apply events in order, skipping ones already reflected; ``False`` at a gap."""
-        for event in events:
-            if event.event_id <= self.last_event_id:
-                continue
-            if not self.apply(event):
-                return False
-        return True
-
-    def apply(self, event: Event) -> bool:
-        if event.event_id != self.last_event_id + 1:
-            return False
-        data = event.data
-        if isinstance(data, BlocksStored):
-            parent = data.parent_hash
-            for b in data.blocks:
-                self.blocks[b.block_hash] = MirroredBlock(parent, b.priority, b.cache_level)
-                parent = b.block_hash
-        elif isinstance(data, BlocksRemoved):
-            for h in data.block_hashes:
-                self.blocks.pop(h, None)
-        elif isinstance(data, BlockUpdated):
-            block = self.blocks.get(data.block_hash)
-            if block is not None:
-                if data.new_priority is not None:
-                    block.priority = data.new_priority
-                if data.new_cache_level is not None:
-                    block.cache_level = data.new_cache_level
-        elif isinstance(data, AllBlocksCleared):
-            self.blocks.clear()
-        self.last_event_id = event.event_id
-        return True

@@ -7,7 +7,9 @@
         each event -> index.apply(...)  -> False at a gap: back to the snapshot
 
 ``ZmqFeed`` (when the executor publishes vLLM-format ZMQ events on a PUB socket it bound)
-subscribes to the PUB socket and resynchronises from the HTTP snapshot at start and
+subscribes to the PUB socket, applies each batch's records
+(``kvreuse.events.decoder.decode_records``) with ``index.apply_record``, the same path
+``index.apply`` takes for SSE events, and resynchronises from the HTTP snapshot at start and
 whenever a sequence number is skipped. ZMQ batches carry no event ids, so a batch that overlaps the snapshot is
 applied again; stores and removals are idempotent, so at worst a block is briefly listed
 where it was just evicted (a miss, never a wrong answer).
@@ -31,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 
 from kvreuse.events.records import KVSnapshot, event_from_json
-from kvreuse.router.index import KVIndex, index_key
+from kvreuse.router.index import KVIndex
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,13 @@ class ZmqFeed:
         import zmq
         import zmq.asyncio
 
-        from kvreuse.events.decoder import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+        from kvreuse.events.decoder import decode_records
 
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        key = lambda h: h if isinstance(h, int) else index_key(h)  # noqa: E731 - int or bytes on the wire
         try:
             while True:
                 try:
@@ -129,13 +130,8 @@ class ZmqFeed:
                             self.index.mirror(self.name).num_resyncs += 1
                             break
                         last_seq = seq
-                        for ev in decode_batch(payload).events:
-                            if isinstance(ev, BlockStored):
-                                self.index.store(self.name, (key(h) for h in ev.block_hashes), ev.medium or "GPU")
-                            elif isinstance(ev, BlockRemoved):
-                                self.index.remove(self.name, (key(h) for h in ev.block_hashes), ev.medium)
-                            elif isinstance(ev, AllBlocksCleared):
-                                self.index.clear(self.name)
+                        for record in decode_records(payload):
+                            self.index.apply_record(self.name, record)
                         self.num_batches += 1
                 except asyncio.CancelledError:
                     raise

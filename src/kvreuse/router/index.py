@@ -15,6 +15,11 @@ request with every executor is one pass over its leading keys::
         gone = alive & ~holders[key]          # these executors' prefixes end at block i
         ...
 
+Events change the index through one path, ``apply_record``, whatever brings them: the SSE
+feed's numbered JSON events (through ``apply``, which checks ids), the ZMQ feed's wire
+messages (as ``kvreuse.events.decoder`` records; the feed checks sequence numbers), and the
+simulator's pools (in order by construction).
+
 Consistency: events are applied in id order; an event whose id is not ``last + 1`` is
 refused (``apply`` returns ``False``), and the owner reloads a snapshot (``load``). Until
 then the index is stale, which can cost a miss, never a wrong answer.
@@ -25,18 +30,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.events.records import (
-    DEVICE_LEVEL,
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    BlockUpdated,
-    CacheCreated,
-    Event,
-    KVSnapshot,
-)
+from kvreuse.events.records import DEVICE_LEVEL, AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
+from kvreuse.events.records import CacheCreated, Event, KVEvent, KVSnapshot
 
-IndexKey = int  # low 64 bits of a BlockHash, big-endian (as zmq_publisher.wire_hash "int")
+IndexKey = int  # low 64 bits of a BlockHash, big-endian (as events.wire.wire_hash "int")
 
 
 def index_key(block_hash: bytes) -> IndexKey:
@@ -118,10 +115,10 @@ class KVIndex:
 
     # ------------------------------------------------------------------ updates
     def store(self, name: str, keys: Iterable[IndexKey], level: str = DEVICE_LEVEL) -> None:
+        """Note ``keys`` as held by ``name`` at ``level`` (one it held at another level moves)."""
         mirror = self._mirrors[name]
         for key in keys:
-            mirror.levels[key] = level
-            self.holders[key] = self.holders.get(key, 0) | mirror.bit
+            self._hold(mirror, key, level)
 
     def remove(self, name: str, keys: Iterable[IndexKey], level: str | None = None) -> None:
         """Forget ``keys`` on ``name``; with ``level``, only where held at that level (a
@@ -140,8 +137,14 @@ class KVIndex:
             self._drop_bit(key, mirror.bit)
         mirror.levels = {}
 
-    def apply_record(self, name: str, record) -> None:
-        """Apply one event record (no id check: the simulator's in-order feed)."""
+    def apply_record(self, name: str, record: KVEvent) -> None:
+        """Apply one event record to ``name``'s mirror, with no id check: the one path by
+        which events change the index (``apply``, the ZMQ feed and the simulator call it).
+
+        stored: each block held at its level; removed: dropped where held at the record's
+        level (at any level when it is ``None``); cleared: ``clear``; updated: a held block
+        follows a level move (priorities are not indexed); created: nothing. Raises
+        ``KeyError`` for anything that is not a ``KVEvent`` record."""
         self._handlers[type(record)](name, record)
 
     def apply(self, name: str, event: Event) -> bool:
@@ -161,18 +164,14 @@ class KVIndex:
         self.clear(name)
         mirror = self._mirrors[name]
         for b in snapshot.blocks:
-            key = index_key(b.block_hash)
-            mirror.levels[key] = b.cache_level
-            self.holders[key] = self.holders.get(key, 0) | mirror.bit
+            self._hold(mirror, index_key(b.block_hash), b.cache_level)
         mirror.last_event_id = snapshot.last_event_id
 
     # ------------------------------------------------------------------ internals
     def _on_stored(self, name: str, record: BlocksStored) -> None:
         mirror = self._mirrors[name]
         for b in record.blocks:
-            key = index_key(b.block_hash)
-            mirror.levels[key] = b.cache_level
-            self.holders[key] = self.holders.get(key, 0) | mirror.bit
+            self._hold(mirror, index_key(b.block_hash), b.cache_level)
 
     def _on_removed(self, name: str, record: BlocksRemoved) -> None:
         self.remove(name, (index_key(h) for h in record.block_hashes), record.cache_level)
@@ -182,6 +181,10 @@ class KVIndex:
         key = index_key(record.block_hash)
         if record.new_cache_level is not None and key in mirror.levels:
             mirror.levels[key] = record.new_cache_level
+
+    def _hold(self, mirror: Mirror, key: IndexKey, level: str) -> None:
+        mirror.levels[key] = level
+        self.holders[key] = self.holders.get(key, 0) | mirror.bit
 
     def _drop_bit(self, key: IndexKey, bit: int) -> None:
         mask = self.holders.get(key, 0) & ~bit
