@@ -449,6 +449,10 @@ class LLMEngine:
                     f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
                 )
 
+    def cache_pools(self) -> tuple[BlockPool, ...]:
+        """The device pool, then the tiers below it (snapshots list every level)."""
+        return (self.pool,) if self.host is None else (self.pool, self.host.pool)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use, on the device and in the host tier; returns
         how many were dropped."""

@@ -219,18 +219,21 @@ class KVSnapshot:
 
 
 def take_snapshot(pool: Any, last_event_id: int) -> KVSnapshot:
-    """Snapshot of a ``BlockPool``'s registered blocks, labelled with ``last_event_id``.
+    """Snapshot of a ``BlockPool``'s registered blocks (or of several pools': the device pool
+    and the tiers below it, each block labelled with its pool's level; a block is held in
+    one tier at a time), labelled with ``last_event_id``.
 
     The caller guarantees that the pool does not change and no event is appended while
     this runs (it holds the engine's step lock, or runs on the engine thread), and passes
     the id of the last event the pool emitted; see ``EventBuffer.snapshot``.
     """
-    blocks = sorted(pool.cached_hashes(), key=lambda b: b.depth)
+    pools = list(pool) if isinstance(pool, (list, tuple)) else [pool]
+    blocks = sorted(((b, p.cache_level) for p in pools for b in p.cached_hashes()), key=lambda bl: bl[0].depth)
     return KVSnapshot(
         last_event_id,
-        pool.block_size,
+        pools[0].block_size,
         tuple(
-            SnapshotBlock(b.block_hash, b.parent_hash, b.token_ids, b.priority, pool.cache_level, b.depth, b.ref_count > 0)
-            for b in blocks
+            SnapshotBlock(b.block_hash, b.parent_hash, b.token_ids, b.priority, level, b.depth, b.ref_count > 0)
+            for b, level in blocks
         ),
     )

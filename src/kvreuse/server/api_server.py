@@ -58,7 +58,7 @@ def engine_event_feed(engine: AsyncEngine) -> EventFeed | None:
         return None
 
     async def snapshot() -> KVSnapshot:
-        return await engine.call(lambda e: buffer.snapshot(e.pool))
+        return await engine.call(lambda e: buffer.snapshot(e.cache_pools()))
 
     return EventFeed(buffer, snapshot)
 

@@ -1,0 +1,117 @@
+"""``kvreuse serve --host-cache-memory`` with ZMQ events: an independent subscriber process
+(plain pyzmq + msgpack) keeps one block set per medium (GPU = device pool, CPU = host tier)
+and converges on /v1/kv_cache_state after a run that moves blocks down and back up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.event_helpers import CATCH_UP
+from tests.test_event_serve import free_port
+
+PER_MEDIUM_SUBSCRIBER = r"""
+import json, sys, msgpack, zmq
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
+replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
+poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
+blocks, expected = {}, 0
+def apply(payload):
+    for e in msgpack.unpackb(payload)[1]:
+        if e[0] == "BlockStored":  # [tag, hashes, parent, tokens, block_size, lora_id, medium, ...]
+            parent = e[2]
+            for h in e[1]:
+                blocks[f"{e[6]}:{h}"] = parent; parent = h
+        elif e[0] == "BlockRemoved":  # [tag, hashes, medium]
+            for h in e[1]: blocks.pop(f"{e[2]}:{h}", None)
+        elif e[0] == "AllBlocksCleared":
+            blocks.clear()
+""" + CATCH_UP + r"""
+print("ready", flush=True)
+while True:
+    ready = dict(poller.poll())
+    if sub in ready:
+        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
+        if seq == expected: apply(payload); expected += 1
+        elif seq > expected: catch_up()
+    elif ready:
+        if not sys.stdin.readline(): break
+        catch_up()
+        print(json.dumps(blocks), flush=True)
+"""
+
+U64 = 2**64 - 1
+
+
+def per_level(state: dict) -> dict:
+    return {f"{b['cache_level']}:{int(b['block_hash'], 16) & U64}":
+            None if b["parent_hash"] is None else int(b["parent_hash"], 16) & U64 for b in state["blocks"]}
+
+
+@pytest.fixture(scope="module")
+def serve_tiered(tmp_path_factory):
+    port, pub_port, replay_port = free_port(), free_port(), free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
+           "--kv-cache-memory", "0.0002", "--host-cache-memory", "0.002", "--max-model-len", "512",
+           "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
+           "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.25)
+        yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_tiered):
+    url, pub_ep, replay_ep = serve_tiered
+    sub = subprocess.Popen([sys.executable, "-c", PER_MEDIUM_SUBSCRIBER, pub_ep, replay_ep],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sub.stdout.readline().strip() == "ready"
+        docs = ["Document %d: " % i + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(6)]
+        cached = []
+        for round_ in range(2):  # the second round finds the first round's prefixes on the host
+            for doc in docs:
+                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": doc + "Summary:", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached[:6] == [0] * 6 and min(cached[6:]) > 0  # evicted from the device, onboarded from the host
+        state = httpx.get(f"{url}/v1/kv_cache_state").json()
+        levels = {b["cache_level"] for b in state["blocks"]}
+        assert levels == {"GPU", "CPU"}
+        deadline = time.monotonic() + 30
+        while True:
+            sub.stdin.write("dump\n")
+            sub.stdin.flush()
+            if json.loads(sub.stdout.readline()) == per_level(state):
+                break
+            assert time.monotonic() < deadline, "the per-medium ZMQ view never matched /v1/kv_cache_state"
+            time.sleep(0.2)
+    finally:
+        sub.kill()
