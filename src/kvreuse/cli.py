@@ -38,6 +38,16 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tier below the KV pool, in GiB (0: off): evicted blocks are kept there, not dropped")
     p.add_argument("--host-offload-min-priority", type=int, default=35, metavar="P",
                    help="evicted blocks of retention priority >= P go to the host tier (TensorRT-LLM's default 35)")
+    p.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="disk tier below the host tier: blocks the host evicts (and new ones, see "
+                        "--tier-write-through-min-priority) are kept in DIR and found again after a restart")
+    p.add_argument("--disk-cache-size", type=float, default=10.0, metavar="GIB", help="disk tier cap (LRU beyond it)")
+    p.add_argument("--disk-cache-ttl", type=float, default=None, metavar="S", help="purge disk blocks idle for S seconds")
+    p.add_argument("--remote-cache", default=None, metavar="redis://HOST:PORT/DB",
+                   help="shared tier (Redis/Valkey) for executors of the same model; a down store costs a recompute")
+    p.add_argument("--tier-write-through-min-priority", type=int, default=35, metavar="P",
+                   help="newly computed blocks of priority >= P are written to the disk/remote tiers at once "
+                        "(101: only what the host tier evicts)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="weights, activations and KV")
@@ -96,7 +106,9 @@ def _engine_config(args: argparse.Namespace):
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
         schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
-        host_offload_min_priority=args.host_offload_min_priority, **extra,
+        host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
+        disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
+        tier_write_through_min_priority=args.tier_write_through_min_priority, **extra,
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvreuse.cache.block_pool import BlockPool, Clock
 from kvreuse.cache.eviction import EvictionPolicy
@@ -33,12 +33,40 @@ HOST_LEVEL = "CPU"  # vLLM's KV-event medium for host memory
 
 class KVMover(Protocol):
     """Moves block KV between the device storage and the host storage (the edge: the model
-    runner on CUDA/CPU). Both calls copy whole blocks, one call per batch; they must be
-    complete (or ordered before any later write to the source) when they return."""
+    runner on CUDA/CPU). Every call copies whole blocks, one call per batch; copies are
+    complete (or ordered before any later write to the source) when they return. KV
+    tensors are opaque here: ``[layers, 2, kv_heads, n, block_size, head_dim]`` on the CPU."""
 
     def offload(self, device_block_ids: Sequence[int], host_block_ids: Sequence[int]) -> None: ...
 
     def onboard(self, host_block_ids: Sequence[int], device_block_ids: Sequence[int]) -> None: ...
+
+    def read_host(self, host_block_ids: Sequence[int]) -> Any: ...
+
+    def read_device(self, device_block_ids: Sequence[int]) -> Any: ...
+
+    def write_device(self, device_block_ids: Sequence[int], kv: Any) -> None: ...
+
+
+class LoadedBlock(Protocol):
+    """A block read back from a persistent store (``tiers.persistent.StoredKV``)."""
+
+    key: BlockHash
+    parent_key: BlockHash | None
+    token_ids: tuple[int, ...]
+    kv: Any
+    level: str
+
+
+class Stores(Protocol):
+    """The disk / remote stores below the host tier (``tiers.persistent.PersistentTiers``):
+    they do their own IO; this tier only hands them blocks and asks them for chains."""
+
+    def spill(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, tuple[int, ...]]], kv: Any) -> None: ...
+
+    def writes_through(self, priority: int) -> bool: ...
+
+    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None) -> list[LoadedBlock]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +90,7 @@ class TierStats:
 
     offloaded_blocks: int = 0
     onboarded_blocks: int = 0
+    loaded_blocks: int = 0  # read back from the disk / remote stores into device blocks
     skipped_blocks: int = 0  # evicted below the priority gate: dropped, not offloaded
     dropped_blocks: int = 0  # passed the gate but found no room (host blocks all held)
     offload_seconds: float = 0.0
@@ -86,9 +115,11 @@ class HostTier:
         clock: Clock = time.monotonic,
         events: EventSink | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        below: Stores | None = None,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size, policy=policy, clock=clock, events=events,
-                              cache_level=HOST_LEVEL)
+                              cache_level=HOST_LEVEL, record_evictions=below is not None)
+        self.below = below  # disk / remote: host evictions spill there, admission reads there last
         self.offload_policy = offload_policy
         self.mover = mover
         self.stats = TierStats()
@@ -115,6 +146,11 @@ class HostTier:
             return 0
         started = self._timer()
         host = self.pool.allocate(len(wanted))
+        spilled = self.pool.take_evicted()
+        if spilled and self.below is not None and self.mover is not None:
+            # read before the copy below overwrites those host blocks
+            kv = self.mover.read_host([e.block_id for e in spilled])
+            self.below.spill([(e.block_hash, e.parent_hash, e.token_ids) for e in spilled], kv)
         if self.mover is not None:
             self.mover.offload([e.block_id for e in wanted], [b.block_id for b in host])
         for block, e in zip(host, wanted):
@@ -155,5 +191,43 @@ class HostTier:
         self.stats.onboard_seconds += self._timer() - started
         return moved
 
+    # ------------------------------------------------------------------ stores -> device
+    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None) -> list:
+        """The stores' continuation of a chain after ``parent`` (verified blocks), or ``[]``."""
+        if self.below is None or not keys:
+            return []
+        return self.below.match(keys, token_blocks, parent)
+
+    def load(self, stored: Sequence[LoadedBlock], device_block_ids: Sequence[int]) -> list[tuple]:
+        """Write the stores' blocks into device blocks (fresh, held by the caller). Returns,
+        per block, ``(key, parent key, token ids, priority, duration)`` for the caller to
+        register (stores keep no retention: default priority, no duration)."""
+        if not stored:
+            return []
+        started = self._timer()
+        if self.mover is not None:
+            self.mover.write_device(device_block_ids, _stack([s.kv for s in stored]))
+        self.stats.loaded_blocks += len(stored)
+        self.stats.onboard_seconds += self._timer() - started
+        return [(s.key, s.parent_key, s.token_ids, DEFAULT_PRIORITY, None) for s in stored]
+
+    def write_through(self, blocks: Sequence[KVBlock]) -> None:
+        """Hand newly registered device blocks whose priority passes the stores' write-through
+        gate to the stores now (another executor sharing the remote store can hit them)."""
+        if self.below is None or self.mover is None:
+            return
+        picked = [b for b in blocks if b.block_hash is not None and self.below.writes_through(b.priority)]
+        if picked:
+            kv = self.mover.read_device([b.block_id for b in picked])
+            self.below.spill([(b.block_hash, b.parent_hash, b.token_ids) for b in picked], kv)  # type: ignore[misc]
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+
+
+def _stack(kvs: Sequence[Any]) -> Any:
+    """``[layers, 2, kv_heads, n, block_size, head_dim]`` from n per-block tensors (torch is
+    imported here only, lazily: the simulator never loads a block)."""
+    import torch
+
+    return torch.stack(list(kvs), dim=3)

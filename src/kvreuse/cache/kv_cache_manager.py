@@ -66,6 +66,7 @@ class Admission:
     blocks: tuple[KVBlock, ...]
     num_hits: int  # cached blocks, wherever they were found (device + onboarded)
     num_onboarded: int = 0  # of which copied up from the host tier
+    num_loaded: int = 0  # of which read back from the disk / remote stores
 
 
 class _TokenBlocks:
@@ -134,8 +135,13 @@ class KVCacheManager:
         hits = self.pool.match_prefix(keys[:limit], token_blocks) if limit > 0 else []
         n = len(hits)
         below: list[KVBlock] = []
-        if self.lower is not None and n < limit:  # the chain goes on in the host tier?
+        stored: list = []
+        if self.lower is not None and n < limit:  # the chain goes on in the host tier? in the stores?
             below = self.lower.match(keys[n:limit], (token_blocks[j] for j in range(n, limit)))
+            j = n + len(below)
+            if j < limit:
+                stored = self.lower.match_stores(keys[j:limit], (token_blocks[i] for i in range(j, limit)),
+                                                 keys[j - 1] if j else None)
         num_new = num_blocks - n
         unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
         if num_new > self.pool.num_free_blocks - unheld_hits:
@@ -143,14 +149,17 @@ class KVCacheManager:
                 self.lower.cancel(below)  # type: ignore[union-attr]
             return None
         # worked out before anything is held, so a failure here leaks no block
-        wanted = [retention(i) or (None, None) for i in range(n + len(below))]
+        wanted = [retention(i) or (None, None) for i in range(n + len(below) + len(stored))]
         self.pool.acquire(hits)
         for block, (priority, duration) in zip(hits, wanted):
             self.pool.set_retention(block, priority, duration)
         blocks = hits + self.allocate(num_new)
-        if below:
-            self._onboard(blocks, below, keys, token_blocks, n, wanted)
-        return Admission(tuple(blocks), n + len(below), len(below))
+        if below or stored:
+            j = n + len(below)
+            ids = [b.block_id for b in blocks]
+            moved = self.lower.onboard(below, ids[n:j]) + self.lower.load(stored, ids[j : j + len(stored)])  # type: ignore[union-attr]
+            self._register_moved(blocks, keys, token_blocks, n, moved, wanted)
+        return Admission(tuple(blocks), n + len(below) + len(stored), len(below), len(stored))
 
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` fresh blocks (``BlockPool.allocate``: check capacity first); what it evicted
@@ -162,10 +171,9 @@ class KVCacheManager:
                 self.lower.offload(evicted)
         return blocks
 
-    def _onboard(self, blocks: list[KVBlock], below: list[KVBlock], keys, token_blocks, n: int, wanted) -> None:
-        """Copy the host tier's continuation ``below`` into ``blocks[n:n+len(below)]`` (fresh),
-        register them on the device with the retention they had, then the request's."""
-        moved = self.lower.onboard(below, [b.block_id for b in blocks[n : n + len(below)]])  # type: ignore[union-attr]
+    def _register_moved(self, blocks: list[KVBlock], keys, token_blocks, n: int, moved: list[tuple], wanted) -> None:
+        """Register ``blocks[n:n+len(moved)]``, just filled from a lower tier, on the device
+        with the retention they had there, then apply the request's (as for any hit)."""
         kept = {j: (priority, duration) for j, (_, _, _, priority, duration) in enumerate(moved, n)}
         self.register_blocks(blocks, keys, token_blocks, n, n + len(moved), retention=kept.get)
         for j in range(n, n + len(moved)):
@@ -265,6 +273,8 @@ class KVCacheManager:
         self._extend_hashes(seq, full * bs)
         self.register_blocks(seq.blocks, seq.block_hashes, self._token_blocks(seq), seq.num_registered_blocks,
                              full, retention=lambda i: self.retention_fn(seq, i, bs))
+        if self.lower is not None:
+            self.lower.write_through(seq.blocks[seq.num_registered_blocks : full])
         seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:

@@ -48,6 +48,24 @@ class HostKVTransfer:
         self._blocks(self.host_kv).index_copy_(3, host, picked.to("cpu", non_blocking=False))
         self.bytes_moved += picked.numel() * picked.element_size()
 
+    def read_host(self, host_block_ids: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of host blocks ``[layers, 2, kv_heads, n, block_size, head_dim]`` (for the
+        disk and remote stores; the caller may keep it)."""
+        host = torch.tensor(host_block_ids, dtype=torch.long)
+        return self._blocks(self.host_kv).index_select(3, host)
+
+    def read_device(self, device_block_ids: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of device blocks ``[layers, 2, kv_heads, n, block_size, head_dim]``."""
+        dev = torch.tensor(device_block_ids, dtype=torch.long, device=self.device_kv.device)
+        return self._blocks(self.device_kv).index_select(3, dev).to("cpu")
+
+    def write_device(self, device_block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        """Write ``kv`` ``[layers, 2, kv_heads, n, block_size, head_dim]`` (any device) into
+        device blocks (same order)."""
+        dev = torch.tensor(device_block_ids, dtype=torch.long, device=self.device_kv.device)
+        self._blocks(self.device_kv).index_copy_(3, dev, kv.to(self.device_kv.device, self.device_kv.dtype))
+        self.bytes_moved += kv.numel() * kv.element_size()
+
     def onboard(self, host_block_ids: Sequence[int], device_block_ids: Sequence[int]) -> None:
         """Copy host blocks into device blocks (same order)."""
         host = torch.tensor(host_block_ids, dtype=torch.long)

@@ -56,6 +56,11 @@ class EngineConfig:
     schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
     host_cache_memory_gib: float = 0.0  # host tier below the device pool (0 = off)
     host_offload_min_priority: int = 35  # evicted device blocks of this priority or more go to the host
+    disk_cache_dir: str | None = None  # disk tier below the host tier (None = off)
+    disk_cache_size_gib: float = 10.0
+    disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
+    remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
+    tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
 
     def __post_init__(self) -> None:
         if not self.kv_cache_memory_gib > 0:
@@ -68,6 +73,14 @@ class EngineConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.host_cache_memory_gib >= 0:
             raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
+        if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:
+            raise ValueError("--disk-cache-dir and --remote-cache sit below the host tier: "
+                             "set --host-cache-memory GIB > 0 as well")
+        if not self.disk_cache_size_gib > 0:
+            raise ValueError(f"--disk-cache-size must be > 0 GiB, got {self.disk_cache_size_gib}")
+        if not 0 <= self.tier_write_through_min_priority <= 101:
+            raise ValueError("--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
+                             f"tier evicts), got {self.tier_write_through_min_priority}")
         if not 0 <= self.host_offload_min_priority <= 101:
             raise ValueError(
                 f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"
@@ -151,7 +164,7 @@ class LLMEngine:
         self.host: HostTier | None = None  # the tier below the device pool; its KVMover is set with the runner
         if num_host_blocks > 0:
             self.host = HostTier(
-                num_host_blocks, config.block_size, events=events,
+                num_host_blocks, config.block_size, events=events, below=self._stores(config, layout, loaded),
                 policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
                 offload_policy=OffloadPolicy(config.host_offload_min_priority),
             )
@@ -448,6 +461,25 @@ class LLMEngine:
                     f"block {block.block_id} has ref_count {block.ref_count} but live requests hold "
                     f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
                 )
+
+    @staticmethod
+    def _stores(config: EngineConfig, layout: KVLayout, loaded):
+        """The disk / remote stores below the host tier, or ``None`` when neither is set."""
+        if config.disk_cache_dir is None and config.remote_cache is None:
+            return None
+        from kvreuse.tiers.disk_store import DiskStore
+        from kvreuse.tiers.namespace import TierNamespace
+        from kvreuse.tiers.persistent import PersistentTiers
+        from kvreuse.tiers.remote_store import RemoteStore
+
+        namespace = TierNamespace(loaded.fingerprint, config.hash_algorithm, config.block_size)
+        disk = None if config.disk_cache_dir is None else DiskStore(
+            config.disk_cache_dir, int(config.disk_cache_size_gib * 2**30), namespace=namespace,
+            ttl_s=config.disk_cache_ttl_s)
+        remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
+        shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
+        return PersistentTiers(namespace, shape, loaded.dtype, disk=disk, remote=remote,
+                               write_through_min_priority=config.tier_write_through_min_priority)
 
     def cache_pools(self) -> tuple[BlockPool, ...]:
         """The device pool, then the tiers below it (snapshots list every level)."""
