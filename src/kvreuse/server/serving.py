@@ -24,6 +24,7 @@ from kvreuse.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from kvreuse.engine.llm_engine import RequestOutput
+    from kvreuse.pml.prepared import PreparedPrompt
 
 
 @dataclass(frozen=True)
@@ -127,14 +128,14 @@ class EngineRequest:
     request_id: str
     cache_salt: str | None
     retention: Any
-    pml_text: str | None = None  # a PML prompt (docs/pml.md); prompt_token_ids is then empty
+    prepared: PreparedPrompt | None = None  # a PML prompt, compiled once (docs/pml.md); prompt_token_ids is then empty
 
 
 async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[RequestOutput]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
-        cache_salt=req.cache_salt, retention=req.retention, pml_text=req.pml_text,
+        cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared,
     ):
         tracker.observe(output)
         yield output
