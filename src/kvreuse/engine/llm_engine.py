@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +21,7 @@ from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
+from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.context import PromptContext
 from kvreuse.pml.module_cache import ModuleCache
 from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
@@ -64,46 +65,6 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # cumulative
-    new_token_ids: list[int]  # sampled this step
-    text: str  # cumulative, stop strings cut
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    ttft_s: float | None
-    # With SamplingParams(logprobs=k), one entry per output token (cumulative / this step's);
-    # None otherwise. The raw model distribution, before temperature (kvreuse.engine.logprobs).
-    logprobs: list[TokenLogprobs] | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.output_token_ids
-
-
-@dataclass
-class EngineStats:
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_used_blocks: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
-    num_running: int
-    num_waiting: int
-    evictions_by_priority: dict[int, int] = field(default_factory=dict)
-    blocks_by_priority: dict[int, int] = field(default_factory=dict)
-    num_preemptions: int = 0
-    tokens_computed: int = 0
-    events_dropped: int | None = None  # None when events are off
 
 
 class LLMEngine:

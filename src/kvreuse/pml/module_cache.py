@@ -43,13 +43,9 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
-from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, is_pml_prompt, prepare_prompt
+from kvreuse.pml.prepared import is_pml_prompt  # noqa: F401 - re-exported (server routes)
+from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, prepare_prompt
 from kvreuse.pml.schema_store import SchemaStore, StoreMismatch
-
-__all__ = [
-    "MODULE_PRIORITY", "KVAccess", "ModuleCache", "ModuleContext", "ModulePlan", "ModuleSource", "PoolBusy",
-    "PreparedPrompt", "SchemaInfo", "is_pml_prompt",
-]
 
 log = logging.getLogger(__name__)
 
