@@ -191,7 +191,7 @@ class LLMEngine:
         context = PromptContext(self.modules.source(prompt.plan), None)
         context.acquire()
         self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
-                         prompt_positions=prompt.position_ids, context=context)
+                         prompt_positions=list(prompt.position_ids), context=context)  # own copy: shared prompt
 
     def _restore_context(self) -> None:
         """The first waiting request, if its context KV was let go, acquires it again

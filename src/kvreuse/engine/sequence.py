@@ -42,7 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
     admitted_before: bool = False  # a preempted sequence re-admitted: its own blocks are no cache hits
-    prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
+    prompt_positions: list[int] | None = None  # explicit RoPE positions (e.g. PML); None = index
     context: PromptContext | None = None  # read-only KV in front of the prompt; None: none
     first_token_time: float | None = None
     finish_reason: str | None = None
