@@ -5,6 +5,7 @@ persistence to a schema dir, and bad prompts leaving the pool intact."""
 import pytest
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.engine.context import ContextState
 from kvreuse.pml.module_cache import MODULE_PRIORITY
 from kvreuse.pml import PMLSemanticError, PMLSyntaxError
 from tests.engine_helpers import LogitsSpy
@@ -258,7 +259,7 @@ def test_waiting_requests_holding_module_kv_never_deadlock_the_pool(tiny_llama):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine = small.engine
     for i, prompt in enumerate(prompts):
-        engine.add_pml_request(f"r{i}", prompt, params)
+        engine.add_prepared_request(f"r{i}", engine.prepare_prompt(prompt), params)
     outs, steps = {}, 0
     while engine.has_unfinished_requests():
         steps += 1
@@ -286,8 +287,8 @@ def test_pml_request_arriving_when_the_pool_is_busy_waits_instead_of_failing(tin
     engine = small.engine
     engine.add_request("hog", list(range(100, 220)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.step()  # the hog holds 30 of 40 blocks; part of the module's 13 blocks were evicted for it
-    engine.add_pml_request("pml", prompt, params)  # used to raise "the KV pool has N free blocks"
-    assert engine._requests["pml"].context_released  # it really had to wait for its module KV
+    engine.add_prepared_request("pml", engine.prepare_prompt(prompt), params)  # used to raise "the KV pool has N free blocks"
+    assert engine._requests["pml"].context.state is ContextState.RELEASED  # it really had to wait for its module KV
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -16,7 +16,8 @@ from typing import Any
 from kvreuse.cache.retention import KvCacheRetentionConfig, as_retention
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from kvreuse.events.records import event_to_json
-from kvreuse.pml.module_cache import SchemaInfo, is_pml_prompt
+from kvreuse.pml.module_cache import SchemaInfo
+from kvreuse.pml.prepared import is_pml_prompt
 from kvreuse.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -66,7 +67,8 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             try:
                 if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
-                    self.engine.add_pml_request(rid, prompt, params, cache_salt=cache_salt, retention=config)
+                    prepared = self.engine.prepare_prompt(prompt)  # compiled once, here (the engine thread)
+                    self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config)
                 else:
                     token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                     self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=config)

@@ -47,6 +47,32 @@ def test_register_list_and_serve_completion_and_chat(client, async_engine):
     wait_idle(async_engine)
 
 
+def test_a_pml_request_is_compiled_once_on_the_engine_thread(client, async_engine, monkeypatch):
+    """Chat with n=2 compiles its prompt once (the choices share it); completions once per
+    prompt; always on the engine thread, where the schemas live."""
+    import threading
+
+    import kvreuse.pml.prepared as prepared_mod
+
+    _register(client)
+    threads = []
+    real = prepared_mod.compile_prompt
+    monkeypatch.setattr(prepared_mod, "compile_prompt",
+                        lambda *a: threads.append(threading.current_thread().name) or real(*a))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                   "n": 2, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    assert len(threads) == 1
+    r = client.post("/v1/completions", json={"prompt": [PROMPT, PROMPT], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(threads) == 3
+    engine_thread = async_engine._thread.name
+    assert threads == [engine_thread] * 3
+    wait_idle(async_engine)
+    asyncio.run(async_engine.call(lambda e: e.check_integrity()))
+
+
 def test_bad_markup_and_bad_prompts_are_400s(client, async_engine):
     r = client.post("/v1/schemas", json={"schema": '<schema name="x">\n<module name="m">a</mod>\n</schema>'})
     assert r.status_code == 400 and "line 2" in r.json()["error"]["message"]

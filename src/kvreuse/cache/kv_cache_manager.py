@@ -246,8 +246,8 @@ class KVCacheManager:
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
             # PML module KV assembled in front of the prompt counts as reused prompt tokens.
-            seq.num_cached_tokens = admission.num_hits * bs + len(seq.context_slots)
-            self.queries_tokens += seq.num_prompt_tokens + len(seq.context_slots)
+            seq.num_cached_tokens = admission.num_hits * bs + seq.num_context_tokens
+            self.queries_tokens += seq.num_prompt_tokens + seq.num_context_tokens
             self.hits_tokens += seq.num_cached_tokens
         return True
 
@@ -285,7 +285,7 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
 
     def release_context(self, seq: Sequence) -> None:
-        """Drop the sequence's references on its PML module blocks (at its end, not on
-        preemption: the context stays valid while the sequence waits)."""
-        self.pool.release(reversed(seq.context_blocks))
-        seq.context_blocks = []
+        """Drop the sequence's references on its context blocks (PML modules) at its end;
+        not on preemption: the context stays valid while the sequence waits."""
+        if seq.context is not None:
+            seq.context.release()

@@ -32,6 +32,7 @@ from kvreuse.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kvreuse.cache.retention import KvCacheRetentionConfig
     from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+    from kvreuse.pml.prepared import PreparedPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class _Add:
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None
     stream: _Stream
-    pml_text: str | None = None  # a PML prompt: compiled and assembled on the engine thread
+    prepared: PreparedPrompt | None = None  # a PML prompt (compiled at the edge); its KV is assembled here
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +142,11 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | None = None,
-        pml_text: str | None = None,
+        prepared: PreparedPrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one
-        has ``finished``. With ``pml_text`` (a ``<prompt schema=...>``) the prompt is that
-        markup, compiled on the engine thread, and ``prompt_token_ids`` is ignored.
+        has ``finished``. With ``prepared`` (a PML prompt from ``call(lambda e:
+        e.prepare_prompt(text))``) the prompt is that, and ``prompt_token_ids`` is ignored.
 
         Raises ``ValueError`` when the engine rejects the request (message names the field),
         ``EngineError`` if the engine fails while serving it. If the consumer stops early
@@ -155,7 +156,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, pml_text))
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, prepared))
         finished = False
         try:
             while True:
@@ -286,9 +287,9 @@ class AsyncEngine:
             self._deliver(cmd.stream, ValueError(f"request_id {cmd.request_id!r} is already in flight"))
             return
         try:
-            if cmd.pml_text is not None:
-                self.engine.add_pml_request(
-                    cmd.request_id, cmd.pml_text, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
+            if cmd.prepared is not None:
+                self.engine.add_prepared_request(
+                    cmd.request_id, cmd.prepared, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
                 )
             else:
                 self.engine.add_request(

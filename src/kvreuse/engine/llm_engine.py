@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,10 @@ from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
-from kvreuse.pml.module_cache import ModuleCache, ModuleContext, PoolBusy
+from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
+from kvreuse.engine.context import PromptContext
+from kvreuse.pml.module_cache import ModuleCache
+from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
 from kvreuse.engine.sampler import make_generator, sample_one
 from kvreuse.engine.sampling_params import SamplingParams
@@ -85,46 +88,6 @@ class EngineConfig:
             raise ValueError(
                 f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"
             )
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # cumulative
-    new_token_ids: list[int]  # sampled this step
-    text: str  # cumulative, stop strings cut
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    ttft_s: float | None
-    # With SamplingParams(logprobs=k), one entry per output token (cumulative / this step's);
-    # None otherwise. The raw model distribution, before temperature (kvreuse.engine.logprobs).
-    logprobs: list[TokenLogprobs] | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.output_token_ids
-
-
-@dataclass
-class EngineStats:
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_used_blocks: int
-    prefix_cache_queries_tokens: int
-    prefix_cache_hits_tokens: int
-    num_running: int
-    num_waiting: int
-    evictions_by_priority: dict[int, int] = field(default_factory=dict)
-    blocks_by_priority: dict[int, int] = field(default_factory=dict)
-    num_preemptions: int = 0
-    tokens_computed: int = 0
-    events_dropped: int | None = None  # None when events are off
 
 
 class LLMEngine:
@@ -210,29 +173,26 @@ class LLMEngine:
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | None = None,
         prompt_positions: list[int] | None = None,
-        context: ModuleContext | None = None,
-        module_plan=None,
+        context: PromptContext | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (naming the field) if it can never run.
 
         ``retention``: a ``KvCacheRetentionConfig`` or ``None`` (the JSON form is converted at
         the edge, ``as_retention``; anything else is a ``ValueError``).
 
-        ``context`` (PML): module KV assembled in front of the prompt; the request takes
-        over its block references and releases them when it ends or is rejected here.
+        ``context``: read-only KV assembled in front of the prompt (``add_prepared_request``);
+        the request takes the handle over and releases it when it ends or is rejected here.
+        A released handle is acquired when the request reaches the head of the queue.
         """
         try:
-            if context is not None:
-                context_blocks = len({b.block_id for b in context.blocks})
-            else:
-                context_blocks = self.modules.blocks_of(module_plan) if module_plan is not None else 0
-            self._check_request(request_id, prompt_token_ids, params, prompt_positions, context_blocks)
+            self._check_request(request_id, prompt_token_ids, params, prompt_positions,
+                                0 if context is None else context.num_blocks)
             retention = checked_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         except ValueError:
             if context is not None:
-                self.pool.release(reversed(context.blocks))
+                context.release()
             raise
         seq = Sequence(
             request_id,
@@ -242,60 +202,51 @@ class LLMEngine:
             retention=retention,
             prompt_positions=prompt_positions,
             generator=make_generator(params.seed, self.runner.device),
+            context=context,
         )
-        seq.module_plan = module_plan
-        if context is not None:
-            self._set_context(seq, context)
-        elif module_plan is not None:
-            seq.context_released = True  # acquired at the head of the queue (_restore_context)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_pml_request(
-        self, request_id: str, pml_text: str, params: SamplingParams, *, cache_salt: str | None = None,
-        retention: KvCacheRetentionConfig | None = None,
-    ) -> None:
-        """Queue a ``<prompt schema=...>`` request over a registered schema (``self.modules``).
-        Raises ``ValueError`` (a ``PMLError`` naming line/column or the module) if it cannot run."""
-        prepared = self.modules.prepare(pml_text, acquire=False)
-        try:
-            context = self.modules.acquire(prepared.plan)
-        except PoolBusy:
-            context = None  # the pool is busy now: queued, it acquires its module KV when its turn comes
-        self.add_request(
-            request_id, prepared.token_ids, params, cache_salt=cache_salt, retention=retention,
-            prompt_positions=prepared.position_ids, context=context, module_plan=prepared.plan,
-        )
+    def prepare_prompt(self, pml_text: str) -> PreparedPrompt:
+        """Compile a ``<prompt schema=...>`` over the registered schemas, once, at the edge
+        (``LLM.generate``; the server through ``AsyncEngine.call``). Raises ``PMLError``.
 
-    @staticmethod
-    def _set_context(seq: Sequence, context: ModuleContext) -> None:
-        seq.context_blocks = list(context.blocks)
-        seq.context_slots = list(context.slots)
-        seq.context_positions = list(context.positions)
-        seq.context_released = False
+        Engine thread only: ``register``/``remove`` mutate the schema dict on this thread, so
+        compiling here, in one call, reads one consistent version of it (no snapshot to keep
+        in step). The result is frozen and may cross threads; its plan keeps the schema
+        version it was compiled against, so a schema replaced or removed before the request
+        is queued still serves it (as it does a request already queued)."""
+        return prepare_prompt(pml_text, self.modules.schemas, self.tokenizer)
+
+    def add_prepared_request(
+        self, request_id: str, prompt: PreparedPrompt, params: SamplingParams, *, cache_salt: str | None = None,
+        retention=None,
+    ) -> None:
+        """Queue a PML prompt (``prepare_prompt``): its new tokens at their positions, after the
+        KV of the modules it selects. That KV is acquired now (recomputing evicted modules) or,
+        when the pool cannot hold it now, when the request reaches the head of the queue.
+        Raises ``ValueError`` if the request can never run."""
+        context = PromptContext(self.modules.source(prompt.plan), None)
+        context.acquire()
+        self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
+                         prompt_positions=list(prompt.position_ids), context=context)  # own copy: shared prompt
 
     def _restore_context(self) -> None:
-        """The first waiting request, if its module KV was let go, acquires it again
+        """The first waiting request, if its context KV was let go, acquires it again
         (recomputing what was evicted meanwhile); if the pool cannot hold it yet it waits."""
         waiting = self.scheduler.waiting
-        if not waiting or not waiting[0].context_released:
-            return
-        seq = waiting[0]
-        try:
-            self._set_context(seq, self.modules.acquire(seq.module_plan))
-        except PoolBusy:
-            pass  # not now: running requests will free blocks
+        if waiting and waiting[0].context is not None:
+            waiting[0].context.acquire()  # False: not now, running requests will free blocks
 
     def _break_context_deadlock(self) -> bool:
-        """Nothing runs and the first waiting request cannot be admitted: the module KV
+        """Nothing runs and the first waiting request cannot be admitted: the context KV
         that requests behind it hold is in the way. They let it go (it stays cached,
         evictable) and acquire it again when their turn comes. Returns whether any did."""
         released = False
         for seq in list(self.scheduler.waiting)[1:]:
-            if seq.context_blocks and seq.module_plan is not None:
-                self.kv.release_context(seq)
-                seq.context_slots, seq.context_positions = [], []
-                seq.context_released = released = True
+            if seq.context is not None and seq.context.blocks:
+                seq.context.release()
+                released = True
         return released
 
     def _check_request(
@@ -352,15 +303,16 @@ class LLMEngine:
         chunks = []
         for item in plan:
             seq, c, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            ctx_slots, ctx_positions = ((), ()) if seq.context is None else (seq.context.slots, seq.context.positions)
             chunks.append(
                 SeqChunk(
                     token_ids=seq.token_ids[c : c + n],
                     positions=[seq.position(i) for i in range(c, c + n)],
                     new_slots=[seq.slot(i, bs) for i in range(c, c + n)],
-                    context_slots=seq.context_slots + [seq.slot(i, bs) for i in range(c)],
+                    context_slots=[*ctx_slots, *(seq.slot(i, bs) for i in range(c))],
                     context_positions=(  # explicit positions (PML), with or without module context
-                        seq.context_positions + [seq.position(i) for i in range(c)]
-                        if seq.context_slots or seq.prompt_positions is not None else None
+                        [*ctx_positions, *(seq.position(i) for i in range(c))]
+                        if ctx_slots or seq.prompt_positions is not None else None
                     ),
                     sample=c + n == seq.num_tokens,
                 )
@@ -415,7 +367,7 @@ class LLMEngine:
             new_text=new_text,
             finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens + len(seq.context_slots),  # PML modules are prompt too
+            num_prompt_tokens=seq.num_prompt_tokens + seq.num_context_tokens,  # PML modules are prompt too
             num_cached_tokens=seq.num_cached_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
@@ -453,7 +405,7 @@ class LLMEngine:
                 raise RuntimeError(f"{self.host.pool.num_used_blocks} host blocks are held between steps")
         held: dict[int, int] = {}
         for seq in self._requests.values():
-            for block in (*seq.blocks, *seq.context_blocks):
+            for block in (*seq.blocks, *(() if seq.context is None else seq.context.blocks)):
                 held[block.block_id] = held.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             if block.ref_count != held.get(block.block_id, 0):

@@ -2,11 +2,14 @@
 
 The runner owns the KV tensor (``[layers, 2, kv_heads, num_blocks * block_size,
 head_dim]``, allocated once) and turns a list of ``SeqChunk`` into one flattened forward
-pass; logits are computed only at the positions that sample a token.
+pass; logits are computed only at the positions that sample a token. Every read and write
+of that tensor happens here: ``execute`` (scheduled steps), ``precompute`` (PML modules, no
+logits), ``write_kv`` / ``read_kv`` (module KV from and to the schema store).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +115,30 @@ class ModelRunner:
             input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_index, kv_context=ctx,
         )
         return out.logits[0].float()  # [num_sampled, vocab]
+
+    # ------------------------------------------------------------------ KV in and out
+    def precompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                   chunk_tokens: int) -> None:
+        """One causal pass over ``token_ids`` at RoPE ``positions``, writing token ``i``'s KV
+        to ``slots[i]``; no logits. Runs in chunks of ``chunk_tokens``, each attending to the
+        chunks before it (the keys already written), so the result is that of one pass."""
+        ids, pos, slots = list(token_ids), list(positions), list(slots)
+        for start in range(0, len(ids), chunk_tokens):
+            end = start + chunk_tokens
+            self.execute([SeqChunk(ids[start:end], pos[start:end], slots[start:end],
+                                   slots[:start], pos[:start], sample=False)])
+
+    def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
+        """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,
+        head_dim]``, the store's layout, any device and dtype) into ``slots``, one per token."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
+        # [layers, 2, n, kv_heads, head_dim] -> [layers, 2, kv_heads, n, head_dim]
+        self.kv_cache[:, :, :, index] = kv[:, :, first_token:].transpose(2, 3).to(self.device, self.dtype)
+
+    def read_kv(self, slots: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of the KV in ``slots``: ``[layers, 2, tokens, kv_heads, head_dim]``."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
+        return self.kv_cache[:, :, :, index].transpose(2, 3).contiguous().cpu()  # [layers, 2, n, kv_heads, head_dim]
 
     # ------------------------------------------------------------------ masks
     def _prefill_item(self, start: int, chunk: SeqChunk) -> PrefillItem:

@@ -66,8 +66,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.context_released:
-                break  # the engine acquires its module KV again first
+            if seq.context is not None and not seq.context.admissible:
+                break  # the engine acquires its context KV again first
             # Counted once: a sequence preempted mid-prefill finds its own blocks on return.
             if not self.kv.admit(seq, first_time=not seq.admitted_before):
                 break

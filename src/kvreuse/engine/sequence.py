@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.engine.context import PromptContext
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.engine.sampling_params import SamplingParams
 
@@ -26,9 +27,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Mutable request state, owned by the engine thread.
 
-    Token index ``i`` (prompt then output) lives in KV slot ``slots()[i]`` and has RoPE
-    position ``position(i)``. ``context_blocks`` are read-only blocks assembled in front
-    of the sequence's own tokens (PML modules); they are not part of ``token_ids``.
+    Token index ``i`` (prompt then output) lives in KV slot ``slot(i)`` and has RoPE
+    position ``position(i)``. ``context`` is read-only KV assembled in front of the
+    sequence's own tokens (PML modules); it is not part of ``token_ids``.
     """
 
     request_id: str
@@ -45,12 +46,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
     admitted_before: bool = False  # a preempted sequence re-admitted: its own blocks are no cache hits
-    prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
-    context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
-    context_positions: list[int] = field(default_factory=list)
-    context_blocks: list[KVBlock] = field(default_factory=list)  # PML: module blocks held (read in place)
-    module_plan: object | None = None  # PML: module_cache.ModulePlan, to acquire the context again
-    context_released: bool = False  # PML: context let go while waiting (pool deadlock); not admissible
+    prompt_positions: list[int] | None = None  # explicit RoPE positions (e.g. PML); None = index
+    context: PromptContext | None = None  # read-only KV in front of the prompt; None: none
     first_token_time: float | None = None
     finish_reason: str | None = None
     text: str = ""  # detokenized output so far (stop strings cut)
@@ -68,6 +65,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Keys assembled in front of the sequence's own tokens (0 without a context)."""
+        return 0 if self.context is None else self.context.num_tokens
 
     @property
     def is_prefill(self) -> bool:

@@ -5,9 +5,9 @@ ordinary pool blocks, chained like a prefix but keyed from a first block whose e
 ``("pml", model_id, schema_hash, qualified_name)``, so module blocks never match an
 ordinary prompt prefix (same text, other positions) nor another schema's modules::
 
-    register_schema(text) ── compile ──▶ for each module: ensure ──▶ release (cached, priority 90)
-    prepare(prompt text)  ── compile ──▶ for each selected module: ensure (acquired)
-                                          ──▶ ModuleContext(blocks, slots, positions) ──▶ Sequence
+    register(schema text) ── compile ──▶ for each module: ensure ──▶ release (cached, priority 90)
+    prepared.plan (prepare_prompt, at the edge) ──▶ source(plan).acquire(): each module ensured
+                                          ──▶ ModuleContext(blocks, slots, positions) ──▶ PromptContext
 
 ``ensure`` finds the module's chain in the pool; missing blocks (never computed, or evicted:
 eviction takes chains from the tail) are loaded from the ``SchemaStore`` when one is set and
@@ -15,23 +15,25 @@ holds the schema, else recomputed in one pass at the module's schema positions a
 itself and its scaffolds. The KV is read in place: a request's context slots point into the
 module blocks, nothing is copied.
 
-Engine thread only (it touches the pool and runs the model).
+What is here is keys, blocks and the store. The KV itself is the ``KVAccess``'s (the model
+runner, passed in by the engine): it runs the precompute forward and copies KV between the
+store's tensors and the slots named here; this module never looks inside them.
+
+Engine thread only (it touches the pool and, through ``KVAccess``, runs the model).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any, Protocol
 
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain
 from kvreuse.cache.kv_block import block_slots, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager
-from kvreuse.engine.model_runner import ModelRunner, SeqChunk
 from kvreuse.pml import (
     CompiledModule,
     CompiledSchema,
@@ -41,52 +43,36 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
+from kvreuse.pml.prepared import is_pml_prompt  # noqa: F401 - re-exported (server routes)
+from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, prepare_prompt
 from kvreuse.pml.schema_store import SchemaStore, StoreMismatch
 
 log = logging.getLogger(__name__)
 
 MODULE_PRIORITY = 90  # retention priority of module blocks: eviction spares them unless memory requires
 Progress = Callable[[int, int, str], None]  # (modules done, modules total, qualified name)
+ModuleKV = Any  # one module's KV [layers, 2, tokens, kv_heads, head_dim]: the runner's and the store's, opaque here
 
 
-def is_pml_prompt(text: str) -> bool:
-    """Whether ``text`` is PML prompt markup (starts with ``<prompt``, leading space allowed)."""
-    return text.lstrip().startswith("<prompt")
+class KVAccess(Protocol):
+    """What the module cache needs from the engine's runner (``ModelRunner`` has these methods)."""
+
+    def precompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                   chunk_tokens: int) -> None:
+        """One causal pass writing token ``i``'s KV to ``slots[i]`` (no logits)."""
+        ...
+
+    def write_kv(self, slots: Sequence[int], kv: ModuleKV, first_token: int = 0) -> None:
+        """Write tokens ``first_token..`` of a stored module's KV into ``slots``."""
+        ...
+
+    def read_kv(self, slots: Sequence[int]) -> ModuleKV:
+        """A host copy of the KV in ``slots``, in the store's layout."""
+        ...
 
 
 class PoolBusy(ValueError):
     """The pool cannot hold a module's KV now (other requests hold the blocks); later it may."""
-
-
-@dataclass(frozen=True)
-class ModuleContext:
-    """Assembled module KV for one request. ``blocks`` each carry one reference that the
-    request owns; ``slots[i]`` holds the KV of the key at RoPE position ``positions[i]``."""
-
-    blocks: tuple[KVBlock, ...]
-    slots: tuple[int, ...]
-    positions: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    """Which modules a PML prompt assembles, in attention order, from which schema version;
-    ``dropped`` is the index of an assembled key computed again with the new tokens (the
-    highest position, when no text follows it). Enough to acquire the context again."""
-
-    schema: CompiledSchema
-    modules: tuple[str, ...]
-    dropped: int | None
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """What the engine runs for a PML prompt: new tokens at explicit positions after ``context``."""
-
-    token_ids: list[int]
-    position_ids: list[int]  # ascending; the last is the highest position, so decoding follows it
-    context: ModuleContext | None  # None: not acquired yet (``prepare(acquire=False)``)
-    plan: ModulePlan  # to acquire the context (again, after a release under pressure)
 
 
 @dataclass(frozen=True)
@@ -125,7 +111,7 @@ class ModuleCache:
     def __init__(
         self,
         kv: KVCacheManager,
-        runner: ModelRunner,
+        runner: KVAccess,
         tokenizer,
         *,
         model_id: str,
@@ -166,7 +152,7 @@ class ModuleCache:
         replaces = old is not None and old.schema_hash != schema.schema_hash
         self._counts = {"computed": 0, "loaded": 0, "present": 0}
         todo = schema.precompute_modules
-        kv: dict[str, torch.Tensor] = {}  # for the store, read while the blocks are held
+        kv: dict[str, ModuleKV] = {}  # for the store, read while the blocks are held
         try:
             for i, module in enumerate(todo):
                 blocks = self._ensure(schema, module, promote=True)
@@ -233,28 +219,25 @@ class ModuleCache:
 
     # ------------------------------------------------------------------ requests
     def prepare(self, pml_text: str, *, acquire: bool = True) -> PreparedPrompt:
-        """Compile a ``<prompt schema=...>`` and (``acquire``) acquire the KV of every module
-        it selects (recomputing evicted ones); the caller owns one reference per context
-        block. Without ``acquire`` the context is ``None``: call ``acquire(plan)`` later.
+        """``prepare_prompt`` over the registered schemas and (``acquire``) the KV of every
+        module it selects (recomputing evicted ones); the caller owns one reference per
+        context block. Without ``acquire`` the context is ``None``.
 
         Raises ``PMLError`` naming line/column or the module, ``PoolBusy`` (a ``ValueError``)
         when the pool cannot hold the modules now."""
-        tree = parse_prompt(pml_text)
-        prompt = compile_prompt(tree, self.schemas, self.tokenizer)
-        schema = self.schemas[prompt.schema_name]
-        assembled = schema.assembled(prompt)
-        tokens = [t for _, stored, _ in assembled for t in stored]
-        positions = [p for _, _, stored in assembled for p in stored]
-        new_tokens, new_positions = list(prompt.new_token_ids), list(prompt.new_position_ids)
-        dropped = None
-        if positions and (not new_positions or max(positions) > new_positions[-1]):
-            # The highest position is assembled (no trailing text): compute that one token
-            # again so its logits exist and decoding continues right after it.
-            dropped = max(range(len(positions)), key=positions.__getitem__)
-            new_tokens.append(tokens[dropped])
-            new_positions.append(positions[dropped])
-        plan = ModulePlan(schema, tuple(name for name, _, _ in assembled), dropped)
-        return PreparedPrompt(new_tokens, new_positions, self.acquire(plan) if acquire else None, plan)
+        prepared = prepare_prompt(pml_text, self.schemas, self.tokenizer)
+        if not acquire:
+            return prepared
+        return PreparedPrompt(prepared.token_ids, prepared.position_ids, self.acquire(prepared.plan),
+                              prepared.plan, prepared.next_position)
+
+    def source(self, plan: ModulePlan) -> ModuleSource:
+        """``plan`` bound to this cache: the ``engine.context.ContextSource`` of a request's context."""
+        return ModuleSource(self, plan)
+
+    def release(self, context: ModuleContext) -> None:
+        """Drop the references ``acquire`` gave (tail first; the blocks stay cached)."""
+        self.pool.release(reversed(context.blocks))
 
     def blocks_of(self, plan: ModulePlan) -> int:
         """Blocks ``plan``'s modules take in the pool (what ``acquire`` holds)."""
@@ -348,12 +331,9 @@ class ModuleCache:
         if kv is None:
             return False
         bs = self.pool.block_size
-        lo = num_hits * bs
+        lo = num_hits * bs  # stored tokens below this are already in the pool
         slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
-        cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
-        index = torch.tensor(slots, dtype=torch.long, device=cache.device)
-        # files hold [layers, 2, tokens, kv_heads, head_dim]
-        cache[:, :, :, index] = kv[:, :, lo:].transpose(2, 3).to(cache.device, cache.dtype)
+        self.runner.write_kv(slots, kv, first_token=lo)
         return True
 
     def _compute(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
@@ -374,21 +354,14 @@ class ModuleCache:
         try:
             free = iter(block_slots([b.block_id for b in scratch], 0, num_scratch, bs))
             slots = [t if t is not None else next(free) for t in targets]
-            ids, pos = list(run.token_ids), list(run.position_ids)
-            for start in range(0, len(ids), self.chunk_tokens):
-                end = start + self.chunk_tokens
-                self.runner.execute([SeqChunk(ids[start:end], pos[start:end], slots[start:end],
-                                              slots[:start], pos[:start], sample=False)])
+            self.runner.precompute(run.token_ids, run.position_ids, slots, self.chunk_tokens)
         finally:
             self.pool.release(reversed(scratch))
 
-    def _read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> torch.Tensor:
-        """The module's stored KV ``[layers, 2, tokens, kv_heads, head_dim]`` (CPU copy)."""
-        bs = self.pool.block_size
-        slots = block_slots([b.block_id for b in blocks], 0, len(module.stored_token_ids), bs)
-        cache = self.runner.kv_cache  # [layers, 2, kv_heads, slots, head_dim]
-        index = torch.tensor(slots, dtype=torch.long, device=cache.device)
-        return cache[:, :, :, index].transpose(2, 3).contiguous().cpu()
+    def _read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> ModuleKV:
+        """The module's stored KV, for the store (a host copy, through the runner)."""
+        slots = block_slots([b.block_id for b in blocks], 0, len(module.stored_token_ids), self.pool.block_size)
+        return self.runner.read_kv(slots)
 
     def _demote(self, schema: CompiledSchema) -> None:
         """Drop a schema's cached module blocks to the default priority."""
@@ -397,3 +370,31 @@ class ModuleCache:
                 block = self.pool.get_cached(h)
                 if block is not None:
                     self.pool.set_retention(block, DEFAULT_PRIORITY, None)
+
+
+@dataclass(frozen=True)
+class ModuleSource:
+    """A module plan bound to its cache: the ``engine.context.ContextSource`` of a PML request."""
+
+    cache: ModuleCache
+    plan: ModulePlan
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.blocks_of(self.plan)
+
+    @property
+    def num_tokens(self) -> int:
+        schema = self.plan.schema
+        stored = sum(len(schema.module(name).stored_token_ids) for name in self.plan.modules)
+        return stored - (self.plan.dropped is not None)
+
+    def acquire(self) -> ModuleContext | None:
+        """``ModuleCache.acquire``; ``None`` when the pool is busy (nothing held then)."""
+        try:
+            return self.cache.acquire(self.plan)
+        except PoolBusy:
+            return None
+
+    def release(self, held: ModuleContext) -> None:
+        self.cache.release(held)

@@ -79,17 +79,18 @@ def pml_message(messages) -> str | None:
 
 async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
                       retention: KvCacheRetentionConfig | None, request: Request):
-    # As for plain chat, the reply may fill the context: ask the engine thread where the prompt ends.
+    # Compiled once, on the engine thread (where the schemas live); the choices share it.
     try:
-        end = await ctx.engine.call(lambda engine: engine.modules.prompt_end(pml))
+        prepared = await ctx.engine.call(lambda engine: engine.prepare_prompt(pml))
     except PMLError as exc:
         raise APIError(str(exc), param="messages") from None
+    end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
     default_max = max(1, ctx.engine.max_model_len - end)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", body.cache_salt,
-                      retention, pml)
+                      retention, prepared)
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}

@@ -21,6 +21,7 @@ from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.api.errors import error_body
+from kvreuse.pml.prepared import PreparedPrompt
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.api.protocol import CompletionRequest, now_s, usage_dict
@@ -43,15 +44,18 @@ async def create_completion(body: CompletionRequest, request: Request):
     retention = parse_retention(body.kv_cache_retention_config)
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
-    pml: list[str | None] = []  # a PML prompt is compiled on the engine thread (docs/pml.md)
+    pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
+    prepared: list[PreparedPrompt | None] = []
     lengths: list[int] = []  # context length of each prompt: where decoding starts
     for prompt in body.prompts():
         pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
         if pml[-1] is not None:
             text = pml[-1]
-            ids, n = [], await ctx.engine.call(lambda engine: engine.modules.prompt_end(text))
+            prepared.append(await ctx.engine.call(lambda engine: engine.prepare_prompt(text)))
+            ids, n = [], prepared[-1].next_position
             check_prompt_length(ctx, n, body.max_tokens, param="prompt")
         else:
+            prepared.append(None)
             ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
             check_prompt(ctx, ids, body.max_tokens, param="prompt")
             n = len(ids)
@@ -64,7 +68,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
-                                          f"{base_id}-{index}", body.cache_salt, retention, pml[i]))
+                                          f"{base_id}-{index}", body.cache_salt, retention, prepared[i]))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     if body.stream:

@@ -24,6 +24,7 @@ from kvreuse.server.errors import ClientDisconnected, from_value_error
 
 if TYPE_CHECKING:
     from kvreuse.engine.llm_engine import RequestOutput
+    from kvreuse.pml.prepared import PreparedPrompt
 
 
 def check_model(ctx: ServerContext, name: str | None) -> str:
@@ -95,14 +96,14 @@ class EngineRequest:
     request_id: str
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
-    pml_text: str | None = None  # a PML prompt (docs/pml.md); prompt_token_ids is then empty
+    prepared: PreparedPrompt | None = None  # a PML prompt, compiled once (docs/pml.md); prompt_token_ids is then empty
 
 
 async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[RequestOutput]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
-        cache_salt=req.cache_salt, retention=req.retention, pml_text=req.pml_text,
+        cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared,
     ):
         tracker.observe(output)
         yield output

@@ -1,0 +1,126 @@
+"""A sequence's read-only context: KV assembled in front of its own tokens (PML modules).
+
+The engine holds one ``PromptContext`` per request that has such a context. Its KV lives in
+pool blocks the request references but never writes; the new tokens attend to every key in
+``slots`` (at RoPE ``positions``) and causally to each other. Under pool pressure a waiting
+request lets its context go and acquires it again when its turn comes::
+
+    HELD ──release()──▶ RELEASED ──acquire() (True)──▶ HELD
+                           │ acquire() (False: the pool cannot hold it now) ─▶ RELEASED
+
+Where the KV comes from (which blocks, recomputed how) is the ``ContextSource``'s business
+(``pml.module_cache.ModuleCache.source(plan)``); the engine and the scheduler only ask the
+handle. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvreuse.cache.kv_block import KVBlock
+
+
+class ContextState(enum.Enum):
+    HELD = "held"  # one reference per block is held; slots and positions are valid
+    RELEASED = "released"  # nothing held (not acquired yet, or let go while waiting); not admissible
+
+
+class HeldKV(Protocol):
+    """Acquired context KV: ``blocks`` each carry one reference the holder owns;
+    ``slots[i]`` holds the key at RoPE position ``positions[i]`` (attention order)."""
+
+    @property
+    def blocks(self) -> Sequence[KVBlock]: ...
+    @property
+    def slots(self) -> Sequence[int]: ...
+    @property
+    def positions(self) -> Sequence[int]: ...
+
+
+class ContextSource(Protocol):
+    """Acquires and releases one context's KV (a PML module plan bound to its module cache)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks ``acquire`` holds (for the request's capacity check)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Keys ``acquire`` gives (``len(slots)``), whatever is held now."""
+        ...
+
+    def acquire(self) -> HeldKV | None:
+        """The KV, one reference per block for the caller (missing blocks are filled first);
+        ``None`` when the pool cannot hold it now (nothing is held then)."""
+        ...
+
+    def release(self, held: HeldKV) -> None:
+        """Drop the references ``acquire`` gave (blocks stay cached, evictable)."""
+        ...
+
+
+class PromptContext:
+    """The handle a ``Sequence`` keeps for its read-only context.
+
+    ``slots``, ``positions`` and ``blocks`` are those of the current acquisition: fixed while
+    ``HELD`` (a later acquisition, after a release, may bring other blocks: evicted ones are
+    recomputed elsewhere) and empty while ``RELEASED``.
+    """
+
+    __slots__ = ("_source", "_held", "_num_tokens")
+
+    def __init__(self, source: ContextSource, held: HeldKV | None = None) -> None:
+        self._source = source
+        self._held = held
+        self._num_tokens = source.num_tokens  # asked once: it is read per output
+
+    @property
+    def state(self) -> ContextState:
+        return ContextState.RELEASED if self._held is None else ContextState.HELD
+
+    @property
+    def admissible(self) -> bool:
+        """Whether the scheduler may admit the sequence (its context KV is held)."""
+        return self._held is not None
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return () if self._held is None else tuple(self._held.slots)
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return () if self._held is None else tuple(self._held.positions)
+
+    @property
+    def blocks(self) -> tuple[KVBlock, ...]:
+        return () if self._held is None else tuple(self._held.blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        """Keys the context puts in front of the sequence's own tokens, in any state (they
+        count as prompt tokens)."""
+        return self._num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct blocks the context takes in the pool (held or to acquire)."""
+        if self._held is None:
+            return self._source.num_blocks
+        return len({b.block_id for b in self._held.blocks})
+
+    def acquire(self) -> bool:
+        """Hold the KV again (``HELD``); ``False`` (still ``RELEASED``, nothing held) when the
+        pool cannot hold it now. A held context stays as it is."""
+        if self._held is None:
+            self._held = self._source.acquire()
+        return self._held is not None
+
+    def release(self) -> None:
+        """Let the KV go (``RELEASED``): at the request's end, or while it waits under pool
+        pressure. Releasing a released context does nothing."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._source.release(held)

@@ -1,0 +1,47 @@
+"""What the engine hands back: one ``RequestOutput`` per request per step, ``EngineStats``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvreuse.engine.logprobs import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # cumulative
+    new_token_ids: list[int]  # sampled this step
+    text: str  # cumulative, stop strings cut
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ttft_s: float | None
+    # With SamplingParams(logprobs=k), one entry per output token (cumulative / this step's);
+    # None otherwise. The raw model distribution, before temperature (kvreuse.engine.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output_token_ids
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hits_tokens: int
+    num_running: int
+    num_waiting: int
+    evictions_by_priority: dict[int, int] = field(default_factory=dict)
+    blocks_by_priority: dict[int, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+    tokens_computed: int = 0
+    events_dropped: int | None = None  # None when events are off
