@@ -94,14 +94,22 @@ def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_ti
     try:
         assert sub.stdout.readline().strip() == "ready"
         docs = ["Document %d: " % i + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(6)]
-        cached = []
+        cached, by_tier = [], []
         for round_ in range(2):  # the second round finds the first round's prefixes on the host
             for doc in docs:
                 r = httpx.post(f"{url}/v1/completions", timeout=120, json={
                     "model": "tiny", "prompt": doc + "Summary:", "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, r.text
-                cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+                details = r.json()["usage"]["prompt_tokens_details"]
+                cached.append(details["cached_tokens"])
+                by_tier.append(details["cached_tokens_by_tier"])
         assert cached[:6] == [0] * 6 and min(cached[6:]) > 0  # evicted from the device, onboarded from the host
+        assert all(sum(split.values()) == n for split, n in zip(by_tier, cached))
+        assert set(by_tier[0]) == {"device", "host", "disk", "remote"} and by_tier[6]["host"] > 0
+        host_hits = sum(split["host"] for split in by_tier)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f'kvreuse:prefix_cache_hits_by_tier_total{{model_name="tiny",tier="host"}} {float(host_hits)}' in metrics
+        assert 'kvreuse:kv_tier_blocks_moved_total{direction="device_to_host",model_name="tiny"}' in metrics
         state = httpx.get(f"{url}/v1/kv_cache_state").json()
         levels = {b["cache_level"] for b in state["blocks"]}
         assert levels == {"GPU", "CPU"}

@@ -10,6 +10,8 @@ serialised once per SSE chunk, and dicts keep that cheap.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import time
 from typing import Any, Literal
 
@@ -196,13 +198,29 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present."""
+TIER_NAMES = {"GPU": "device", "CPU": "host", "DISK": "disk", "REMOTE": "remote"}  # level -> what users read
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               outputs: Sequence[Any] = ()) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present.
+    With tiers below the device pool, ``prompt_tokens_details.cached_tokens_by_tier`` (an
+    extension; other clients ignore it) says where ``outputs``' cached tokens came from
+    (``device``, ``host``, ``disk``, ``remote``)."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    tiered = [out.cached_tokens_by_tier for out in outputs if getattr(out, "cached_tokens_by_tier", None) is not None]
+    if tiered:  # the engine has tiers below the device pool
+        by_tier = {name: 0 for name in TIER_NAMES.values()}
+        for split in tiered:
+            for level, n in split.items():
+                name = TIER_NAMES.get(level, level.lower())
+                by_tier[name] = by_tier.get(name, 0) + n
+        details["cached_tokens_by_tier"] = by_tier
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

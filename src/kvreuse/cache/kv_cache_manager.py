@@ -67,6 +67,20 @@ class Admission:
     num_hits: int  # cached blocks, wherever they were found (device + onboarded)
     num_onboarded: int = 0  # of which copied up from the host tier
     num_loaded: int = 0  # of which read back from the disk / remote stores
+    loaded_levels: tuple[str, ...] = ()  # the store level of each loaded block (DISK / REMOTE)
+
+
+def _tokens_by_level(admission: Admission, block_size: int, device_level: str, context_tokens: int) -> dict[str, int]:
+    """Cached tokens of one admission per tier (levels with none left out); assembled PML
+    module KV lives in the device pool."""
+    from_host = admission.num_onboarded * block_size
+    out = {device_level: (admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
+           + context_tokens}
+    if from_host:
+        out["CPU"] = from_host
+    for level in admission.loaded_levels:
+        out[level] = out.get(level, 0) + block_size
+    return {level: n for level, n in out.items() if n}
 
 
 class _TokenBlocks:
@@ -112,6 +126,7 @@ class KVCacheManager:
         self.retention_fn = retention_fn
         self.queries_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hits_tokens = 0  # of which served from it
+        self.hits_tokens_by_level: dict[str, int] = {}  # of which per tier: GPU (device), CPU (host), DISK, REMOTE
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -159,7 +174,8 @@ class KVCacheManager:
             ids = [b.block_id for b in blocks]
             moved = self.lower.onboard(below, ids[n:j]) + self.lower.load(stored, ids[j : j + len(stored)])  # type: ignore[union-attr]
             self._register_moved(blocks, keys, token_blocks, n, moved, wanted)
-        return Admission(tuple(blocks), n + len(below) + len(stored), len(below), len(stored))
+        return Admission(tuple(blocks), n + len(below) + len(stored), len(below), len(stored),
+                         tuple(s.level for s in stored))
 
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` fresh blocks (``BlockPool.allocate``: check capacity first); what it evicted
@@ -245,6 +261,10 @@ class KVCacheManager:
         seq.num_registered_blocks = admission.num_hits
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
+            by_level = _tokens_by_level(admission, bs, self.pool.cache_level, seq.num_context_tokens)
+            seq.cached_tokens_by_tier = by_level
+            for level, n in by_level.items():
+                self.hits_tokens_by_level[level] = self.hits_tokens_by_level.get(level, 0) + n
             # PML module KV assembled in front of the prompt counts as reused prompt tokens.
             seq.num_cached_tokens = admission.num_hits * bs + seq.num_context_tokens
             self.queries_tokens += seq.num_prompt_tokens + seq.num_context_tokens

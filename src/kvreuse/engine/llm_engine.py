@@ -369,6 +369,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens + seq.num_context_tokens,  # PML modules are prompt too
             num_cached_tokens=seq.num_cached_tokens,
+            cached_tokens_by_tier=None if self.host is None else dict(seq.cached_tokens_by_tier),
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
             new_logprobs=new_logprobs,
@@ -392,7 +393,33 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             tokens_computed=self.tokens_computed,
             events_dropped=None if self.events is None else self.events.num_dropped,
+            prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
+            tiers=self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, dict[str, float]]:
+        """Counters and gauges of the tiers below the device pool (``{}`` without any)."""
+        if self.host is None:
+            return {}
+        host, pool, bs = self.host, self.host.pool, self.block_size
+        block_bytes = self.kv_bytes_per_token * bs
+        s = host.stats
+        out: dict[str, dict[str, float]] = {"CPU": {
+            "num_blocks": pool.num_blocks, "num_cached_blocks": pool.num_cached_blocks,
+            "offloaded_blocks": s.offloaded_blocks, "onboarded_blocks": s.onboarded_blocks,
+            "loaded_blocks": s.loaded_blocks, "skipped_blocks": s.skipped_blocks, "dropped_blocks": s.dropped_blocks,
+            "offloaded_bytes": s.offloaded_blocks * block_bytes, "onboarded_bytes": s.onboarded_blocks * block_bytes,
+            "loaded_bytes": s.loaded_blocks * block_bytes,
+            "offload_seconds": s.offload_seconds, "onboard_seconds": s.onboard_seconds,
+            **{f"blocks_priority_{p}": n for p, n in pool.blocks_by_priority().items()},
+        }}
+        below = host.below
+        if below is not None:
+            for level, store in (("DISK", below.disk), ("REMOTE", below.remote)):
+                if store is not None:
+                    out[level] = {k: float(v) for k, v in store.stats().items()}
+            out["CPU"]["tier_writes_dropped"] = below.stats.dropped_writes
+        return out
 
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every block's ref count equals the references the

@@ -24,6 +24,9 @@ class RequestOutput:
     # None otherwise. The raw model distribution, before temperature (kvreuse.engine.logprobs).
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    # num_cached_tokens per tier it came from (GPU = device pool, CPU = host, DISK, REMOTE);
+    # None when the engine has no tier below the device pool
+    cached_tokens_by_tier: dict[str, int] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -45,3 +48,5 @@ class EngineStats:
     num_preemptions: int = 0
     tokens_computed: int = 0
     events_dropped: int | None = None  # None when events are off
+    prefix_cache_hits_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # GPU / CPU / DISK / REMOTE
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per lower tier: its counters and gauges

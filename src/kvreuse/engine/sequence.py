@@ -45,6 +45,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading own blocks already entered in the prefix index
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # of those, per tier (GPU, CPU, DISK, REMOTE)
     admitted_before: bool = False  # a preempted sequence re-admitted: its own blocks are no cache hits
     prompt_positions: list[int] | None = None  # explicit RoPE positions (e.g. PML); None = index
     context: PromptContext | None = None  # read-only KV in front of the prompt; None: none

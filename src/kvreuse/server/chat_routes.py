@@ -65,7 +65,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     finals = await run_to_completion(ctx, requests, request)
     choices = _choices(finals, ctx.engine.tokenizer)
     first = finals[0]
-    usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens)
+    usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens,
+                       [first])
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage})
 
 
@@ -100,7 +101,7 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     finals = await run_to_completion(ctx, requests, request)
     return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer),
                          "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
-                                             finals[0].num_cached_tokens)})
+                                             finals[0].num_cached_tokens, finals[:1])})
 
 
 def _choices(finals, tokenizer) -> list[dict[str, Any]]:
@@ -136,12 +137,12 @@ async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, 
             chunk = _chunk(header, index, {"content": out.new_text} if out.new_text else {},
                            out.finish_reason if out.finished else None, lp)
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
             usage = usage_dict(outs[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in outs),
-                               outs[0].num_cached_tokens)
+                               outs[0].num_cached_tokens, outs[:1])
             yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

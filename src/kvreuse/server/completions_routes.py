@@ -83,7 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     ]
     firsts = finals[:: body.n]  # one per prompt: prompt tokens are counted once per prompt
     usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
-                       sum(o.num_cached_tokens for o in firsts))
+                       sum(o.num_cached_tokens for o in firsts), firsts)
     return JSONResponse({**header, "choices": choices, "usage": usage})
 
 
@@ -109,13 +109,13 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
             chunk = {**header, "choices": [{"index": index, "text": text, "logprobs": lp,
                                             "finish_reason": out.finish_reason if out.finished else None}]}
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens)
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
             firsts = outs[:: body.n]
             usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in outs),
-                               sum(o.num_cached_tokens for o in firsts))
+                               sum(o.num_cached_tokens for o in firsts), firsts)
             yield sse({**header, "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

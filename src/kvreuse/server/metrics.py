@@ -102,8 +102,62 @@ class _EngineCollector(Collector):
             yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
                           events["num_dropped"])
             yield gauge("kvreuse:kv_events_last_id", "Id of the newest KV event.", events["last_event_id"])
+        yield from _tier_metrics(s, labels, values)
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)
+
+
+_TIER_COUNTERS = {  # host-tier stat -> (metric, help, direction)
+    "offloaded_blocks": ("kvreuse:kv_tier_blocks_moved", "Blocks moved between tiers.", "device_to_host"),
+    "onboarded_blocks": ("kvreuse:kv_tier_blocks_moved", "Blocks moved between tiers.", "host_to_device"),
+    "loaded_blocks": ("kvreuse:kv_tier_blocks_moved", "Blocks moved between tiers.", "store_to_device"),
+    "offloaded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "device_to_host"),
+    "onboarded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "host_to_device"),
+    "loaded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "store_to_device"),
+    "offload_seconds": ("kvreuse:kv_tier_transfer_seconds", "Seconds spent moving blocks between tiers.",
+                        "device_to_host"),
+    "onboard_seconds": ("kvreuse:kv_tier_transfer_seconds", "Seconds spent moving blocks between tiers.",
+                        "to_device"),
+}
+
+
+def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """Hits by tier, blocks / bytes / seconds moved per direction, host occupancy by priority,
+    and the disk / remote stores' own counters. Nothing without tiers."""
+    by_tier = getattr(s, "prefix_cache_hits_tokens_by_tier", None) or {}
+    tiers = getattr(s, "tiers", None) or {}
+    if not tiers:
+        return
+    from kvreuse.api.protocol import TIER_NAMES
+
+    hits = CounterMetricFamily("kvreuse:prefix_cache_hits_by_tier", "Prompt tokens found in the cache, by tier.",
+                               labels=[*labels, "tier"])
+    for level, name in TIER_NAMES.items():
+        hits.add_metric([*values, name], by_tier.get(level, 0))
+    yield hits
+    host = tiers.get("CPU", {})
+    families: dict[str, CounterMetricFamily] = {}
+    for stat, (metric, doc, direction) in _TIER_COUNTERS.items():
+        family = families.setdefault(metric, CounterMetricFamily(metric, doc, labels=[*labels, "direction"]))
+        family.add_metric([*values, direction], host.get(stat, 0))
+    yield from families.values()
+    for stat, doc in (("num_blocks", "Blocks in the host tier."), ("num_cached_blocks", "Blocks the host tier holds.")):
+        family = GaugeMetricFamily(f"kvreuse:host_tier_{stat}", doc, labels=labels)
+        family.add_metric(values, host.get(stat, 0))
+        yield family
+    held = GaugeMetricFamily("kvreuse:host_tier_blocks_by_priority", "Host-tier blocks, by retention priority.",
+                             labels=[*labels, "priority"])
+    for key, n in sorted(host.items()):
+        if key.startswith("blocks_priority_"):
+            held.add_metric([*values, key.removeprefix("blocks_priority_")], n)
+    yield held
+    for level in ("DISK", "REMOTE"):
+        if level in tiers:
+            store = CounterMetricFamily(f"kvreuse:{level.lower()}_tier_events", f"The {TIER_NAMES[level]} store's counters.",
+                                        labels=[*labels, "event"])
+            for key, n in sorted(tiers[level].items()):
+                store.add_metric([*values, key], n)
+            yield store
 
 
 class RequestTracker:
