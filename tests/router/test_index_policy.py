@@ -119,3 +119,26 @@ def test_memoised_keys_equal_the_shared_hash():
             assert hasher.keys(tokens, salt) == expect
     assert len(hasher._memo) <= 8
     assert hasher.keys(base, None) != hasher.keys(base, "tenant")
+
+
+def test_tier_weights_count_each_held_block_by_its_level():
+    from kvreuse.router.index import KVIndex
+    from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, parse_tier_weights
+
+    index = KVIndex()
+    index.add_executor("a")
+    index.add_executor("b")
+    index.store("a", [1, 2, 3, 4])  # all on the device
+    index.store("b", [1, 2], "GPU")
+    index.store("b", [3, 4], "CPU")  # the tail went down to b's host tier
+    assert index.overlaps([1, 2, 3, 4, 5], ["a", "b"]) == {"a": 4, "b": 4}
+    weights = parse_tier_weights("host=0.5")
+    assert weights == {**DEFAULT_TIER_WEIGHTS, "CPU": 0.5}
+    assert index.overlaps([1, 2, 3, 4, 5], ["a", "b"], weights) == {"a": 4.0, "b": 3.0}
+    # a move between tiers (removed at one level, stored at the other) is followed
+    index.remove("b", [3, 4], "CPU")
+    index.store("b", [3, 4], "GPU")
+    assert index.overlaps([1, 2, 3, 4], ["b"], weights) == {"b": 4.0}
+    for bad in ("host", "host=2", "tape=0.5", "host=nan"):
+        with pytest.raises(ValueError, match="--tier-weights"):
+            parse_tier_weights(bad)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import httpx
 
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
-from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy
+from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
 
 logger = logging.getLogger("kvreuse.router")
 
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-policy", default="kv", choices=sorted(POLICIES))
     p.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
                    help="cost of one uncached prompt block, in blocks of load (kv policy)")
+    p.add_argument("--tier-weights", default=None, metavar="LEVEL=W,...",
+                   help="how much a block cached in each tier counts in the overlap, e.g. "
+                        "device=1,host=0.99,disk=0.95,remote=0.95 (default: measured by bench/tiers.py)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health probes")
     p.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                    help="wait this long for at least one executor to answer")
@@ -95,6 +98,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
     try:
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
+        tier_weights = parse_tier_weights(args.tier_weights)
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))
         first = next(iter(infos.values()))
@@ -109,7 +113,8 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
     router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
-                    health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key)
+                    health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key,
+                    tier_weights=tier_weights)
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)

@@ -27,7 +27,7 @@ then the index is stale, which can cost a miss, never a wrong answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvreuse.events.records import DEVICE_LEVEL, AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
@@ -87,9 +87,22 @@ class KVIndex:
         return len(self.holders)
 
     # ------------------------------------------------------------------ queries
-    def overlaps(self, keys: Sequence[IndexKey], names: Sequence[str]) -> dict[str, int]:
+    def overlaps(self, keys: Sequence[IndexKey], names: Sequence[str],
+                 tier_weights: Mapping[str, float] | None = None) -> dict[str, float]:
         """For each executor in ``names``: how many leading ``keys`` it holds (any cache
-        level). O(length of the longest match). Does not modify the index."""
+        level); with ``tier_weights`` (cache level -> weight, 1.0 for a level not listed),
+        each held block counts its level's weight instead of 1 (a host-tier block saves less
+        than a device one). O(length of the longest match). Does not modify the index."""
+        counts = self._overlap_counts(keys, names)
+        if tier_weights is None:
+            return counts  # type: ignore[return-value]
+        out: dict[str, float] = {}
+        for name, n in counts.items():
+            levels = self._mirrors[name].levels
+            out[name] = float(sum(tier_weights.get(levels.get(key, DEVICE_LEVEL), 1.0) for key in keys[:n]))
+        return out
+
+    def _overlap_counts(self, keys: Sequence[IndexKey], names: Sequence[str]) -> dict[str, int]:
         bits = {name: self._mirrors[name].bit for name in names}
         ended: dict[int, int] = {}  # bit -> overlap
         alive = 0

@@ -26,16 +26,45 @@ from typing import Protocol
 DEFAULT_OVERLAP_WEIGHT = 8.0
 
 
+# How much of a recompute one cached block saves, by the tier holding it (the index's cache
+# levels: vLLM's media). Measured by bench/tiers.py (docs/benchmarks.md, "Tiers"): weight =
+# (recompute TTFT - tier TTFT) / (recompute TTFT - device-hit TTFT), rounded.
+DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.95, "REMOTE": 0.95}
+TIER_ALIASES = {"device": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE",
+                "gpu": "GPU", "cpu": "CPU"}
+
+
+def parse_tier_weights(spec: str | None) -> dict[str, float]:
+    """``device=1,host=0.9,disk=0.7,remote=0.6`` (levels by our or vLLM's names; unlisted
+    levels keep their default) -> level -> weight. Raises ``ValueError`` naming
+    ``--tier-weights`` for anything else (a weight must be a finite number in [0, 1])."""
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        level = TIER_ALIASES.get(name.strip().lower()) or (name.strip() if name.strip() in weights else None)
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or level is None or not 0 <= weight <= 1:
+            raise ValueError(f"--tier-weights takes level=weight pairs (levels device, host, disk, remote; "
+                             f"weights in [0, 1]), got {item.strip()!r}")
+        weights[level] = weight
+    return weights
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     name: str
-    overlap_blocks: int  # leading prompt blocks the executor holds (index view)
+    overlap_blocks: float  # leading prompt blocks the executor holds (index view), weighted by tier
     prompt_blocks: int  # full blocks of the prompt
     load_blocks: float  # active blocks (in flight, router's count) + queued blocks (executor's metrics)
     in_flight: int  # requests the router has in flight there
 
     @property
-    def uncached_blocks(self) -> int:
+    def uncached_blocks(self) -> float:
         return self.prompt_blocks - self.overlap_blocks
 
 

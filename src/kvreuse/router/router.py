@@ -36,7 +36,7 @@ from kvreuse.router.executors import (
 )
 from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot
 from kvreuse.router.index import KVIndex
-from kvreuse.router.policy import Candidate, Decision, RoutingPolicy, choose
+from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
 from kvreuse.cache.kv_block import cdiv
 
@@ -55,8 +55,10 @@ class RoutedRequest:
 class Router:
     def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
                  client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
-                 executor_api_key: str | None = None) -> None:
+                 executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None) -> None:
         self.executors = {e.name: e for e in executors}
+        # cache level -> how much a block held there counts in the overlap (--tier-weights)
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS) if tier_weights is None else tier_weights
         self.hasher = hasher
         self.settings: HashSettings = hasher.settings
         self.policy = policy
@@ -82,7 +84,7 @@ class Router:
     # ------------------------------------------------------------------ decisions
     def candidates(self, keys: RequestKeys, exclude: Collection[str] = ()) -> list[Candidate]:
         names = [n for n, e in self.executors.items() if e.healthy and n not in exclude]
-        overlaps = self.index.overlaps(keys.keys, names)
+        overlaps = self.index.overlaps(keys.keys, names, self.tier_weights)
         return [Candidate(n, overlaps[n], len(keys.keys), self.executors[n].load_blocks, self.executors[n].in_flight)
                 for n in names]
 
