@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +17,13 @@ from kvreuse.engine.allocator import keep_freed_memory
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import make_policy
 from kvreuse.events.buffer import EventBuffer
-from kvreuse.cache.host_tier import HostTier, OffloadPolicy
+from kvreuse.cache.host_tier import HostTier
 from kvreuse.engine.kv_transfer import HostKVTransfer
+from kvreuse.tiers.setup import build_host_tier, tier_stats
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
+from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.context import PromptContext
 from kvreuse.pml.module_cache import ModuleCache
@@ -36,58 +37,6 @@ from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stop_checker import check_stop
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings; each maps to a ``kvreuse serve`` flag of the same name."""
-
-    model: str = "default"
-    dtype: str = "float32"
-    device: str = "auto"
-    kv_cache_memory_gib: float = 1.0
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    hash_algorithm: str = "sha256"
-    eviction_policy: str = "priority"  # TensorRT-LLM; without retention hints it is LRU
-    event_buffer_max_size: int = 0
-    seed: int = 0
-    schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
-    schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
-    host_cache_memory_gib: float = 0.0  # host tier below the device pool (0 = off)
-    host_offload_min_priority: int = 35  # evicted device blocks of this priority or more go to the host
-    disk_cache_dir: str | None = None  # disk tier below the host tier (None = off)
-    disk_cache_size_gib: float = 10.0
-    disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
-    remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
-    tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
-
-    def __post_init__(self) -> None:
-        if not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
-        if self.block_size < 1 or self.block_size > 1024:
-            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not self.host_cache_memory_gib >= 0:
-            raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
-        if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:
-            raise ValueError("--disk-cache-dir and --remote-cache sit below the host tier: "
-                             "set --host-cache-memory GIB > 0 as well")
-        if not self.disk_cache_size_gib > 0:
-            raise ValueError(f"--disk-cache-size must be > 0 GiB, got {self.disk_cache_size_gib}")
-        if not 0 <= self.tier_write_through_min_priority <= 101:
-            raise ValueError("--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
-                             f"tier evicts), got {self.tier_write_through_min_priority}")
-        if not 0 <= self.host_offload_min_priority <= 101:
-            raise ValueError(
-                f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"
-            )
 
 
 class LLMEngine:
@@ -123,14 +72,7 @@ class LLMEngine:
         if events is None and config.event_buffer_max_size > 0:
             events = EventBuffer(config.event_buffer_max_size)
         self.events: EventBuffer | None = events  # None = events off (TensorRT-LLM's default)
-        num_host_blocks = int(config.host_cache_memory_gib * 2**30) // bytes_per_block
-        self.host: HostTier | None = None  # the tier below the device pool; its KVMover is set with the runner
-        if num_host_blocks > 0:
-            self.host = HostTier(
-                num_host_blocks, config.block_size, events=events, below=self._stores(config, layout, loaded),
-                policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
-                offload_policy=OffloadPolicy(config.host_offload_min_priority),
-            )
+        self.host: HostTier | None = build_host_tier(config, layout, loaded, events, bytes_per_block)
         self.pool = BlockPool(
             num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events,
             record_evictions=self.host is not None,
@@ -147,8 +89,8 @@ class LLMEngine:
             self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
         )
         self.runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size)
-        if self.host is not None:
-            self.host.mover = HostKVTransfer(self.runner.kv_cache, num_host_blocks, config.block_size)
+        if self.host is not None:  # its bytes move through the runner's KV tensor
+            self.host.mover = HostKVTransfer(self.runner.kv_cache, self.host.pool.num_blocks, config.block_size)
         if self.runner.device.type == "cpu":
             keep_freed_memory()  # no page faults on activations after a long prefill
         gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
@@ -394,32 +336,8 @@ class LLMEngine:
             tokens_computed=self.tokens_computed,
             events_dropped=None if self.events is None else self.events.num_dropped,
             prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
-            tiers=self._tier_stats(),
+            tiers={} if self.host is None else tier_stats(self.host, self.kv_bytes_per_token * self.block_size),
         )
-
-    def _tier_stats(self) -> dict[str, dict[str, float]]:
-        """Counters and gauges of the tiers below the device pool (``{}`` without any)."""
-        if self.host is None:
-            return {}
-        host, pool, bs = self.host, self.host.pool, self.block_size
-        block_bytes = self.kv_bytes_per_token * bs
-        s = host.stats
-        out: dict[str, dict[str, float]] = {"CPU": {
-            "num_blocks": pool.num_blocks, "num_cached_blocks": pool.num_cached_blocks,
-            "offloaded_blocks": s.offloaded_blocks, "onboarded_blocks": s.onboarded_blocks,
-            "loaded_blocks": s.loaded_blocks, "skipped_blocks": s.skipped_blocks, "dropped_blocks": s.dropped_blocks,
-            "offloaded_bytes": s.offloaded_blocks * block_bytes, "onboarded_bytes": s.onboarded_blocks * block_bytes,
-            "loaded_bytes": s.loaded_blocks * block_bytes,
-            "offload_seconds": s.offload_seconds, "onboard_seconds": s.onboard_seconds,
-            **{f"blocks_priority_{p}": n for p, n in pool.blocks_by_priority().items()},
-        }}
-        below = host.below
-        if below is not None:
-            for level, store in (("DISK", below.disk), ("REMOTE", below.remote)):
-                if store is not None:
-                    out[level] = {k: float(v) for k, v in store.stats().items()}
-            out["CPU"]["tier_writes_dropped"] = below.stats.dropped_writes
-        return out
 
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every block's ref count equals the references the
@@ -440,25 +358,6 @@ class LLMEngine:
                     f"block {block.block_id} has ref_count {block.ref_count} but live requests hold "
                     f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
                 )
-
-    @staticmethod
-    def _stores(config: EngineConfig, layout: KVLayout, loaded):
-        """The disk / remote stores below the host tier, or ``None`` when neither is set."""
-        if config.disk_cache_dir is None and config.remote_cache is None:
-            return None
-        from kvreuse.tiers.disk_store import DiskStore
-        from kvreuse.tiers.namespace import TierNamespace
-        from kvreuse.tiers.persistent import PersistentTiers
-        from kvreuse.tiers.remote_store import RemoteStore
-
-        namespace = TierNamespace(loaded.fingerprint, config.hash_algorithm, config.block_size)
-        disk = None if config.disk_cache_dir is None else DiskStore(
-            config.disk_cache_dir, int(config.disk_cache_size_gib * 2**30), namespace=namespace,
-            ttl_s=config.disk_cache_ttl_s)
-        remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
-        shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
-        return PersistentTiers(namespace, shape, loaded.dtype, disk=disk, remote=remote,
-                               write_through_min_priority=config.tier_write_through_min_priority)
 
     def cache_pools(self) -> tuple[BlockPool, ...]:
         """The device pool, then the tiers below it (snapshots list every level)."""

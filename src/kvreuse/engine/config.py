@@ -1,0 +1,57 @@
+"""``EngineConfig``: every engine setting, one per ``kvreuse serve`` flag, validated where built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; each maps to a ``kvreuse serve`` flag of the same name."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "auto"
+    kv_cache_memory_gib: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = "sha256"
+    eviction_policy: str = "priority"  # TensorRT-LLM; without retention hints it is LRU
+    event_buffer_max_size: int = 0
+    seed: int = 0
+    schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
+    schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
+    host_cache_memory_gib: float = 0.0  # host tier below the device pool (0 = off)
+    host_offload_min_priority: int = 35  # evicted device blocks of this priority or more go to the host
+    disk_cache_dir: str | None = None  # disk tier below the host tier (None = off)
+    disk_cache_size_gib: float = 10.0
+    disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
+    remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
+    tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.host_cache_memory_gib >= 0:
+            raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
+        if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:
+            raise ValueError("--disk-cache-dir and --remote-cache sit below the host tier: "
+                             "set --host-cache-memory GIB > 0 as well")
+        if not self.disk_cache_size_gib > 0:
+            raise ValueError(f"--disk-cache-size must be > 0 GiB, got {self.disk_cache_size_gib}")
+        if not 0 <= self.tier_write_through_min_priority <= 101:
+            raise ValueError("--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
+                             f"tier evicts), got {self.tier_write_through_min_priority}")
+        if not 0 <= self.host_offload_min_priority <= 101:
+            raise ValueError(
+                f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"
+            )
