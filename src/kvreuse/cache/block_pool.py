@@ -16,12 +16,9 @@ entry is valid only while its ``version`` matches the block's, so a hit or a pri
 change just bumps the version (O(1)) and eviction pops stale entries. Every operation is
 O(log n) in the number of blocks (amortised over stale heap entries).
 
-Retention (TensorRT-LLM semantics, SPEC section 3): a block carries a ``priority`` and an
-optional ``duration_s``. The duration starts counting when the block is *released*
-(``ref_count`` drops to 0), as in TensorRT-LLM's ``LRUEvictionPolicy::releaseBlock``; a
-block in use never expires. Once it runs out, ``expire`` puts the block back at
-``DEFAULT_PRIORITY`` (its recency is kept: expiring is not a use). A reusing request
-applies its retention with ``set_retention``: its priority when given, its duration always.
+Retention (TensorRT-LLM semantics, SPEC section 3; ``retention.py``): a block's optional
+``duration_s`` starts counting when it is *released* (a block in use never expires); once it
+runs out, ``expire`` puts it back at ``DEFAULT_PRIORITY``, its recency kept.
 
 Callers check before they commit (``num_free_blocks`` / ``can_allocate`` then
 ``allocate``), so nothing is rolled back; ``allocate`` beyond capacity is a broken
@@ -267,9 +264,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_count or block.block_hash is None:
                 raise RuntimeError(f"remove_cached of block {block.block_id}, which is held or not cached")
-            removed.append(block.block_hash)
-            self._unregister(block, evicted=False)
-            self._free.append(block)
+            removed.append(self._forget(block))
         if removed:
             self._emit(BlocksRemoved(tuple(removed), self.cache_level))
 
@@ -331,12 +326,7 @@ class BlockPool:
     def evict_all_cached(self) -> int:
         """Forget every cached block not in use (``reset_prefix_cache``). Returns how many.
         Not counted as evictions: nothing needed the room."""
-        removed: list[BlockHash] = []
-        while self._num_cached_free:
-            block = self._pop_victim()
-            removed.append(block.block_hash)  # type: ignore[arg-type]
-            self._unregister(block, evicted=False)
-            self._free.append(block)
+        removed = [self._forget(self._pop_victim()) for _ in range(self._num_cached_free)]
         if not self._cached:
             self._emit(AllBlocksCleared())
         elif removed:
@@ -421,6 +411,13 @@ class BlockPool:
             if parent.num_cached_children == 0 and parent.ref_count == 0:
                 self._make_evictable(parent)
         self._reset(block)
+
+    def _forget(self, block: KVBlock) -> BlockHash:
+        """An unheld cached block back to the free list, not counted as an eviction; its key."""
+        key = block.block_hash
+        self._unregister(block, evicted=False)
+        self._free.append(block)
+        return key  # type: ignore[return-value]
 
     @staticmethod
     def _reset(block: KVBlock) -> None:
