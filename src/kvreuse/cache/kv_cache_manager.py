@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from kvreuse.cache.block_pool import BlockPool, KVBlock
 from kvreuse.cache.hashing import BlockHash, hash_block, root_extra_keys
-from kvreuse.cache.retention import DEFAULT_PRIORITY, requested_retention
+from kvreuse.cache.retention import DEFAULT_PRIORITY, requested_block_retention
 from kvreuse.engine.sequence import Sequence
 
 # (sequence, block index, block size) -> None when the request asks nothing of this block,
@@ -25,10 +25,7 @@ def request_retention(seq: Sequence, index: int, block_size: int) -> tuple[int |
     blocks); ``None`` without a config."""
     if seq.retention is None:
         return None
-    first = index * block_size
-    return requested_retention(
-        seq.retention, first + 1, block_size, num_prompt_tokens=min(seq.num_prompt_tokens, first + 1)
-    )[-1]
+    return requested_block_retention(seq.retention, index * block_size, num_prompt_tokens=seq.num_prompt_tokens)
 
 
 class KVCacheManager:
