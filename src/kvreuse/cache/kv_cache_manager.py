@@ -88,7 +88,8 @@ class KVCacheManager:
         self.pool.acquire(hits)
         for block, (priority, duration) in zip(hits, wanted):
             self.pool.set_retention(block, priority, duration)
-        seq.blocks = hits + self.pool.allocate(num_new)
+        seq.clear_blocks()
+        seq.append_blocks(hits + self.pool.allocate(num_new))
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs
         if first_time:
@@ -106,7 +107,7 @@ class KVCacheManager:
             return True
         if not self.pool.can_allocate(missing):
             return False
-        seq.blocks += self.pool.allocate(missing)
+        seq.append_blocks(self.pool.allocate(missing))
         return True
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -138,7 +139,7 @@ class KVCacheManager:
                 # one chain and every held block is referenced.
                 self.pool.acquire([kept])
                 self.pool.release([seq.blocks[i]])
-                seq.blocks[i] = kept
+                seq.replace_block(i, kept)
                 if wanted is not None:
                     self.pool.set_retention(kept, priority, duration)
         seq.num_registered_blocks = full
@@ -146,7 +147,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (tail first, so its chain evicts from the end)."""
         self.pool.release(reversed(seq.blocks))
-        seq.blocks = []
+        seq.clear_blocks()
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.engine.sampling_params import SamplingParams
+
+
+_EMPTY = np.zeros(0, np.int64)  # [0] no module context
+_EMPTY.flags.writeable = False
 
 
 class SequenceStatus(enum.Enum):
@@ -22,9 +29,13 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Mutable request state, owned by the engine thread.
 
-    Token index ``i`` (prompt then output) lives in KV slot ``slots()[i]`` and has RoPE
-    position ``position(i)``. ``context_blocks`` are read-only blocks assembled in front
-    of the sequence's own tokens (PML modules); they are not part of ``token_ids``.
+    Token index ``i`` (prompt then output) lives in KV slot ``block_table[i // bs] * bs +
+    i % bs`` and has RoPE position ``position(i)``. ``blocks`` is read-only: the cache
+    manager changes it through ``append_blocks`` / ``replace_block`` / ``clear_blocks``,
+    which keep ``block_table`` (the block ids as an array, grown a block at a time) in
+    step. ``context_blocks`` are read-only blocks assembled in front of the sequence's own
+    tokens (PML modules, slots ``context_slots`` at positions ``context_positions``, set
+    once by ``set_context``); they are not part of ``token_ids``.
     """
 
     request_id: str
@@ -35,15 +46,14 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    blocks: list[KVBlock] = field(default_factory=list)  # own blocks, in token order
     block_hashes: list[BlockHash] = field(default_factory=list)  # keys of full blocks so far
     num_registered_blocks: int = 0  # leading own blocks already entered in the prefix index
     num_computed_tokens: int = 0  # tokens whose KV is in the pool (hits included)
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission
     admitted_before: bool = False  # a preempted sequence re-admitted: its own blocks are no cache hits
     prompt_positions: list[int] | None = None  # explicit RoPE positions (PML); None = index
-    context_slots: list[int] = field(default_factory=list)  # PML: assembled module KV slots
-    context_positions: list[int] = field(default_factory=list)
+    context_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [c] int64 PML: module KV slots (set_context)
+    context_positions: np.ndarray = field(default_factory=lambda: _EMPTY)  # [c] int64 their RoPE positions
     context_blocks: list[KVBlock] = field(default_factory=list)  # PML: module blocks held (read in place)
     module_plan: object | None = None  # PML: module_cache.ModulePlan, to acquire the context again
     context_released: bool = False  # PML: context let go while waiting (pool deadlock); not admissible
@@ -52,6 +62,15 @@ class Sequence:
     text: str = ""  # detokenized output so far (stop strings cut)
     generator: object | None = None  # torch.Generator when params.seed is set
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+    _blocks: tuple[KVBlock, ...] = field(default=(), init=False, repr=False)  # own blocks, in token order
+    _block_ids: np.ndarray = field(default_factory=lambda: np.zeros(8, np.int64), init=False, repr=False)  # [capacity]
+    _key_positions: np.ndarray | None = field(default=None, init=False, repr=False)  # [capacity] context + own
+    _num_key_positions: int = field(default=0, init=False, repr=False)  # valid leading entries of _key_positions
+    _prompt_position_array: np.ndarray | None = field(default=None, init=False, repr=False)  # [prompt] int64
+
+    def __post_init__(self) -> None:
+        if self.prompt_positions is not None:
+            self._prompt_position_array = np.asarray(self.prompt_positions, dtype=np.int64)  # [prompt], built once
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,5 +96,82 @@ class Sequence:
             return self.prompt_positions[i]
         return self.prompt_positions[-1] + 1 + (i - len(self.prompt_positions))
 
-    def slot(self, i: int, block_size: int) -> int:
-        return self.blocks[i // block_size].block_id * block_size + i % block_size
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]`` without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def positions_between(self, start: int, end: int) -> np.ndarray:
+        """RoPE positions of token indices ``start..end-1``: ``[end - start]`` int64."""
+        if self._prompt_position_array is None:
+            return np.arange(start, end, dtype=np.int64)
+        prompt = self._prompt_position_array
+        p = len(prompt)
+        if end <= p:
+            return prompt[start:end]
+        generated = prompt[-1] + 1 + np.arange(max(start, p) - p, end - p, dtype=np.int64)  # [end - max(start, p)]
+        return generated if start >= p else np.concatenate((prompt[start:], generated))
+
+    # ------------------------------------------------------------------ blocks
+    @property
+    def blocks(self) -> tuple[KVBlock, ...]:
+        """Own blocks, in token order (read-only; see the class docstring)."""
+        return self._blocks
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """``[len(blocks)]`` int64 ids of ``blocks``: a view, valid until the blocks change."""
+        return self._block_ids[: len(self._blocks)]
+
+    def append_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Add blocks at the end (the table grows in place, doubling when full)."""
+        new = tuple(blocks)
+        n, total = len(self._blocks), len(self._blocks) + len(new)
+        if total > len(self._block_ids):
+            grown = np.zeros(max(total, 2 * len(self._block_ids)), np.int64)  # [capacity]
+            grown[:n] = self._block_ids[:n]
+            self._block_ids = grown
+        self._block_ids[n:total] = [b.block_id for b in new]
+        self._blocks += new
+
+    def replace_block(self, index: int, block: KVBlock) -> None:
+        """Put ``block`` in place of block ``index`` (a shared copy of the same tokens)."""
+        self._blocks = self._blocks[:index] + (block,) + self._blocks[index + 1 :]
+        self._block_ids[index] = block.block_id
+
+    def clear_blocks(self) -> None:
+        self._blocks = ()
+
+    # ------------------------------------------------------------------ context
+    def set_context(self, slots: Collection[int], positions: Collection[int]) -> None:
+        """Module KV in front of the own tokens (``[]``, ``[]`` to drop it): the arrays are
+        built here, once, and read every step."""
+        self.context_slots = np.asarray(slots, dtype=np.int64).reshape(-1)  # [c]
+        self.context_positions = np.asarray(positions, dtype=np.int64).reshape(-1)  # [c]
+        self._key_positions, self._num_key_positions = None, 0
+
+    def key_positions(self, num_own: int) -> np.ndarray | None:
+        """RoPE positions of every key up to own token ``num_own``, context first: ``[c +
+        num_own]`` int64, a view of an array kept across steps (extended, never rebuilt);
+        ``None`` when they are just ``0..num_own-1`` (no context, no explicit positions)."""
+        if self._prompt_position_array is None and not len(self.context_slots):
+            return None
+        c = len(self.context_positions)
+        wanted = c + num_own
+        if self._key_positions is None:
+            self._key_positions = np.zeros(max(wanted, 64), np.int64)  # [capacity]
+            self._key_positions[:c] = self.context_positions
+            self._num_key_positions = c
+        if wanted > self._num_key_positions:
+            if wanted > len(self._key_positions):
+                grown = np.zeros(max(wanted, 2 * len(self._key_positions)), np.int64)  # [capacity]
+                grown[: self._num_key_positions] = self._key_positions[: self._num_key_positions]
+                self._key_positions = grown
+            have = self._num_key_positions - c
+            self._key_positions[self._num_key_positions : wanted] = self.positions_between(have, num_own)
+            self._num_key_positions = wanted
+        return self._key_positions[:wanted]

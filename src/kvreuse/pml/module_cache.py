@@ -382,8 +382,8 @@ class ModuleCache:
             ids, pos = list(run.token_ids), list(run.position_ids)
             for start in range(0, len(ids), self.chunk_tokens):
                 end = start + self.chunk_tokens
-                self.runner.execute([SeqChunk(ids[start:end], pos[start:end], slots[start:end],
-                                              slots[:start], pos[:start], sample=False)])
+                self.runner.execute([SeqChunk.from_slots(ids[start:end], pos[start:end], slots[start:end],
+                                                         slots[:start], pos[:start], sample=False)])
         finally:
             self.pool.release(reversed(scratch))
 
