@@ -214,9 +214,9 @@ def _key_runs(keys: KeyTable, num_new: int, *, slot_order: bool) -> tuple[tuple[
     before = keys.num_own - num_new  # own tokens before the new ones
     if slot_order:
         starts, lengths = keys.own_intervals(0, before)
-        starts = np.concatenate((np.sort(ctx), starts))  # [c + blocks]
+        starts = np.concatenate((ctx, starts))  # [c + blocks]
         lengths = np.concatenate((np.ones_like(ctx), lengths))
-        order = np.argsort(starts, kind="stable")  # slots are distinct: a sort of the slots
+        order = np.argsort(starts, kind="stable")  # the intervals are disjoint: this sorts the slots
         new_starts, new_lengths = keys.own_intervals(before, keys.num_own)
         starts = np.concatenate((starts[order], new_starts))
         lengths = np.concatenate((lengths[order], new_lengths))
@@ -241,6 +241,7 @@ def _merge_intervals(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarra
 
 
 def _as_runs(starts: np.ndarray, lengths: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Merged intervals as ``((first slot, length), ...)``; ``()`` if more than MAX_RUNS."""
     if len(starts) > MAX_RUNS:
         return ()
     return tuple(zip(starts.tolist(), lengths.tolist()))
