@@ -18,8 +18,8 @@ def test_runs_split_at_gaps_and_give_up_past_the_limit():
 
 
 def _chunk(context: list[int], new: list[int]) -> SeqChunk:
-    return SeqChunk(token_ids=[7] * len(new), positions=list(range(len(context), len(context) + len(new))),
-                    new_slots=new, context_slots=context, context_positions=None, sample=True)
+    return SeqChunk.from_slots(token_ids=[7] * len(new), positions=list(range(len(context), len(context) + len(new))),
+                               new_slots=new, context_slots=context, context_positions=None, sample=True)
 
 
 def test_full_attention_reads_the_context_in_slot_order(tiny_llama, tiny_gemma3):
@@ -79,3 +79,32 @@ def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, r
         assert any(in_place_decodes) == (threshold == 12)
     assert results[12][0] == results[10**9][0]
     torch.testing.assert_close(results[12][1], results[10**9][1], rtol=0, atol=1e-5)
+
+
+def test_runs_from_the_block_table_equal_the_runs_of_every_slot():
+    """``_key_runs`` works per block; it equals ``_runs`` over the slots of every key in
+    read order (the keys before the new tokens sorted when slot_order), and the table's
+    slots equal the per-token formula."""
+    import numpy as np
+
+    from kvreuse.engine.attention import KeyTable
+    from kvreuse.engine.model_runner import _key_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        bs = int(rng.choice([1, 2, 4, 16]))
+        num_blocks = int(rng.integers(1, 12))
+        ids = rng.permutation(64)[:num_blocks] if rng.random() < 0.5 else np.arange(num_blocks) + int(rng.integers(64))
+        pool = np.setdiff1d(np.arange(200 * bs), (ids[:, None] * bs + np.arange(bs)).ravel())
+        context = rng.permutation(pool)[: int(rng.integers(0, 6))] if rng.random() < 0.5 else pool[:0]
+        if rng.random() < 0.3 and len(context):
+            context = np.sort(context)
+        num_own = int(rng.integers(1, num_blocks * bs + 1))
+        num_new = int(rng.integers(1, num_own + 1))
+        keys = KeyTable(context.astype(np.int64), ids.astype(np.int64), bs, num_own)
+        own = [int(ids[t // bs]) * bs + t % bs for t in range(num_own)]
+        assert keys.slots().tolist() == context.tolist() + own
+        assert keys.own_slots(num_own - num_new, num_own).tolist() == own[num_own - num_new :]
+        before = context.tolist() + own[: num_own - num_new]
+        assert _key_runs(keys, num_new, slot_order=True) == _runs(sorted(before) + own[num_own - num_new :])
+        assert _key_runs(keys, num_new, slot_order=False) == _runs(context.tolist() + own)

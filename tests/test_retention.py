@@ -15,6 +15,7 @@ from kvreuse.cache.retention import (
     decode_duration_ms,
     decode_retention_priority,
     ranges_from_message_boundaries,
+    requested_block_retention,
     requested_retention,
 )
 
@@ -52,6 +53,23 @@ def test_requested_retention_leaves_unranged_blocks_unset():
     config = C((T(32, 64, 80, 1000),))
     assert requested_retention(config, 96, 32) == [(None, None), (80, 1.0), (None, None)]
     assert requested_retention(None, 64, 32) == [(None, None), (None, None)]
+
+
+@pytest.mark.parametrize("config", [
+    None,
+    C((T(32, 64, 80, 1000),)),
+    C((T(0, 63, 80), T(63, 127, 30))),
+    C((T(0, 32, 90, 30000), T(32, None, 50)), decode_retention_priority=10, decode_duration_ms=5000),
+    C((T(5, 9, 70), T(40, 41, 20), T(100, None, 60, 7))),
+])
+def test_per_block_lookup_equals_the_whole_list(config):
+    """``requested_block_retention`` is one entry of ``requested_retention``, for every
+    block, prompt length and block size."""
+    for bs in (1, 4, 32):
+        for prompt in (0, 1, 33, 100, 160):
+            wanted = requested_retention(config, 160, bs, num_prompt_tokens=prompt)
+            got = [requested_block_retention(config, first, num_prompt_tokens=prompt) for first in range(0, 160, bs)]
+            assert got == wanted
 
 
 # ---------------------------------------------------------------------- validation

@@ -26,7 +26,7 @@ from kvreuse.cache.block_pool import BlockPool, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.host_tier import HostTier
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
-from kvreuse.cache.retention import requested_retention
+from kvreuse.cache.retention import requested_block_retention
 
 if TYPE_CHECKING:  # the simulators use this module without the engine (or torch)
     from kvreuse.engine.sequence import Sequence
@@ -47,10 +47,7 @@ def request_retention(seq: Sequence, index: int, block_size: int) -> Retention |
     blocks); ``None`` without a config."""
     if seq.retention is None:
         return None
-    first = index * block_size
-    return requested_retention(
-        seq.retention, first + 1, block_size, num_prompt_tokens=min(seq.num_prompt_tokens, first + 1)
-    )[-1]
+    return requested_block_retention(seq.retention, index * block_size, num_prompt_tokens=seq.num_prompt_tokens)
 
 
 def _asks_nothing(index: int) -> None:
@@ -257,7 +254,8 @@ class KVCacheManager:
         )
         if admission is None:
             return False
-        seq.blocks = list(admission.blocks)
+        seq.clear_blocks()
+        seq.append_blocks(admission.blocks)
         seq.num_registered_blocks = admission.num_hits
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
@@ -279,7 +277,7 @@ class KVCacheManager:
             return True
         if not self.pool.can_allocate(missing):
             return False
-        seq.blocks += self.allocate(missing)
+        seq.append_blocks(self.allocate(missing))
         return True
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -291,16 +289,20 @@ class KVCacheManager:
         if full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, full * bs)
-        self.register_blocks(seq.blocks, seq.block_hashes, self._token_blocks(seq), seq.num_registered_blocks,
+        blocks = list(seq.blocks)  # register_blocks may put a shared copy in place of one of ours
+        self.register_blocks(blocks, seq.block_hashes, self._token_blocks(seq), seq.num_registered_blocks,
                              full, retention=lambda i: self.retention_fn(seq, i, bs))
+        for i in range(seq.num_registered_blocks, full):
+            if blocks[i] is not seq.blocks[i]:
+                seq.replace_block(i, blocks[i])
         if self.lower is not None:
-            self.lower.write_through(seq.blocks[seq.num_registered_blocks : full])
+            self.lower.write_through(blocks[seq.num_registered_blocks : full])
         seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (tail first, so its chain evicts from the end)."""
         self.pool.release(reversed(seq.blocks))
-        seq.blocks = []
+        seq.clear_blocks()
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 

@@ -178,6 +178,23 @@ def requested_retention(
     return out
 
 
+def requested_block_retention(
+    config: KvCacheRetentionConfig | None, first_token: int, *, num_prompt_tokens: int
+) -> tuple[int | None, float | None]:
+    """What ``requested_retention`` gives the one block whose first token is
+    ``first_token``, without building the list for the blocks before it: the decode
+    retention when that token was generated (index >= ``num_prompt_tokens``), else the
+    range holding it, else ``(None, None)`` (also without a config). O(ranges)."""
+    if config is None:
+        return (None, None)
+    if first_token >= num_prompt_tokens:
+        return (config.decode_retention_priority, _seconds(config.decode_duration_ms))
+    for r in config.token_range_retention_configs:
+        if r.contains(first_token):
+            return (r.priority, _seconds(r.duration_ms))
+    return (None, None)
+
+
 def ranges_from_message_boundaries(
     boundaries: Sequence[tuple[int, int]],
     retentions: Sequence[Mapping | None],

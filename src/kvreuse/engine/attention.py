@@ -3,8 +3,9 @@
 Registered with transformers' ``AttentionInterface`` under the name ``"kvreuse"``; the
 model then calls ``paged_attention`` in every layer with the new tokens' q/k/v (RoPE
 already applied). We write the new k/v into their pool slots and attend over each
-sequence's slots gathered by index from the pool: the pool is the only KV storage, there
-is no per-request cache object. No transformers mask function is registered for the
+sequence's keys, found through its block table (``KeyTable``): read in place as runs of
+consecutive slots, or gathered by index. The pool is the only KV storage, there is no
+per-request cache object. No transformers mask function is registered for the
 name, so the model builds no mask and we build our own from the batch description.
 
 The batch is flattened to ``[1, T]`` (all sequences' new tokens back to back). Prefill
@@ -16,7 +17,9 @@ which read the pool in place).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -25,20 +28,73 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 ATTN_NAME = "kvreuse"
 
 
+@dataclass(frozen=True)
+class KeyTable:
+    """Where one sequence's keys lie in the pool, in attention order: ``context_slots``
+    (fixed slots, e.g. PML modules), then ``num_own`` own tokens, token ``t`` in slot
+    ``block_ids[t // block_size] * block_size + t % block_size``.
+
+    Slots and runs come from array arithmetic over the table, never a loop per token. The
+    arrays are the sequence's own (views): valid for the step they were taken in.
+    """
+
+    context_slots: np.ndarray  # [c] int64
+    block_ids: np.ndarray  # [>= ceil(num_own / block_size)] int64, own blocks in token order
+    block_size: int
+    num_own: int  # own tokens that are keys (those computed before, then the new ones)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self.context_slots) + self.num_own
+
+    def own_slots(self, start: int, end: int) -> np.ndarray:
+        """Slots of own tokens ``start..end-1``: ``[end - start]`` int64."""
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        slots = (self.block_ids[first:last, None] * bs + np.arange(bs)).reshape(-1)  # [(last - first) * bs]
+        return slots[start - first * bs : end - first * bs]
+
+    def own_intervals(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Own tokens ``start..end-1`` as one interval of consecutive slots per block:
+        ``(first slots, lengths)``, each ``[blocks touched]`` int64."""
+        bs = self.block_size
+        if end <= start:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        first, last = start // bs, -(-end // bs)
+        base = np.arange(first, last) * bs  # [m] index of each block's first token
+        lo = np.maximum(start - base, 0)  # [m] first offset used in each block
+        hi = np.minimum(end - base, bs)  # [m] one past the last
+        return self.block_ids[first:last] * bs + lo, hi - lo
+
+    def slots(self) -> np.ndarray:
+        """Every key's slot, in attention order: ``[num_keys]`` int64."""
+        return np.concatenate((self.context_slots, self.own_slots(0, self.num_own)))
+
+
 @dataclass
 class PrefillItem:
+    """One sequence's new tokens attended one sequence at a time. The keys are read in
+    place as ``kv_runs`` when there are few runs and the query is short, else gathered
+    through ``kv_slots`` (built from the table the first time a layer asks)."""
+
     start: int  # first index of this sequence's new tokens in the flattened batch
     num_new: int
-    kv_slots: torch.Tensor  # [L] slots of every key (context + new), in attention order
+    keys: KeyTable  # every key (context + new), the new tokens last
     mask_full: torch.Tensor | None  # [num_new, L] bool, None = plain causal over new tokens only
     mask_sliding: dict[int, torch.Tensor | None]  # window -> [num_new, L] bool
-    kv_runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs covering kv_slots, if few
+    kv_runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs covering the keys, if few
+    device: torch.device | str = "cpu"  # where kv_slots is wanted (the pool's device)
+
+    @cached_property
+    def kv_slots(self) -> torch.Tensor:
+        """``[L]`` slots of every key (context + new), in attention order."""
+        return torch.from_numpy(self.keys.slots()).to(self.device)  # [L]
 
 
 @dataclass
 class DecodeBatch:
     token_index: torch.Tensor  # [B] index of each decode token in the flattened batch
-    kv_slots: torch.Tensor  # [B, Lmax] slots, padded with 0
+    kv_slots: torch.Tensor  # [B, Lmax] slots (from each row's block table), padded with 0
     mask_full: torch.Tensor  # [B, 1, 1, Lmax] bool
     mask_sliding: dict[int, torch.Tensor]  # window -> [B, 1, 1, Lmax] bool
 

@@ -19,6 +19,8 @@ import enum
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kvreuse.cache.kv_block import KVBlock
 
 
@@ -70,12 +72,13 @@ class PromptContext:
     recomputed elsewhere) and empty while ``RELEASED``.
     """
 
-    __slots__ = ("_source", "_held", "_num_tokens")
+    __slots__ = ("_source", "_held", "_num_tokens", "_arrays")
 
     def __init__(self, source: ContextSource, held: HeldKV | None = None) -> None:
         self._source = source
         self._held = held
         self._num_tokens = source.num_tokens  # asked once: it is read per output
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (slots, positions) of this acquisition
 
     @property
     def state(self) -> ContextState:
@@ -99,6 +102,25 @@ class PromptContext:
         return () if self._held is None else tuple(self._held.blocks)
 
     @property
+    def slot_array(self) -> np.ndarray:
+        """``[c]`` int64 ``slots``, built once per acquisition (read every step)."""
+        return self._array_pair()[0]
+
+    @property
+    def position_array(self) -> np.ndarray:
+        """``[c]`` int64 ``positions``, built once per acquisition; the same object until the
+        context is released or acquired again (callers may cache on its identity)."""
+        return self._array_pair()[1]
+
+    def _array_pair(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            held = self._held
+            slots = np.asarray(() if held is None else held.slots, dtype=np.int64).reshape(-1)  # [c]
+            positions = np.asarray(() if held is None else held.positions, dtype=np.int64).reshape(-1)  # [c]
+            self._arrays = (slots, positions)
+        return self._arrays
+
+    @property
     def num_tokens(self) -> int:
         """Keys the context puts in front of the sequence's own tokens, in any state (they
         count as prompt tokens)."""
@@ -116,11 +138,13 @@ class PromptContext:
         pool cannot hold it now. A held context stays as it is."""
         if self._held is None:
             self._held = self._source.acquire()
+            self._arrays = None
         return self._held is not None
 
     def release(self) -> None:
         """Let the KV go (``RELEASED``): at the request's end, or while it waits under pool
         pressure. Releasing a released context does nothing."""
         held, self._held = self._held, None
+        self._arrays = None
         if held is not None:
             self._source.release(held)

@@ -22,6 +22,7 @@ from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.tiers.setup import build_host_tier, tier_stats
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
+from kvreuse.engine.attention import KeyTable
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
@@ -241,24 +242,7 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         if not plan:
             return []
-        bs = self.block_size
-        chunks = []
-        for item in plan:
-            seq, c, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            ctx_slots, ctx_positions = ((), ()) if seq.context is None else (seq.context.slots, seq.context.positions)
-            chunks.append(
-                SeqChunk(
-                    token_ids=seq.token_ids[c : c + n],
-                    positions=[seq.position(i) for i in range(c, c + n)],
-                    new_slots=[seq.slot(i, bs) for i in range(c, c + n)],
-                    context_slots=[*ctx_slots, *(seq.slot(i, bs) for i in range(c))],
-                    context_positions=(  # explicit positions (PML), with or without module context
-                        [*ctx_positions, *(seq.position(i) for i in range(c))]
-                        if ctx_slots or seq.prompt_positions is not None else None
-                    ),
-                    sample=c + n == seq.num_tokens,
-                )
-            )
+        chunks = [self._chunk(item.seq, item.num_new_tokens) for item in plan]
         logits = self.runner.execute(chunks)  # [num_sampling_chunks, vocab]
         sampled: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, token)
         now = time.perf_counter()
@@ -286,6 +270,18 @@ class LLMEngine:
                 self._requests.pop(seq.request_id, None)
             outputs.append(self._output(seq, [token], new_text, None if lp is None else [lp]))
         return outputs
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        """The runner's view of ``seq``'s next ``n`` tokens: its block table and context
+        arrays as they are (no per-token work over the tokens computed before)."""
+        c = seq.num_computed_tokens
+        return SeqChunk(
+            token_ids=seq.token_ids_between(c, c + n),
+            positions=seq.positions_between(c, c + n).tolist(),
+            keys=KeyTable(seq.context_slots, seq.block_table, self.block_size, c + n),
+            context_positions=seq.key_positions(c),  # None unless explicit positions (PML) or module context
+            sample=c + n == seq.num_tokens,
+        )
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, sampled: list[tuple[Sequence, int, int]]) -> dict[str, TokenLogprobs]:

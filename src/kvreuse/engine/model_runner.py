@@ -16,26 +16,50 @@ import numpy as np
 import torch
 
 from kvreuse.engine import attention
-from kvreuse.engine.attention import DecodeBatch, ForwardContext, PrefillItem
+from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.models import llama
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeqChunk:
     """New tokens of one sequence to compute in this step.
 
-    ``context_slots`` are the slots of every key before these tokens, in attention order
-    (cached prefix, PML modules, earlier chunks); the new tokens attend to all of them and
-    causally to each other. ``context_positions`` matter only for sliding-window layers
-    (``None`` = ``0..len-1``).
+    ``keys`` says where every key lies: the fixed context (PML modules), then the
+    sequence's own tokens through its block table, the last ``len(token_ids)`` of them
+    being these new tokens. The new tokens attend to every key before them and causally
+    to each other. ``context_positions`` are the RoPE positions of the keys before the new
+    tokens, read only by sliding-window layers (``None`` = ``0..len-1``).
     """
 
-    token_ids: list[int]
-    positions: list[int]
-    new_slots: list[int]
-    context_slots: list[int]
-    context_positions: list[int] | None
+    token_ids: list[int]  # [n]
+    positions: list[int]  # [n] RoPE positions of the new tokens
+    keys: KeyTable
+    context_positions: np.ndarray | None  # [num_context] int64
     sample: bool
+
+    @classmethod
+    def from_slots(
+        cls, token_ids: list[int], positions: list[int], new_slots: list[int], context_slots: list[int],
+        context_positions: list[int] | None, sample: bool,
+    ) -> "SeqChunk":
+        """A chunk whose keys lie in arbitrary slots (module precompute, tests): the keys
+        before the new tokens are fixed context slots, the new tokens a table of one-slot
+        blocks."""
+        keys = KeyTable(np.asarray(context_slots, dtype=np.int64).reshape(-1),
+                        np.asarray(new_slots, dtype=np.int64).reshape(-1), 1, len(new_slots))
+        ctx_pos = None if context_positions is None else np.asarray(context_positions, dtype=np.int64).reshape(-1)
+        return cls(list(token_ids), list(positions), keys, ctx_pos, sample)
+
+    @property
+    def num_context(self) -> int:
+        """Keys before the new tokens."""
+        return self.keys.num_keys - len(self.token_ids)
+
+    @property
+    def new_slots(self) -> np.ndarray:
+        """``[n]`` int64 slots the new tokens' K/V are written to."""
+        own = self.keys.num_own
+        return self.keys.own_slots(own - len(self.token_ids), own)
 
 
 @dataclass(frozen=True)
@@ -85,7 +109,7 @@ class ModelRunner:
         dev = self.device
         token_ids: list[int] = []
         positions: list[int] = []
-        new_slots: list[int] = []
+        new_slots: list[np.ndarray] = []
         sample_index: list[int] = []
         prefills: list[PrefillItem] = []
         decode_rows: list[tuple[int, SeqChunk]] = []
@@ -93,16 +117,16 @@ class ModelRunner:
             start = len(token_ids)
             token_ids += chunk.token_ids
             positions += chunk.positions
-            new_slots += chunk.new_slots
+            new_slots.append(chunk.new_slots)
             if chunk.sample:
                 sample_index.append(len(token_ids) - 1)
-            if len(chunk.token_ids) == 1 and 0 < len(chunk.context_slots) < self.decode_in_place_min:
+            if len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min:
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
         ctx = ForwardContext(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=dev),
+            slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(dev),  # [T]
             prefills=prefills,
             decodes=self._decode_batch(decode_rows) if decode_rows else None,
         )
@@ -125,8 +149,8 @@ class ModelRunner:
         ids, pos, slots = list(token_ids), list(positions), list(slots)
         for start in range(0, len(ids), chunk_tokens):
             end = start + chunk_tokens
-            self.execute([SeqChunk(ids[start:end], pos[start:end], slots[start:end],
-                                   slots[:start], pos[:start], sample=False)])
+            self.execute([SeqChunk.from_slots(ids[start:end], pos[start:end], slots[start:end],
+                                              slots[:start], pos[:start], sample=False)])
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
         """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,
@@ -143,18 +167,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ masks
     def _prefill_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         dev = self.device
-        n, c = len(chunk.token_ids), len(chunk.context_slots)
+        n, c = len(chunk.token_ids), chunk.num_context
         length = c + n
-        slots = np.asarray(chunk.context_slots + chunk.new_slots, dtype=np.int64)  # [L], converted once
-        kv_slots = torch.from_numpy(slots).to(dev)
         q_idx = torch.arange(n, device=dev)[:, None] + c  # [n, 1] index of each query among keys
         k_idx = torch.arange(length, device=dev)[None, :]  # [1, L]
         causal = k_idx <= q_idx  # [n, L]
         mask_full = None if c == 0 else causal
         mask_sliding: dict[int, torch.Tensor | None] = {}
         if self.layout.sliding_windows:
-            ctx_pos = chunk.context_positions if chunk.context_positions is not None else list(range(c))
-            k_pos = torch.tensor(ctx_pos + chunk.positions, dtype=torch.long, device=dev)[None, :]  # [1, L]
+            k_pos = torch.from_numpy(_key_positions(chunk)).to(dev)[None, :]  # [1, L]
             q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
             for window in self.layout.sliding_windows:
                 if c == 0 and chunk.positions[-1] - chunk.positions[0] < window:
@@ -165,33 +186,40 @@ class ModelRunner:
         # position is already inside K, so the order keys are read in does not matter:
         # reading them in slot order merges runs (modules precomputed side by side become
         # one run, whatever order a prompt lists them in). Masked layers need attention order.
-        read_order = slots if self.layout.sliding_windows else np.concatenate((np.sort(slots[:c]), slots[c:]))
-        return PrefillItem(start, n, kv_slots, mask_full, mask_sliding, _runs(read_order))
+        runs = _key_runs(chunk.keys, n, slot_order=not self.layout.sliding_windows)
+        return PrefillItem(start, n, chunk.keys, mask_full, mask_sliding, runs, dev)
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
         dev = self.device
-        lengths = [len(c.context_slots) + 1 for _, c in rows]
+        lengths = [c.keys.num_keys for _, c in rows]
         lmax = max(lengths)
-        slots = torch.zeros(len(rows), lmax, dtype=torch.long, device=dev)  # [B, Lmax]
+        slots = np.zeros((len(rows), lmax), np.int64)  # [B, Lmax]
         for i, (_, c) in enumerate(rows):
-            slots[i, : lengths[i]] = torch.tensor(c.context_slots + c.new_slots, dtype=torch.long, device=dev)
+            slots[i, : lengths[i]] = c.keys.slots()
         lens = torch.tensor(lengths, device=dev)
         valid = torch.arange(lmax, device=dev)[None, :] < lens[:, None]  # [B, Lmax]
         mask_sliding: dict[int, torch.Tensor] = {}
         if self.layout.sliding_windows:
-            k_pos = torch.zeros(len(rows), lmax, dtype=torch.long, device=dev)
+            k_pos_rows = np.zeros((len(rows), lmax), np.int64)  # [B, Lmax]
             for i, (_, c) in enumerate(rows):
-                ctx_pos = c.context_positions if c.context_positions is not None else list(range(len(c.context_slots)))
-                k_pos[i, : lengths[i]] = torch.tensor(ctx_pos + c.positions, dtype=torch.long, device=dev)
+                k_pos_rows[i, : lengths[i]] = _key_positions(c)
+            k_pos = torch.from_numpy(k_pos_rows).to(dev)  # [B, Lmax]
             q_pos = torch.tensor([c.positions[0] for _, c in rows], device=dev)[:, None]  # [B, 1]
             for window in self.layout.sliding_windows:
                 mask_sliding[window] = (valid & (k_pos > q_pos - window))[:, None, None, :]
         return DecodeBatch(
             token_index=torch.tensor([start for start, _ in rows], dtype=torch.long, device=dev),
-            kv_slots=slots,
+            kv_slots=torch.from_numpy(slots).to(dev),  # [B, Lmax]
             mask_full=valid[:, None, None, :],  # [B, 1, 1, Lmax]
             mask_sliding=mask_sliding,
         )
+
+
+def _key_positions(chunk: SeqChunk) -> np.ndarray:
+    """``[num_keys]`` int64 RoPE positions of every key of ``chunk``, the new tokens last."""
+    c = chunk.num_context
+    before = chunk.context_positions if chunk.context_positions is not None else np.arange(c, dtype=np.int64)
+    return np.concatenate((before, np.asarray(chunk.positions, dtype=np.int64)))
 
 
 MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small matmuls
@@ -200,12 +228,47 @@ DECODE_IN_PLACE_MIN = 1024  # context tokens from which a decode skips the gathe
 
 def _runs(slots: "list[int] | np.ndarray") -> tuple[tuple[int, int], ...]:
     """``slots`` as (first slot, length) runs of consecutive slots; ``()`` if more than MAX_RUNS."""
-    arr = np.asarray(slots)
-    if not arr.size:
+    arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # [L]
+    return _as_runs(*_merge_intervals(arr, np.ones_like(arr)))
+
+
+def _key_runs(keys: KeyTable, num_new: int, *, slot_order: bool) -> tuple[tuple[int, int], ...]:
+    """The keys of ``keys`` as (first slot, length) runs, in read order: the keys before the
+    ``num_new`` new tokens sorted by slot when ``slot_order`` (else attention order), then
+    the new tokens; ``()`` if more than MAX_RUNS. Works per block, not per token: equal to
+    ``_runs`` of the read order's slots."""
+    ctx = keys.context_slots
+    before = keys.num_own - num_new  # own tokens before the new ones
+    if slot_order:
+        starts, lengths = keys.own_intervals(0, before)
+        starts = np.concatenate((ctx, starts))  # [c + blocks]
+        lengths = np.concatenate((np.ones_like(ctx), lengths))
+        order = np.argsort(starts, kind="stable")  # the intervals are disjoint: this sorts the slots
+        new_starts, new_lengths = keys.own_intervals(before, keys.num_own)
+        starts = np.concatenate((starts[order], new_starts))
+        lengths = np.concatenate((lengths[order], new_lengths))
+    else:
+        own_starts, own_lengths = keys.own_intervals(0, keys.num_own)
+        starts = np.concatenate((ctx, own_starts))
+        lengths = np.concatenate((np.ones_like(ctx), own_lengths))
+    return _as_runs(*_merge_intervals(starts, lengths))
+
+
+def _merge_intervals(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Intervals (``[k]`` first slots, ``[k]`` lengths, in read order) with each one that
+    continues the one before merged into it; empty intervals dropped."""
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]  # [k']
+    if not len(starts):
+        return starts, lengths
+    opens = np.ones(len(starts), dtype=bool)  # [k'] True where a new run begins
+    opens[1:] = starts[1:] != starts[:-1] + lengths[:-1]
+    first = np.flatnonzero(opens)  # [runs]
+    return starts[first], np.add.reduceat(lengths, first)
+
+
+def _as_runs(starts: np.ndarray, lengths: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Merged intervals as ``((first slot, length), ...)``; ``()`` if more than MAX_RUNS."""
+    if len(starts) > MAX_RUNS:
         return ()
-    breaks = np.flatnonzero(np.diff(arr) != 1) + 1  # indices where a new run starts
-    if len(breaks) >= MAX_RUNS:
-        return ()
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(arr)]))
-    return tuple((int(arr[a]), int(b - a)) for a, b in zip(starts, ends))
+    return tuple(zip(starts.tolist(), lengths.tolist()))
