@@ -55,3 +55,25 @@ def test_stats_are_exact_after_known_requests(tiny_llama):
         # The same prompt again: both full blocks hit (the last token's block is always computed).
         assert s["prefix_cache"] == {"queries_tokens": 80, "hits_tokens": 32, "hit_rate": 0.4}
         assert s["tokens_computed"] == 40 + 8 and s["num_cached_blocks"] == 2
+
+
+def test_stats_show_the_tiers_with_exact_counts(tiny_llama):
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.0002, host_cache_memory_gib=0.002) as (client, engine):
+        blocks = engine.engine.pool.num_blocks
+        assert client.get("/v1/kv_cache_stats").json()["tiers"]["host"]["offloaded_blocks"] == 0
+        n = 16 * (blocks - 1)  # each prompt fills all but one device block (16-token blocks)
+        a = [(i * 31) % 2000 + 100 for i in range(n)]
+        b = [(i * 17) % 2000 + 100 for i in range(n)]
+        for prompt in (a, b, a):  # b pushes a's blocks down to the host; a comes back up
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+        # b needed all but one cached block of a: a's first block stayed on the device
+        details = r.json()["usage"]["prompt_tokens_details"]
+        assert details["cached_tokens"] == n - 16  # every block but the one holding the last token
+        assert details["cached_tokens_by_tier"] == {"device": 16, "host": n - 32, "disk": 0, "remote": 0}
+        tiers = client.get("/v1/kv_cache_stats").json()["tiers"]
+        assert tiers["hits_tokens"] == {"device": 16, "host": n - 32}
+        host = tiers["host"]
+        assert host["onboarded_blocks"] == blocks - 3 and host["offloaded_blocks"] >= blocks - 3
+        assert sum(host["blocks_by_priority"].values()) == host["num_cached_blocks"]
+        assert 'id="hostheld"' in client.get("/dashboard").text

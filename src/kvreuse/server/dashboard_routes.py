@@ -65,4 +65,26 @@ async def kv_cache_stats(request: Request) -> dict[str, Any]:
         "num_preemptions": s.num_preemptions,
         "tokens_computed": s.tokens_computed,
         "events": events,
+        "tiers": _tiers(s),
+    }
+
+
+def _tiers(s: Any) -> dict[str, Any]:
+    """Per tier below the device pool (``{}`` without any): hits in prompt tokens, and the
+    host tier's occupancy, moves and occupancy by priority (``docs/tiers.md``)."""
+    if not s.tiers:
+        return {}
+    from kvreuse.api.protocol import TIER_NAMES
+
+    host = s.tiers.get("CPU", {})
+    return {
+        "hits_tokens": {TIER_NAMES.get(k, k): v for k, v in sorted(s.prefix_cache_hits_tokens_by_tier.items())},
+        "host": {
+            "num_blocks": host.get("num_blocks", 0), "num_cached_blocks": host.get("num_cached_blocks", 0),
+            "offloaded_blocks": host.get("offloaded_blocks", 0), "onboarded_blocks": host.get("onboarded_blocks", 0),
+            "loaded_blocks": host.get("loaded_blocks", 0),
+            "blocks_by_priority": {k.removeprefix("blocks_priority_"): v for k, v in host.items()
+                                   if k.startswith("blocks_priority_")},
+        },
+        "stores": {TIER_NAMES[level]: s.tiers[level] for level in ("DISK", "REMOTE") if level in s.tiers},
     }
