@@ -23,7 +23,7 @@ from kvreuse.events.records import (
     event_to_json,
 )
 
-from tests.event_helpers import CacheMirror, locked_snapshot
+from tests.events.event_helpers import CacheMirror, locked_snapshot
 
 H1, H2 = BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 8)
 

@@ -17,7 +17,7 @@ from kvreuse.cache.eviction import PriorityPolicy
 from kvreuse.cache.hashing import hash_token_blocks
 from kvreuse.events.records import CacheCreated, KVSnapshot, event_from_json, event_to_json
 
-from tests.event_helpers import CacheMirror
+from tests.events.event_helpers import CacheMirror
 
 BS = 2
 NUM_BLOCKS = 6

@@ -21,7 +21,7 @@ from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_ev
 from kvreuse.events.records import AllBlocksCleared
 from kvreuse.events.wire import wire_hash
 
-from tests.event_helpers import CATCH_UP
+from tests.events.event_helpers import CATCH_UP
 
 BS = 4
 
@@ -238,7 +238,7 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     thread stays live and catches up (PUB drops for the stalled peer instead of blocking)."""
     import threading
 
-    from tests.event_helpers import locked_snapshot
+    from tests.events.event_helpers import locked_snapshot
 
     buf = EventBuffer(256)
     pool = BlockPool(64, BS, events=buf)

@@ -18,7 +18,7 @@ from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored
 from kvreuse.events.wire import hash_from_wire
 from kvreuse.router.index import KVIndex, index_key
 
-from tests.test_zmq_events import BS, run_requests
+from tests.events.test_zmq_events import BS, run_requests
 
 
 def h8(n: int) -> BlockHash:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from kvreuse.events.records import event_from_json
-from tests.event_helpers import CATCH_UP, CacheMirror
-from tests.test_event_engine import wire_blocks
-from tests.test_event_routes import read_sse
+from tests.events.event_helpers import CATCH_UP, CacheMirror
+from tests.events.test_event_engine import wire_blocks
+from tests.events.test_event_routes import read_sse
 
 DUMPING_SUBSCRIBER = r"""
 import json, sys, msgpack, zmq

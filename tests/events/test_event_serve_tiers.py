@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.event_helpers import CATCH_UP
-from tests.test_event_serve import free_port
+from tests.events.event_helpers import CATCH_UP
+from tests.events.test_event_serve import free_port
 
 PER_MEDIUM_SUBSCRIBER = r"""
 import json, sys, msgpack, zmq
