@@ -170,6 +170,14 @@ class HostTier:
         self.pool.acquire(hits)
         return hits
 
+    def drop(self, keys: Sequence[BlockHash]) -> None:
+        """Forget the host's copies of ``keys`` that nobody holds (they were just registered on
+        the device: a block-aligned prompt computes its last block, never a hit, so it can
+        exist below already). Emits ``BlocksRemoved`` at this level for them."""
+        copies = [b for b in map(self.pool.get_cached, keys) if b is not None and b.ref_count == 0]
+        if copies:
+            self.pool.remove_cached(copies)
+
     def cancel(self, hits: Sequence[KVBlock]) -> None:
         """Give back ``match``'s hits unused (admission failed)."""
         self.pool.release(reversed(hits))

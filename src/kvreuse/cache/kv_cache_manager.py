@@ -146,20 +146,18 @@ class KVCacheManager:
         limit = len(keys) if max_hits is None else min(max_hits, len(keys))
         hits = self.pool.match_prefix(keys[:limit], token_blocks) if limit > 0 else []
         n = len(hits)
+        num_new = num_blocks - n  # blocks found below the device need fresh device blocks too
+        unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
+        if num_new > self.pool.num_free_blocks - unheld_hits:
+            return None
         below: list[KVBlock] = []
         stored: list = []
         if self.lower is not None and n < limit:  # the chain goes on in the host tier? in the stores?
             below = self.lower.match(keys[n:limit], (token_blocks[j] for j in range(n, limit)))
             j = n + len(below)
-            if j < limit:
+            if j < limit:  # store IO only now that the admission goes through
                 stored = self.lower.match_stores(keys[j:limit], (token_blocks[i] for i in range(j, limit)),
                                                  keys[j - 1] if j else None)
-        num_new = num_blocks - n
-        unheld_hits = sum(1 for b in hits if b.ref_count == 0)  # they count as free until acquired
-        if num_new > self.pool.num_free_blocks - unheld_hits:
-            if below:
-                self.lower.cancel(below)  # type: ignore[union-attr]
-            return None
         # worked out before anything is held, so a failure here leaks no block
         wanted = [retention(i) or (None, None) for i in range(n + len(below) + len(stored))]
         self.pool.acquire(hits)
@@ -224,6 +222,8 @@ class KVCacheManager:
                 blocks[j] = kept
                 if wanted is not None:
                     self.pool.set_retention(kept, priority, duration)
+        if self.lower is not None:  # the tiers are exclusive: a key now on the device leaves the host
+            self.lower.drop(keys[start:end])
 
     # ------------------------------------------------------------------ sequences
     def _extend_hashes(self, seq: Sequence, upto_tokens: int) -> None:

@@ -362,7 +362,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use, on the device and in the host tier; returns
         how many were dropped."""
-        dropped = self.pool.evict_all_cached()
-        if self.host is not None:
-            dropped += self.host.pool.evict_all_cached()
-        return dropped
+        dropped = 0
+        if self.host is not None:  # first, so the device's AllBlocksCleared (if any) is the last word
+            dropped += self.host.pool.evict_all_cached(may_clear_all=False)
+        return dropped + self.pool.evict_all_cached()

@@ -121,6 +121,19 @@ _TIER_COUNTERS = {  # host-tier stat -> (metric, help, direction)
 }
 
 
+_STORE_GAUGES = {  # the stores' stats() that are levels, not counts
+    "entries": "Blocks the store holds.",
+    "bytes": "Bytes the store holds.",
+    "breaker_open": "1 while the store's circuit breaker skips it.",
+}
+
+
+def gauge_family(name: str, doc: str, labels: list[str], values: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=labels)
+    family.add_metric(values, value)
+    return family
+
+
 def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
     """Hits by tier, blocks / bytes / seconds moved per direction, host occupancy by priority,
     and the disk / remote stores' own counters. Nothing without tiers."""
@@ -153,11 +166,15 @@ def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metr
     yield held
     for level in ("DISK", "REMOTE"):
         if level in tiers:
-            store = CounterMetricFamily(f"kvreuse:{level.lower()}_tier_events", f"The {TIER_NAMES[level]} store's counters.",
+            name = level.lower()
+            store = CounterMetricFamily(f"kvreuse:{name}_tier_events", f"The {TIER_NAMES[level]} store's counters.",
                                         labels=[*labels, "event"])
             for key, n in sorted(tiers[level].items()):
-                store.add_metric([*values, key], n)
+                if key not in _STORE_GAUGES:
+                    store.add_metric([*values, key], n)
             yield store
+            for key in sorted(_STORE_GAUGES.keys() & tiers[level].keys()):  # levels, not counts: they go down
+                yield gauge_family(f"kvreuse:{name}_tier_{key}", _STORE_GAUGES[key], labels, values, tiers[level][key])
 
 
 class RequestTracker:
