@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvreuse.cache.kv_block import cdiv
+
 ATTN_NAME = "kvreuse"
 
 
@@ -50,7 +52,7 @@ class KeyTable:
     def own_slots(self, start: int, end: int) -> np.ndarray:
         """Slots of own tokens ``start..end-1``: ``[end - start]`` int64."""
         bs = self.block_size
-        first, last = start // bs, -(-end // bs)
+        first, last = start // bs, cdiv(end, bs)
         slots = (self.block_ids[first:last, None] * bs + np.arange(bs)).reshape(-1)  # [(last - first) * bs]
         return slots[start - first * bs : end - first * bs]
 
@@ -60,7 +62,7 @@ class KeyTable:
         bs = self.block_size
         if end <= start:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        first, last = start // bs, -(-end // bs)
+        first, last = start // bs, cdiv(end, bs)
         base = np.arange(first, last) * bs  # [m] index of each block's first token
         lo = np.maximum(start - base, 0)  # [m] first offset used in each block
         hi = np.minimum(end - base, bs)  # [m] one past the last
