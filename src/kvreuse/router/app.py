@@ -6,6 +6,16 @@
     GET  /metrics                                 the router's own Prometheus metrics
     POST /v1/route/explain                        overlap, load and score per executor, and the choice
 
+Guards (``kvreuse.api.middleware``, the executor's own, in the same order): bodies over
+``max_body_bytes`` get the executor's 413 before anything else is read; with ``api_key``,
+``/v1/*`` (explain included) and ``/openapi.json`` need ``Authorization: Bearer <api_key>``
+before the body is read or anything tokenized. A body that is not UTF-8, not JSON or nested
+too deeply gets the executor's 400 (``kvreuse.api.body.parse_json_body``) from the router.
+
+With ``api_key`` the router has authenticated the client, so a proxied request carries the
+router's executor key (``Router.control_headers``) instead of the client's header; without
+it, the client's own ``Authorization`` goes through and the executor checks it.
+
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
 so it changes no policy state: its choice is the one the same request would get next.
@@ -17,19 +27,23 @@ upstream request closed, so the executor aborts it (``proxy.forward``).
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvreuse import __version__
+from kvreuse.api.body import parse_json_body
+from kvreuse.api.errors import APIError
+from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 
 
-def build_router_app(router: Router) -> FastAPI:
-    """An app serving ``router``; its lifespan starts and stops the router's tasks."""
+def build_router_app(router: Router, *, api_key: str | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving ``router``; its lifespan starts and stops the router's tasks.
+    ``api_key``: the key clients must send (None: the router checks none)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.gather(*(router.probe(e) for e in router.executors.values()))
@@ -42,22 +56,27 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvreuse router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
 
+    def upstream_headers(request: Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k != "authorization"}
+        return {**headers, **router.control_headers} if api_key else dict(request.headers)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(router, "/v1/completions", await request.body(), dict(request.headers), chat=False,
+        return await forward(router, "/v1/completions", await request.body(), upstream_headers(request), chat=False,
                              request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(router, "/v1/chat/completions", await request.body(), dict(request.headers), chat=True,
-                             request=request)
+        return await forward(router, "/v1/chat/completions", await request.body(), upstream_headers(request),
+                             chat=True, request=request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for e in router.executors.values():
             if e.healthy:
                 try:
-                    resp = await router.client.get(f"{e.url}/v1/models", headers=_auth(request), timeout=5.0)
+                    headers = router.control_headers if api_key else _auth(request)
+                    resp = await router.client.get(f"{e.url}/v1/models", headers=headers, timeout=5.0)
                 except Exception:  # noqa: BLE001 - try the next executor
                     continue
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
@@ -78,9 +97,9 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/route/explain")
     async def explain(request: Request) -> JSONResponse:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error("the body is not JSON", 400, "invalid_request_error")
+            body = parse_json_body(await request.body())
+        except APIError as exc:
+            return exc.response()
         if not isinstance(body, dict):
             return error("the body must be a JSON object", 400, "invalid_request_error")
         chat = "messages" in body
@@ -104,6 +123,10 @@ def build_router_app(router: Router) -> FastAPI:
             "executors": executors, "choice": routed.decision.choice if routed else None,
         })
 
+    # Added last = outermost: the size limit runs first, then the key, then the routes.
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     return app
 
 

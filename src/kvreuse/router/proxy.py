@@ -27,7 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.api.connection import client_disconnected  # the executor's own watcher
-from kvreuse.api.errors import error_response
+from kvreuse.api.body import parse_json_body
+from kvreuse.api.errors import APIError, error_response
 from kvreuse.router.executors import Executor
 from kvreuse.router.router import Router
 
@@ -86,9 +87,9 @@ async def _unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
 async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
                    gone: asyncio.Future | None) -> Response:
     try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None  # the executor will answer it with its own 400; route it by load
+        body = parse_json_body(raw)
+    except APIError as exc:
+        return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
     # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
     keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}

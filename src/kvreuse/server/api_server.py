@@ -33,7 +33,7 @@ from kvreuse.server import (
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
-from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 
 if TYPE_CHECKING:
     from kvreuse.events.publisher import ZmqEventPublisher
