@@ -395,6 +395,7 @@ class LLMEngine:
             events_dropped=None if self.events is None else self.events.num_dropped,
             prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
             tiers=self._tier_stats(),
+            schema_store_refused={} if self.modules.store is None else dict(self.modules.store.refused),
         )
 
     def _tier_stats(self) -> dict[str, dict[str, float]]:
