@@ -29,7 +29,7 @@ from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
-    run_to_completion, sampling_params, sse, start_streams,
+    reply_room, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -38,7 +38,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Raises 400 (bad field or messages, prompt too long), 404 (unknown model); 500 on
-    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default)."""
+    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default), or
+    the KV pool where that is smaller (``reply_room``)."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
     request_retention = parse_retention(body.kv_cache_retention_config)
@@ -51,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                      template_kwargs=body.chat_template_kwargs)
     retention = merge_retention(prompt.retention, request_retention)
     check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
-    default_max = ctx.engine.max_model_len - len(prompt.token_ids)
+    default_max = reply_room(ctx, len(prompt.token_ids), param="messages")
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
