@@ -63,7 +63,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt afresh (a baseline)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed for requests that give none")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, /reset_prefix_cache")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, "
+                        "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
+                        "and no admin routes)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")  # api.middleware.DEFAULT_MAX_BODY_BYTES
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")

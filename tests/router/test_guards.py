@@ -114,3 +114,38 @@ def test_bodies_that_do_not_parse_get_a_400_naming_the_body_and_reach_no_executo
             assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
                                           "code": None}}
         assert (seen, calls) == ([], 0)
+
+
+def test_a_tenant_keys_requests_are_hashed_explained_and_forwarded_with_the_tenants_salt():
+    bodies: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    prompt = {"prompt": list(range(100, 110)), "max_tokens": 1}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
+            hasher = PromptHasher(None, HashSettings("m", 4, "sha256"))
+            router = Router([Executor("http://a", healthy=True)], hasher, make_policy("kv"), client=upstream,
+                            seed=0, executor_api_key=EXECUTOR_KEY)
+            # acme's blocks of this prompt are in the index; nobody else's are
+            router.index.store("http://a", hasher.keys(prompt["prompt"], "tenant:acme"))
+            app = build_router_app(router, api_key=[KEY, "acme-key:acme"], max_body_bytes=LIMIT)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                served = await c.post("/v1/completions", json={**prompt, "cache_salt": "x"},
+                                      headers=_bearer("acme-key"))
+                plain = await c.post("/v1/completions", json=prompt, headers=_bearer("acme-key"))
+                admin = await c.post("/v1/completions", json=prompt, headers=_bearer(KEY))
+                explained = await c.post("/v1/route/explain", json=prompt, headers=_bearer("acme-key"))
+                as_admin = await c.post("/v1/route/explain", json=prompt, headers=_bearer(KEY))
+            return served, plain, admin, explained, as_admin
+
+    served, plain, admin, explained, as_admin = asyncio.run(scenario())
+    assert [r.status_code for r in (served, plain, admin, explained, as_admin)] == [200] * 5
+    assert [b.get("cache_salt") for b in bodies] == ["tenant:acme|x", "tenant:acme", None]
+    # explain sees acme's blocks only under acme's key: another key learns nothing of them
+    assert [e["overlap_blocks"] for e in explained.json()["executors"]] == [2]
+    assert [e["overlap_blocks"] for e in as_admin.json()["executors"]] == [0]
+

@@ -8,12 +8,13 @@ The body is read in chunks and refused as soon as it passes the limit, so no mor
 
 from __future__ import annotations
 
-import hmac
 import json
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.api.errors import error_body
+from kvreuse.api.tenants import APIKeys, needs_admin
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
@@ -79,20 +80,29 @@ def is_guarded(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on every guarded path (``is_guarded``);
+    """Require ``Authorization: Bearer <key>`` of one of ``api_key`` (specs ``KEY`` or
+    ``KEY:TENANT``, ``kvreuse.api.tenants``) on every guarded path (``is_guarded``);
     ``/health``, ``/metrics``, ``/version`` and ``/dashboard`` stay open for probes and
-    scrapers, as in vLLM. It runs before the body is read."""
+    scrapers, as in vLLM. It runs before the body is read. A tenant key gets a 403 on the
+    admin routes (``needs_admin``); the caller's tenant goes in ``scope["state"]["tenant"]``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self._expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys) -> None:
+        self.app = app
+        self.keys = api_key if isinstance(api_key, APIKeys) else APIKeys.parse(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not is_guarded(scope.get("path", "")) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        known, tenant = self.keys.lookup(given)
+        if not known:
             await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
             return
+        if tenant is not None and needs_admin(scope["method"], scope["path"]):
+            await _send_error(send, 403, f"{scope['method']} {scope['path']} needs an admin key (one given "
+                              "without ':tenant'): it shows or changes every tenant's cache", code="admin_key_required")
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

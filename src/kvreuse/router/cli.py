@@ -14,9 +14,11 @@ own calls (info, health, metrics, KV state and events) to executors started with
 ``--api-key``; an executor answering 401 at start stops the router with a message saying
 whether the key is missing or wrong.
 
-``--api-key`` is the key clients must send the router (``/v1/*``, explain included, and
-``/openapi.json``), checked before the body is read; it defaults to ``--executor-api-key``,
-so when executors require a key the router requires one too, before it tokenizes anything.
+``--api-key`` (repeatable, ``KEY`` or ``KEY:TENANT``, ``kvreuse.api.tenants``) is the key
+clients must send the router (``/v1/*``, explain included, and ``/openapi.json``), checked
+before the body is read; it defaults to ``--executor-api-key``, so when executors require a
+key the router requires one too, before it tokenizes anything. A tenant's requests are
+hashed, explained and forwarded with the tenant's salt in ``cache_salt``.
 With a router key, proxied requests carry the executor key (the router has checked the
 client); without one, they carry the client's own ``Authorization`` header.
 ``--max-body-bytes`` (the executor's default, 8 MiB) gives larger bodies the executor's 413
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 import httpx
 
 from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
+from kvreuse.api.tenants import APIKeys
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy
 
@@ -59,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-api-key", default=os.environ.get(EXECUTOR_API_KEY_ENV) or None, metavar="KEY",
                    help="API key of executors started with --api-key, for the router's own calls (health, "
                         f"info, KV events); default ${EXECUTOR_API_KEY_ENV}. Clients' requests keep their own key")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' from clients on /v1/* and /openapi.json "
-                        "(default: the --executor-api-key, if any)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="require 'Authorization: Bearer KEY' from clients on /v1/* and /openapi.json (repeat for "
+                        "more keys; KEY:TENANT keys get the tenant's cache salt; default: the --executor-api-key)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get a 413 (as on the executor)")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
@@ -108,8 +111,9 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     if args.max_body_bytes < 1024:
         print(f"kvreuse route: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
         return 2
-    api_key = args.api_key or args.executor_api_key  # executors that need a key: so does the router
     try:
+        api_key = args.api_key or ([args.executor_api_key] if args.executor_api_key else None)  # keyed executors: keyed router
+        keys = APIKeys.parse(api_key) if api_key else None
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))
@@ -129,6 +133,6 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
-    app = build_router_app(router, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes)
     uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

@@ -22,6 +22,7 @@ from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
 from kvreuse.api.chat_prompt import merge_retention, render_chat
+from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.api.errors import APIError, error_body
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
@@ -56,7 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      body.cache_salt, retention)
+                      tenant_salt(tenant_of(request.scope), body.cache_salt), retention)
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
@@ -91,7 +92,7 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     default_max = max(1, ctx.engine.max_model_len - end)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
-        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", body.cache_salt,
+        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", tenant_salt(tenant_of(request.scope), body.cache_salt),
                       retention, prepared)
         for j in range(body.n)
     ]
