@@ -68,7 +68,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
                         "and no admin routes)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")  # api.middleware.DEFAULT_MAX_BODY_BYTES
+    # 8 MiB: kvreuse.api.middleware.DEFAULT_MAX_BODY_BYTES (not imported: the CLI imports lazily)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
     p.add_argument("--event-buffer-max-size", type=int, default=0,
                    help="KV events kept for consumers (0: events off unless an endpoint is set)")

@@ -334,7 +334,8 @@ class ModuleCache:
         try:
             self.runner.write_kv(slots, kv, first_token=lo)
         except ValueError as exc:
-            self.store.refuse(schema, StoreMismatch(f"module {module.qualified_name!r}: {exc}", "shape"))  # type: ignore[union-attr]
+            refused = StoreMismatch(f"module {module.qualified_name!r}: {exc}", "shape")
+            self.store.refuse(schema, refused)  # type: ignore[union-attr]
             return False
         return True
 

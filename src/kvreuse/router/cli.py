@@ -112,7 +112,8 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         print(f"kvreuse route: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
         return 2
     try:
-        api_key = args.api_key or ([args.executor_api_key] if args.executor_api_key else None)  # keyed executors: keyed router
+        # Executors that need a key: so does the router (their key, unless it has its own).
+        api_key = args.api_key or ([args.executor_api_key] if args.executor_api_key else None)
         keys = APIKeys.parse(api_key) if api_key else None
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))

@@ -43,6 +43,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     the KV pool where that is smaller (``reply_room``)."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     request_retention = parse_retention(body.kv_cache_retention_config)
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
@@ -57,7 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      tenant_salt(tenant_of(request.scope), body.cache_salt), retention)
+                      salt, retention)
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
@@ -90,9 +91,10 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
     default_max = max(1, ctx.engine.max_model_len - end)
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
-        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", tenant_salt(tenant_of(request.scope), body.cache_salt),
+        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", salt,
                       retention, prepared)
         for j in range(body.n)
     ]
