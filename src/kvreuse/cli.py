@@ -63,8 +63,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt afresh (a baseline)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed for requests that give none")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize, /detokenize, /reset_prefix_cache")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, "
+                        "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
+                        "and no admin routes)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
+    # 8 MiB: kvreuse.api.middleware.DEFAULT_MAX_BODY_BYTES (not imported: the CLI imports lazily)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
     p.add_argument("--event-buffer-max-size", type=int, default=0,
@@ -129,7 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, build the engine, the publisher (with ``--kv-events-endpoint``) and
     the app, start the engine and the publisher, serve until interrupted, then close both.
     Returns the exit status (2 for a bad flag or model)."""
-    import uvicorn
+    from kvreuse.api.access_log import uvicorn_server
     from rich.console import Console
 
     from kvreuse.engine.async_engine import AsyncEngine
@@ -178,7 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if publisher is not None:
         publisher.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
         if publisher is not None:
             publisher.close()

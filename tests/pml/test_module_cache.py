@@ -3,6 +3,7 @@ positions of union members and arguments as the engine runs them, eviction and r
 persistence to a schema dir, and bad prompts leaving the pool intact."""
 
 import pytest
+import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine.context import ContextState
@@ -140,6 +141,50 @@ def test_schema_dir_persists_and_rejects_corrupt_files(tiny_llama, tmp_path, cap
     assert "checksum" in caplog.text
     assert third.generate(prompt, GREEDY)[0].token_ids == ref.token_ids
     assert make(tiny_llama, schema_dir=str(tmp_path)).engine.restored_schemas[0].loaded == 4  # rewritten
+
+
+def _rewrite(path, change) -> None:
+    """Rewrite a stored file with ``change`` applied to every tensor and a valid checksum."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvreuse.pml.schema_store import _checksum
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = {k: change(t).contiguous() for k, t in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={**meta, "checksum": _checksum(tensors)})
+
+
+@pytest.mark.parametrize("mode", ["shape", "truncated", "non_finite"])
+def test_a_corrupt_store_file_costs_one_recompute_and_one_log_line(tiny_llama, tmp_path, caplog, mode):
+    # Each mode used to stop the start (shape: RuntimeError), drop the schema (truncated) or
+    # serve NaN KV (non_finite). Now: the server starts, the file is refused once (one
+    # warning, one count by reason), the schema recomputed, the output right, the file rewritten.
+    first = make(tiny_llama, schema_dir=str(tmp_path))
+    first.register_schema(SCHEMA)
+    prompt = '<prompt schema="s"><b/><r who="Cy"/>Why?</prompt>'
+    ref = first.generate(prompt, GREEDY)[0]
+    (path,) = list(tmp_path.rglob("*.safetensors"))
+    if mode == "shape":
+        _rewrite(path, lambda t: t[:, :, :, :1])  # one KV head where the model has two
+    elif mode == "non_finite":
+        _rewrite(path, lambda t: torch.full_like(t, float("nan")))
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # header intact, tensors cut
+    reason = {"shape": "shape", "truncated": "unreadable", "non_finite": "non_finite"}[mode]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvreuse"):
+        restarted = make(tiny_llama, schema_dir=str(tmp_path))
+    (info,) = restarted.engine.restored_schemas
+    assert (info.name, info.computed, info.loaded) == ("s", 4, 0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(f"schema dir: refused {path.name} (")
+    assert warnings[0].endswith("; recomputing schema 's'")
+    assert restarted.engine.stats().schema_store_refused == {reason: 1}
+    assert restarted.generate(prompt, GREEDY)[0].token_ids == ref.token_ids
+    again = make(tiny_llama, schema_dir=str(tmp_path))  # rewritten by the recompute
+    assert again.engine.restored_schemas[0].loaded == 4 and again.engine.stats().schema_store_refused == {}
 
 
 def test_bad_prompts_raise_and_leave_the_pool_intact(tiny_llama):

@@ -23,7 +23,7 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
            "--kv-cache-memory", "0.02", "--max-model-len", "512", "--served-model-name", "tiny",
-           "--api-key", API_KEY, "--log-level", "warning"]
+           "--api-key", API_KEY, "--log-level", "info"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -97,3 +97,17 @@ def test_openai_client_errors(served):
         client.completions.create(model="tiny", prompt="x", max_tokens=-1)
     assert bad.value.body["param"] == "max_tokens"
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_the_key_never_reaches_the_access_log_and_the_api_description_needs_it(served):
+    url, log = served
+    assert httpx.get(f"{url}/dashboard?api_key={API_KEY}&x=1").status_code == 200
+    assert httpx.get(f"{url}/openapi.json").status_code == 401
+    assert httpx.get(f"{url}/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while "GET /openapi.json HTTP/1.1\" 200" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = log.read_text()
+    assert '"GET /dashboard?api_key=***&x=*** HTTP/1.1" 200' in text
+    assert '"GET /openapi.json HTTP/1.1" 401' in text
+    assert API_KEY not in text

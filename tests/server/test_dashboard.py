@@ -77,3 +77,39 @@ def test_stats_show_the_tiers_with_exact_counts(tiny_llama):
         assert host["onboarded_blocks"] == blocks - 3 and host["offloaded_blocks"] >= blocks - 3
         assert sum(host["blocks_by_priority"].values()) == host["num_cached_blocks"]
         assert 'id="hostheld"' in client.get("/dashboard").text
+
+
+def test_the_event_panel_recovers_after_a_reset(client, tmp_path):
+    # The page's own frame handler (between its frame:begin/end markers), run in node on the
+    # frames a restarted server sends: the reset is not parsed as an event, and the cursor
+    # moves to the reset's last_event_id (before: ?after=undefined, a 400 forever).
+    import json
+    import shutil
+    import subprocess
+
+    import pytest
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    page = client.get("/dashboard").text
+    source = page[page.index("// frame:begin"):page.index("// frame:end")]
+    frames = [
+        'id: 7\nevent: kv_event\ndata: {"event_id": 7, "data": {"type": "stored"}}',
+        'event: reset\ndata: {"last_event_id": 2, "after": 7, "reason": "event ids went back"}',
+        ": keepalive",
+        'id: 1\nevent: kv_event\ndata: {"event_id": 1, "data": {"type": "created"}}',
+        'event: other\ndata: {"x": 1}',
+    ]
+    script = source + f"""
+const seen = [], cursors = [];
+let last = 5;
+for (const f of {json.dumps(frames)}) {{
+  last = applyFrame(f, last, (ev) => seen.push(ev.event_id), (r) => seen.push("reset@" + r.last_event_id));
+  cursors.push(last);
+}}
+console.log(JSON.stringify({{seen, cursors}}));
+"""
+    (tmp_path / "frames.js").write_text(script)
+    out = subprocess.run([node, str(tmp_path / "frames.js")], capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(out.stdout) == {"seen": [7, "reset@2", 1], "cursors": [7, 2, 2, 1, 1]}

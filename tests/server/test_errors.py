@@ -23,8 +23,35 @@ def _still_serving(client) -> None:
 def test_malformed_json(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ', headers={"content-type": "application/json"})
     err = _error(r, 400)
-    assert "malformed JSON" in err["message"] and err["type"] == "invalid_request_error"
+    assert err == {"message": "request body is not valid JSON: Expecting value: line 1 column 31 (char 30)",
+                   "type": "invalid_request_error", "param": None, "code": None}
     _still_serving(client)
+
+
+def test_bodies_that_do_not_parse_name_the_body(client):
+    # The same messages as the router's (kvreuse.api.body), never FastAPI's generic one.
+    cases = {
+        b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}":
+            "request body: JSON is nested too deeply (arrays or objects about 1000 levels deep)",
+        b'{"prompt": "\xff"}': "request body is not valid UTF-8 (byte 12 of 15: 0xff)",
+    }
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for body, message in cases.items():
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert _error(r, 400) == {"message": message, "type": "invalid_request_error", "param": None,
+                                      "code": None}
+    _still_serving(client)
+
+
+def test_the_api_description_needs_the_key(async_engine):
+    from fastapi.testclient import TestClient
+
+    from kvreuse.server.api_server import build_app
+
+    with TestClient(build_app(async_engine, api_key="sekrit", served_model_name="tiny")) as c:
+        assert _error(c.get("/openapi.json"), 401)["code"] == "invalid_api_key"
+        assert c.get("/openapi.json", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+        assert c.get("/dashboard").status_code == 200  # the page holds no data
 
 
 @pytest.mark.parametrize(
@@ -176,3 +203,65 @@ def test_unimplemented_openai_fields_are_refused_unless_neutral(client):
                "tool_choice": "none", "seed": 2**63 - 1, "n": 2}
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **{**neutral, "best_of": 2}})
     assert r.status_code == 200, r.text
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_not_tokenizer_internals(client):
+    cases = [
+        ("/v1/completions", b'{"prompt": "ok \\ud800 x", "max_tokens": 1}',
+         "prompt: text contains a lone UTF-16 surrogate (\\ud800 at character 3); send valid Unicode", "prompt"),
+        ("/v1/completions", b'{"prompt": ["fine", "\\udfff"], "max_tokens": 1}',
+         "prompt: text contains a lone UTF-16 surrogate (\\udfff at character 0); send valid Unicode", "prompt"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\\ud83d"}], "max_tokens": 1}',
+         "messages[1].content: text contains a lone UTF-16 surrogate (\\ud83d at character 1); send valid Unicode",
+         "messages[1].content"),
+    ]
+    for path, body, message, param in cases:
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert _error(r, 400) == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    _still_serving(client)
+
+
+def test_n_times_prompts_is_capped(client):
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 200, "n": 2, "max_tokens": 1})
+    assert _error(r, 400) == {
+        "message": "n: 2 samples x 200 prompts = 400 sequences; at most 256 per request (lower n or split the prompts)",
+        "type": "invalid_request_error", "param": "n", "code": None}
+    ok = client.post("/v1/completions", json={"prompt": ["a"] * 16, "n": 16, "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 256
+
+
+def test_chat_without_max_tokens_on_a_small_pool_fills_what_fits(tiny_llama):
+    from .fresh_app import fresh_client
+
+    # 13 blocks of 16 = 208 pool tokens under a 1024-token context: the default reply is what
+    # the pool holds (208 - prompt + 1: the last token needs no slot), not a 400 on max_tokens.
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.0001, max_model_len=1024) as (c, engine):
+        assert engine.pool_tokens == 208
+        messages = [{"role": "user", "content": "hello"}]
+        r = c.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 208 - usage["prompt_tokens"] + 1
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        long = [{"role": "user", "content": "word " * 300}]
+        err = _error(c.post("/v1/chat/completions", json={"messages": long}), 400)
+        assert err["param"] == "messages" and err["message"].endswith(
+            "tokens but the KV pool holds 208: shorten it or raise --kv-cache-memory")
+
+
+def test_chat_on_a_model_without_a_chat_template_says_so(tiny_llama):
+    import copy
+    import dataclasses
+
+    from .fresh_app import fresh_client
+
+    tokenizer = copy.deepcopy(tiny_llama.tokenizer)  # the fixture's is shared: never mutate it
+    tokenizer.chat_template = None
+    with fresh_client(dataclasses.replace(tiny_llama, tokenizer=tokenizer)) as (c, _):
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert _error(r, 400) == {
+            "message": "messages: this model has no chat template, so it cannot take chat messages; "
+                       "send the text to /v1/completions as a prompt",
+            "type": "invalid_request_error", "param": "messages", "code": None}
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200

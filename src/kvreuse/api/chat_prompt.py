@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
+from kvreuse.api.body import check_text
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatMessage
 
@@ -49,7 +50,12 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                 template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
     """Raises a 400 ``APIError`` naming ``messages`` when the template rejects them (e.g.
-    roles that must alternate) or naming ``messages[i].retention`` for bad retention."""
+    roles that must alternate) or the model has no chat template, ``messages[i].content``
+    for text no tokenizer can encode (a lone surrogate), ``messages[i].retention`` for bad
+    retention."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError("messages: this model has no chat template, so it cannot take chat messages; "
+                       "send the text to /v1/completions as a prompt", param="messages")
     kwargs = dict(template_kwargs or {})
     if "chat_template" in kwargs:
         # A template is code run on the server (vLLM refuses it too unless trusted).
@@ -59,7 +65,11 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
         kwargs.pop(reserved, None)
     try:
         dicts = [m.template_dict() for m in messages]
+        for i, d in enumerate(dicts):
+            check_text(d["content"], f"messages[{i}].content")
         token_ids = _render(tokenizer, dicts, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs)
+    except APIError:
+        raise
     except ValueError as exc:
         message = str(exc) if str(exc).startswith("messages") else f"messages: {exc}"
         raise APIError(message, param="messages") from None

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
+from kvreuse.api.body import check_text
 from kvreuse.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -113,6 +114,7 @@ class _GenerationRequest(BaseModel):
 
 
 MAX_PROMPTS = 256  # prompts in one completions request (each times n engine requests)
+MAX_SEQUENCES = 256  # n x prompts: engine requests one completions request may start
 
 
 class CompletionRequest(_GenerationRequest):
@@ -130,7 +132,19 @@ class CompletionRequest(_GenerationRequest):
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts in order: strings or token-id lists. Raises ``ValueError`` if empty."""
+        """The prompts in order: strings or token-id lists. Raises ``ValueError`` if empty, or
+        when ``n`` x prompts is over ``MAX_SEQUENCES``; ``APIError`` for text no tokenizer
+        can encode (a lone surrogate)."""
+        out = self._prompts()
+        if self.n * len(out) > MAX_SEQUENCES:
+            raise ValueError(f"n: {self.n} samples x {len(out)} prompts = {self.n * len(out)} sequences; at most "
+                             f"{MAX_SEQUENCES} per request (lower n or split the prompts)")
+        for text in out:
+            if isinstance(text, str):
+                check_text(text, "prompt")
+        return out
+
+    def _prompts(self) -> list[str | list[int]]:
         if self.suffix:
             raise ValueError("suffix: insertion after the completion is not supported; leave suffix out")
         p = self.prompt

@@ -102,6 +102,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.block_size: int = engine.block_size
+        self.pool_tokens: int = engine.pool.num_blocks * engine.block_size  # tokens the device pool holds
         self.vocab_size: int = engine.loaded.shape.vocab_size
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -333,6 +333,7 @@ class LLMEngine:
             events_dropped=None if self.events is None else self.events.num_dropped,
             prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
             tiers={} if self.host is None else tier_stats(self.host, self.kv_bytes_per_token * self.block_size),
+            schema_store_refused={} if self.modules.store is None else dict(self.modules.store.refused),
         )
 
     def check_integrity(self) -> None:

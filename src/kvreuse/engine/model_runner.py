@@ -154,7 +154,12 @@ class ModelRunner:
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
         """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,
-        head_dim]``, the store's layout, any device and dtype) into ``slots``, one per token."""
+        head_dim]``, the store's layout, any device and dtype) into ``slots``, one per token.
+        Raises ``ValueError`` (nothing written) when ``kv`` is not that shape for this model."""
+        layers, two, kv_heads, _, head_dim = self.kv_cache.shape
+        expected = (layers, two, first_token + len(slots), kv_heads, head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"stored KV has shape {list(kv.shape)}, this model needs {list(expected)}")
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
         # [layers, 2, n, kv_heads, head_dim] -> [layers, 2, kv_heads, n, head_dim]
         self.kv_cache[:, :, :, index] = kv[:, :, first_token:].transpose(2, 3).to(self.device, self.dtype)

@@ -50,3 +50,4 @@ class EngineStats:
     events_dropped: int | None = None  # None when events are off
     prefix_cache_hits_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # GPU / CPU / DISK / REMOTE
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per lower tier: its counters and gauges
+    schema_store_refused: dict[str, int] = field(default_factory=dict)  # --schema-dir files refused, by reason

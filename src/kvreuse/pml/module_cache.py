@@ -181,16 +181,16 @@ class ModuleCache:
         return self.info(schema.name, **self._counts)
 
     def load_store(self) -> list[SchemaInfo]:
-        """Register every schema persisted for this model (restart). A file that no longer
-        matches is reported (warning) and its schema recomputed; one that does not compile is
-        skipped with a warning."""
+        """Register every schema persisted for this model (restart); never raises. A file
+        that no longer matches is refused (one warning, counted in ``store.refused``) and its
+        schema recomputed; one that does not compile is skipped with a warning."""
         if self.store is None:
             return []
         out = []
         for text in self.store.sources():
             try:
                 out.append(self.register(text))
-            except (ValueError, OSError) as exc:  # a start must never fail on the cache
+            except Exception as exc:  # noqa: BLE001 - a start must never fail on the cache
                 log.warning("schema dir: skipping a stored schema that cannot be restored: %s", exc)
         return out
 
@@ -323,17 +323,20 @@ class ModuleCache:
             self._counts["computed"] += 1
 
     def _load(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> bool:
-        try:
-            kv = self.store.load_module(schema, module.qualified_name)  # type: ignore[union-attr]
-        except StoreMismatch as exc:
-            log.warning("schema dir: %s; recomputing", exc)
-            return False
+        """Fill ``new`` from the store; False (the caller recomputes) when the file is absent
+        or refused, or its tensor does not fit the module (the runner's ``ValueError``)."""
+        kv = self.store.load_module(schema, module.qualified_name)  # type: ignore[union-attr]
         if kv is None:
             return False
         bs = self.pool.block_size
         lo = num_hits * bs  # stored tokens below this are already in the pool
         slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
-        self.runner.write_kv(slots, kv, first_token=lo)
+        try:
+            self.runner.write_kv(slots, kv, first_token=lo)
+        except ValueError as exc:
+            refused = StoreMismatch(f"module {module.qualified_name!r}: {exc}", "shape")
+            self.store.refuse(schema, refused)  # type: ignore[union-attr]
+            return False
         return True
 
     def _compute(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:

@@ -6,6 +6,18 @@
     GET  /metrics                                 the router's own Prometheus metrics
     POST /v1/route/explain                        overlap, load and score per executor, and the choice
 
+Guards (``kvreuse.api.middleware``, the executor's own, in the same order): bodies over
+``max_body_bytes`` get the executor's 413 before anything else is read; with ``api_key``,
+``/v1/*`` (explain included) and ``/openapi.json`` need ``Authorization: Bearer <api_key>``
+before the body is read or anything tokenized. A body that is not UTF-8, not JSON or nested
+too deeply gets the executor's 400 (``kvreuse.api.body.parse_json_body``) from the router.
+
+With ``api_key`` the router has authenticated the client, so a proxied request carries the
+router's executor key (``Router.control_headers``, an admin key) instead of the client's
+header; without it, the client's own ``Authorization`` goes through and the executor checks
+it. A tenant key's body gets the tenant's salt in ``cache_salt`` (``tenant_salt``) before it
+is hashed, explained or forwarded, so its keys are the ones the executor computes.
+
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
 so it changes no policy state: its choice is the one the same request would get next.
@@ -18,18 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvreuse import __version__
+from kvreuse.api.body import parse_json_body
+from kvreuse.api.errors import APIError
+from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 
 
-def build_router_app(router: Router) -> FastAPI:
-    """An app serving ``router``; its lifespan starts and stops the router's tasks."""
+def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving ``router``; its lifespan starts and stops the router's tasks.
+    ``api_key``: the keys clients must send (None: the router checks none). Raises
+    ``ValueError`` for a bad key spec."""
+    keys = api_key if isinstance(api_key, APIKeys) or api_key is None else APIKeys.parse(api_key)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.gather(*(router.probe(e) for e in router.executors.values()))
@@ -42,22 +63,31 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="kvreuse router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
 
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    def upstream_headers(request: Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k != "authorization"}
+        return {**headers, **router.control_headers} if keys is not None else dict(request.headers)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(router, "/v1/completions", await request.body(), dict(request.headers), chat=False,
-                             request=request)
+        return await forward(router, "/v1/completions", await _salted_body(request), upstream_headers(request),
+                             chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(router, "/v1/chat/completions", await request.body(), dict(request.headers), chat=True,
-                             request=request)
+        return await forward(router, "/v1/chat/completions", await _salted_body(request), upstream_headers(request),
+                             chat=True, request=request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for e in router.executors.values():
             if e.healthy:
                 try:
-                    resp = await router.client.get(f"{e.url}/v1/models", headers=_auth(request), timeout=5.0)
+                    headers = router.control_headers if keys is not None else _auth(request)
+                    resp = await router.client.get(f"{e.url}/v1/models", headers=headers, timeout=5.0)
                 except Exception:  # noqa: BLE001 - try the next executor
                     continue
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
@@ -78,9 +108,9 @@ def build_router_app(router: Router) -> FastAPI:
     @app.post("/v1/route/explain")
     async def explain(request: Request) -> JSONResponse:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error("the body is not JSON", 400, "invalid_request_error")
+            body = parse_json_body(await _salted_body(request))
+        except APIError as exc:
+            return exc.response()
         if not isinstance(body, dict):
             return error("the body must be a JSON object", 400, "invalid_request_error")
         chat = "messages" in body
@@ -104,7 +134,32 @@ def build_router_app(router: Router) -> FastAPI:
             "executors": executors, "choice": routed.decision.choice if routed else None,
         })
 
+    # Added last = outermost: the size limit runs first, then the key, then the routes.
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=keys)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     return app
+
+
+async def _salted_body(request: Request) -> bytes:
+    """The body, with the tenant's salt in ``cache_salt`` for a tenant key; unchanged for an
+    admin key, or when it is not a JSON object (the caller answers that)."""
+    raw = await request.body()
+    tenant = tenant_of(request.scope)
+    if tenant is None:
+        return raw
+    try:
+        body = parse_json_body(raw)
+    except APIError:
+        return raw
+    if not isinstance(body, dict):
+        return raw
+    salt = body.get("cache_salt")
+    body["cache_salt"] = tenant_salt(tenant, salt if isinstance(salt, str) and salt else None)
+    try:
+        return json.dumps(body).encode()
+    except RecursionError:  # parsed at the parser's limit: never forward it unsalted
+        raise APIError("request body: JSON is nested too deeply (arrays or objects about 1000 levels deep)") from None
 
 
 def _auth(request: Request) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
     kvreuse route --port P --executor URL [--executor URL ...]
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
-                  [--executor-api-key KEY]
+                  [--executor-api-key KEY] [--api-key KEY] [--max-body-bytes N]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
@@ -12,8 +12,17 @@ Executors that are down at start are probed in later.
 ``--executor-api-key`` (default: ``$KVREUSE_EXECUTOR_API_KEY``) is sent with the router's
 own calls (info, health, metrics, KV state and events) to executors started with
 ``--api-key``; an executor answering 401 at start stops the router with a message saying
-whether the key is missing or wrong. Proxied client requests carry the client's own
-``Authorization`` header, never this key.
+whether the key is missing or wrong.
+
+``--api-key`` (repeatable, ``KEY`` or ``KEY:TENANT``, ``kvreuse.api.tenants``) is the key
+clients must send the router (``/v1/*``, explain included, and ``/openapi.json``), checked
+before the body is read; it defaults to ``--executor-api-key``, so when executors require a
+key the router requires one too, before it tokenizes anything. A tenant's requests are
+hashed, explained and forwarded with the tenant's salt in ``cache_salt``.
+With a router key, proxied requests carry the executor key (the router has checked the
+client); without one, they carry the client's own ``Authorization`` header.
+``--max-body-bytes`` (the executor's default, 8 MiB) gives larger bodies the executor's 413
+before they are read past the limit.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ from collections.abc import Sequence
 
 import httpx
 
+from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
+from kvreuse.api.tenants import APIKeys
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
 
@@ -54,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-api-key", default=os.environ.get(EXECUTOR_API_KEY_ENV) or None, metavar="KEY",
                    help="API key of executors started with --api-key, for the router's own calls (health, "
                         f"info, KV events); default ${EXECUTOR_API_KEY_ENV}. Clients' requests keep their own key")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
+                   help="require 'Authorization: Bearer KEY' from clients on /v1/* and /openapi.json (repeat for "
+                        "more keys; KEY:TENANT keys get the tenant's cache salt; default: the --executor-api-key)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get a 413 (as on the executor)")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -86,8 +102,7 @@ async def discover(urls: Sequence[str], timeout_s: float, api_key: str | None = 
 
 def route_main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Returns 2 for incompatible executors or none reachable."""
-    import uvicorn
-
+    from kvreuse.api.access_log import uvicorn_server
     from kvreuse.router.app import build_router_app
     from kvreuse.router.prompt_keys import PromptHasher
     from kvreuse.router.router import Router
@@ -96,7 +111,13 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
+    if args.max_body_bytes < 1024:
+        print(f"kvreuse route: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
+        return 2
     try:
+        # Executors that need a key: so does the router (their key, unless it has its own).
+        api_key = args.api_key or ([args.executor_api_key] if args.executor_api_key else None)
+        keys = APIKeys.parse(api_key) if api_key else None
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
         tier_weights = parse_tier_weights(args.tier_weights)
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
@@ -118,5 +139,6 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level=args.log_level)
+    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes)
+    uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

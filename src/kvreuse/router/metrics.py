@@ -30,6 +30,9 @@ class RouterMetrics:
                                      registry=self.registry)
         self.retries = Counter("kvreuse:router_retries", "Requests retried on another executor before their first byte.",
                                registry=self.registry)
+        self.streams_cut = Counter("kvreuse:router_streams_cut",
+                                   "Streams whose executor failed mid-response (ended with an error event).",
+                                   registry=self.registry)
         self.registry.register(_StateCollector(router))
         self._policy = router.policy.name
 

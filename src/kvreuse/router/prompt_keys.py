@@ -59,11 +59,12 @@ class PromptHasher:
 
     # ------------------------------------------------------------------ tokens
     def completion_tokens(self, body: dict) -> list[int] | None:
+        from kvreuse.api.errors import APIError
         from kvreuse.api.protocol import CompletionRequest
 
         try:
             prompts = CompletionRequest.model_validate(body).prompts()
-        except ValueError:
+        except (ValueError, APIError):
             return None
         first = prompts[0]
         return list(self.tokenizer.encode(first)) if isinstance(first, str) else list(first)

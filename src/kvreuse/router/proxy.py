@@ -4,9 +4,15 @@ executor while the client has received nothing.
 A request is retried (on an executor it has not tried) when the connection is refused or
 breaks, or the executor answers 502/503/504, *before the first byte reaches the client*:
 a non-streamed response is read whole before it is returned; a streamed one is returned
-once its first chunk has arrived, and passed through untouched from then on (a break
-after that ends the stream: tokens already sent cannot be unsent). An executor that
-refuses or drops a connection is marked down at once; the health loop brings it back.
+once its first chunk has arrived, and passed through event by event from then on.
+
+A stream that breaks after that (the connection drops, or it closes without ``data: [DONE]``)
+is never cut silently: the client gets the whole events received so far, then one
+OpenAI-style error event, ``data: {"error": {"message": ..., "code": "executor_failed"}}``,
+which the official client raises as an ``APIError``; the half-received event is dropped,
+so everything the client parses is whole. Tokens already sent cannot be unsent. An
+executor that refuses or drops a connection is marked down at once; the health loop
+brings it back.
 
 A client that disconnects while the router waits for the executor (the whole response
 of a non-streamed request, the first chunk of a streamed one) is noticed: the upstream
@@ -27,7 +33,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvreuse.api.connection import client_disconnected  # the executor's own watcher
-from kvreuse.api.errors import error_response
+from kvreuse.api.body import parse_json_body
+from kvreuse.api.errors import APIError, error_response
 from kvreuse.router.executors import Executor
 from kvreuse.router.router import Router
 
@@ -86,9 +93,9 @@ async def _unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
 async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
                    gone: asyncio.Future | None) -> Response:
     try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None  # the executor will answer it with its own 400; route it by load
+        body = parse_json_body(raw)
+    except APIError as exc:
+        return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
     # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
     keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
@@ -163,14 +170,42 @@ async def _send(router: Router, executor: Executor, path: str, raw: bytes, heade
         raise
 
     async def relay() -> AsyncIterator[bytes]:
+        pending = b""  # the part of the stream after its last whole event
+        done = False
         try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
+            async for chunk in _prepend(first, chunks):
+                whole, sep, pending = (pending + chunk).rpartition(SSE_SEPARATOR)
+                if sep:
+                    done = (whole + sep).endswith(SSE_DONE)
+                    yield whole + sep
+            failure = None if done else "it closed the stream before [DONE]"
         except httpx.TransportError as exc:
-            logger.warning("stream from %s broke mid-response: %r", executor.url, exc)
+            failure = f"the connection broke ({type(exc).__name__})"
+            executor.mark_down(f"stream broke mid-response: {exc!r}")
         finally:
             await resp.aclose()
             executor.end(blocks)
+        if failure is not None:
+            logger.warning("stream from %s cut mid-response: %s", executor.url, failure)
+            router.metrics.streams_cut.inc()
+            yield stream_error_event(executor.url, failure)
 
     return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+
+
+SSE_SEPARATOR = b"\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def stream_error_event(executor_url: str, failure: str) -> bytes:
+    """The SSE event that ends a stream whose executor failed mid-response."""
+    message = (f"the executor serving this stream ({executor_url}) failed mid-response: {failure}; "
+               "the output is incomplete")
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()

@@ -33,7 +33,8 @@ from kvreuse.server import (
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
-from kvreuse.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.api.tenants import APIKeys
+from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware
 
 if TYPE_CHECKING:
     from kvreuse.events.publisher import ZmqEventPublisher
@@ -83,7 +84,7 @@ def build_context(
 def build_app(
     engine: AsyncEngine,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     served_model_name: str | Sequence[str] | None = None,
     limits: ServerLimits = ServerLimits(),
     publisher: ZmqEventPublisher | None = None,
@@ -91,8 +92,11 @@ def build_app(
     """An app serving ``engine``; it starts nothing (the owner starts the engine before
     serving and shuts it down after). Requests naming a model other than the served names
     get 404. ``publisher``: the ZMQ publisher of the engine's events, advertised to routers
-    on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` guards ``/v1/*``
-    and the vLLM admin routes. Raises ``ValueError`` for an empty served name."""
+    on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` (one spec or
+    several: ``KEY`` for an admin, ``KEY:TENANT`` for a tenant, ``kvreuse.api.tenants``)
+    guards ``/v1/*``, ``/openapi.json`` and the vLLM admin routes. Raises ``ValueError``
+    for an empty served name or a bad key spec."""
+    keys = APIKeys.parse(api_key) if api_key else None
     ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher)
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -106,7 +110,7 @@ def build_app(
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
     # Added last = outermost: the size limit runs before the key check reads nothing.
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if keys is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     return app

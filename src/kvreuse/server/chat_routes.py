@@ -22,6 +22,7 @@ from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
 from kvreuse.api.chat_prompt import merge_retention, render_chat
+from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.api.errors import APIError, error_body
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
@@ -29,7 +30,7 @@ from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
-    run_to_completion, sampling_params, sse, start_streams,
+    reply_room, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -38,9 +39,11 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Raises 400 (bad field or messages, prompt too long), 404 (unknown model); 500 on
-    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default)."""
+    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default), or
+    the KV pool where that is smaller (``reply_room``)."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     request_retention = parse_retention(body.kv_cache_retention_config)
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
@@ -51,11 +54,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                                      template_kwargs=body.chat_template_kwargs)
     retention = merge_retention(prompt.retention, request_retention)
     check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
-    default_max = ctx.engine.max_model_len - len(prompt.token_ids)
+    default_max = reply_room(ctx, len(prompt.token_ids), param="messages")
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      body.cache_salt, retention)
+                      salt, retention)
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
@@ -88,9 +91,10 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
     default_max = max(1, ctx.engine.max_model_len - end)
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
-        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", body.cache_salt,
+        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", salt,
                       retention, prepared)
         for j in range(body.n)
     ]

@@ -21,6 +21,7 @@ from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.api.errors import error_body
+from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.pml.prepared import PreparedPrompt
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
@@ -41,6 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     """Raises 400 (bad field, prompt too long), 404 (unknown model); 500 on engine failure."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     retention = parse_retention(body.kv_cache_retention_config)
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
@@ -68,7 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
-                                          f"{base_id}-{index}", body.cache_salt, retention, prepared[i]))
+                                          f"{base_id}-{index}", salt, retention, prepared[i]))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     if body.stream:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
+
 if TYPE_CHECKING:
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.events.buffer import EventBuffer
@@ -27,7 +29,7 @@ class ServerLimits:
     """Request limits (SPEC 9). ``max_prompt_tokens`` ``None`` means the model's context.
     Raises ``ValueError`` for a body limit under 1 KiB or a prompt limit under 1."""
 
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:

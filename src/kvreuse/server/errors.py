@@ -2,7 +2,9 @@
 (``kvreuse.api.errors``), and ``from_value_error``, which names the field a ``ValueError``
 is about.
 
-FastAPI's default 422 for an invalid body becomes a 400 whose message names the field.
+FastAPI's default 422 for an invalid body becomes a 400 whose message names the field; a
+body FastAPI could not parse (not UTF-8, not JSON, nested too deeply) gets the message of
+``kvreuse.api.body.parse_json_body``, the one the router gives for the same body.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.pml import PMLError
@@ -100,8 +103,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    async def _unparsable(request: Request) -> JSONResponse | None:
+        """The body's own parse error (``parse_json_body``), or None if it parses."""
+        try:
+            parse_json_body(await request.body())  # read and kept by the route's parsing
+        except APIError as exc:
+            return exc.response()
+        return None
+
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid" and (bad := await _unparsable(request)):
+            return bad
         return validation_error(exc).response()
 
     @app.exception_handler(ValueError)
@@ -118,6 +132,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
+            if bad := await _unparsable(request):
+                return bad
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = str(exc.detail or phrase)
         if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):

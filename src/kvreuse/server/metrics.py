@@ -102,6 +102,11 @@ class _EngineCollector(Collector):
             yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
                           events["num_dropped"])
             yield gauge("kvreuse:kv_events_last_id", "Id of the newest KV event.", events["last_event_id"])
+        refused = CounterMetricFamily("kvreuse:schema_store_refused", "Schema-dir files refused (recomputed), by reason.",
+                                      labels=[*labels, "reason"])
+        for reason, n in sorted((getattr(s, "schema_store_refused", None) or {}).items()):
+            refused.add_metric([*values, reason], n)
+        yield refused
         yield from _tier_metrics(s, labels, values)
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)

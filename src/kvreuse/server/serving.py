@@ -64,6 +64,19 @@ def check_prompt_length(ctx: ServerContext, n: int, max_tokens: int | None, *, p
         )
 
 
+def reply_room(ctx: ServerContext, n: int, *, param: str) -> int:
+    """The longest reply a prompt of ``n`` tokens leaves room for: up to the context and what
+    the KV pool holds (the last sampled token needs no slot), the default ``max_tokens`` of
+    chat. Raises a 400 naming ``param`` when the pool cannot hold the prompt itself."""
+    room = min(ctx.engine.max_model_len - n, ctx.engine.pool_tokens - n + 1)
+    if room < 1:
+        raise APIError(
+            f"{param}: the prompt is {n} tokens but the KV pool holds {ctx.engine.pool_tokens}: shorten it or "
+            "raise --kv-cache-memory", param=param, code="context_length_exceeded",
+        )
+    return room
+
+
 def parse_retention(raw: dict[str, Any] | None) -> KvCacheRetentionConfig | None:
     """Validate ``kv_cache_retention_config``; a 400 names the field path."""
     if raw is None:

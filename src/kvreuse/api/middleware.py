@@ -1,16 +1,22 @@
-"""ASGI guards in front of every route: the body-size limit and the API key.
+"""ASGI guards in front of every route of the executor and the router: the body-size
+limit and the API key.
 
-Both answer in OpenAI's error shape before any route (or JSON parsing) runs.
+Both answer in OpenAI's error shape before any route (or JSON parsing, or tokenizing) runs.
+The body is read in chunks and refused as soon as it passes the limit, so no more than
+``max_bytes`` of a body is ever held.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.api.errors import error_body
+from kvreuse.api.tenants import APIKeys, needs_admin
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
 
 async def _send_error(send: Send, status: int, message: str, *, code: str | None = None,
@@ -62,25 +68,41 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
+# Open without a key: /health, /metrics, /version, /dashboard (the page holds no data).
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache", "/openapi.json", "/docs", "/redoc",
+                           "/docs/oauth2-redirect"})
+
+
+def is_guarded(path: str) -> bool:
+    """Whether ``path`` needs the key: ``/v1/*``, the API description (``/openapi.json``,
+    ``/docs``, ``/redoc``) and the utility routes that compute or change state."""
+    return path == "/v1" or path.startswith("/v1/") or path in GUARDED_PATHS
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on ``/v1/*`` and on the utility routes
-    that compute or change state (``/tokenize``, ``/detokenize``, ``/reset_prefix_cache``);
-    ``/health``, ``/metrics`` and ``/version`` stay open for probes and scrapers, as in vLLM."""
+    """Require ``Authorization: Bearer <key>`` of one of ``api_key`` (specs ``KEY`` or
+    ``KEY:TENANT``, ``kvreuse.api.tenants``) on every guarded path (``is_guarded``);
+    ``/health``, ``/metrics``, ``/version`` and ``/dashboard`` stay open for probes and
+    scrapers, as in vLLM. It runs before the body is read. A tenant key gets a 403 on the
+    admin routes (``needs_admin``); the caller's tenant goes in ``scope["state"]["tenant"]``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self._expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys) -> None:
+        self.app = app
+        self.keys = api_key if isinstance(api_key, APIKeys) else APIKeys.parse(api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") in GUARDED_PATHS
-        if scope["type"] != "http" or not guarded or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or not is_guarded(scope.get("path", "")) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        known, tenant = self.keys.lookup(given)
+        if not known:
             await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
             return
+        if tenant is not None and needs_admin(scope["method"], scope["path"]):
+            await _send_error(send, 403, f"{scope['method']} {scope['path']} needs an admin key (one given "
+                              "without ':tenant'): it shows or changes every tenant's cache", code="admin_key_required")
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
