@@ -39,6 +39,7 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "float32"
+    quantization: str = "none"  # weight-only: none | int8 | int4 (kvreuse.models.quant)
     device: str = "auto"
     kv_cache_memory_gib: float = 1.0
     block_size: int = 16
@@ -112,7 +113,8 @@ class LLMEngine:
 
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name
