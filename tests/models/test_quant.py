@@ -141,6 +141,19 @@ def test_quantized_engine_reuse_agrees_with_no_reuse(mode):
     assert len(llm.generate([shared], SamplingParams(max_tokens=12, temperature=0))[0].token_ids) == 12
 
 
+def test_quantized_gemma3_runs_the_transformers_forward_with_reuse():
+    loaded = tiny_model("gemma3", seed=0, dtype="float32", quantization="int8")
+    assert isinstance(loaded.model.model.embed_tokens, Int8Embedding)  # Gemma's scaled embedding
+    ref = tiny_model("gemma3", seed=0).model.model.embed_tokens(torch.tensor([[5, 900]]))
+    got = loaded.model.model.embed_tokens(torch.tensor([[5, 900]]))
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+    assert LLM(loaded=loaded, kv_cache_memory_gib=0.001, block_size=4).engine.runner.forward_impl == "transformers"
+    rng = torch.Generator().manual_seed(6)
+    shared = torch.randint(100, 2000, (24,), generator=rng).tolist()  # past the sliding window of 8
+    tails = [torch.randint(100, 2000, (20,), generator=rng).tolist() for _ in range(5)]  # 100 positions
+    assert _reuse_agreement(loaded, shared, tails) >= 0.99
+
+
 # --------------------------------------------------------------------------- quality guard
 
 def _answer(text: str) -> str:

@@ -173,9 +173,13 @@ class Int4Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Token embedding as int8 rows with one scale per ``group`` columns (a GGUF Q8_0 block)."""
+    """Token embedding as int8 rows with one scale per ``group`` columns (a GGUF Q8_0 block).
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, group: int = EMBED_GROUP) -> None:
+    ``embed_scale`` (Gemma's scaled embedding: rows times sqrt(hidden)) multiplies the rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, group: int = EMBED_GROUP,
+                 embed_scale: torch.Tensor | float | None = None) -> None:
         super().__init__()
         v, d = weight.shape
         self.group = group if d % group == 0 else d
@@ -184,6 +188,7 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = v, d
         self.register_buffer("qweight", torch.round(wg / scale).clamp(-127, 127).to(torch.int8).view(v, d))
         self.register_buffer("scale", scale.to(act_dtype))
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
 
     def dequantized_weight(self) -> torch.Tensor:
         v, d, g = self.num_embeddings, self.embedding_dim, self.group
@@ -192,7 +197,8 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         g = self.group
         rows = self.qweight[ids].view(*ids.shape, self.embedding_dim // g, g)  # [..., groups, g] int8
-        return (rows.to(self.scale.dtype) * self.scale[ids]).view(*ids.shape, self.embedding_dim)
+        out = (rows.to(self.scale.dtype) * self.scale[ids]).view(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale
 
 
 # --------------------------------------------------------------------------- model surgery
@@ -209,8 +215,8 @@ def quantize_model(model: nn.Module, mode: str | QuantMode, *, act_dtype: torch.
     Linear layers take ``mode`` (int4 falls back to int8 where ``in_features`` is not a multiple
     of 32); the output projection (``lm_head``) takes int8 per channel in both modes (its
     weight is usually the tied embedding, a Q8_0 tensor in GGUFs, and 4-bit there costs quality
-    for little speed); a plain ``nn.Embedding`` input embedding becomes :class:`Int8Embedding`
-    (subclasses such as Gemma's scaled embedding are kept as they are). Scales are stored in
+    for little speed); the input embedding, a plain ``nn.Embedding`` or Gemma's scaled one
+    (``embed_scale``), becomes :class:`Int8Embedding`; other embeddings are kept. Scales are stored in
     ``act_dtype``; call this on the model's device before casting it to ``act_dtype``, with the
     weights still fp32 so the codes are computed from full-precision values.
     Returns ``model``. ``mode`` none returns ``model`` untouched.
@@ -224,8 +230,8 @@ def quantize_model(model: nn.Module, mode: str | QuantMode, *, act_dtype: torch.
     for name, linear in targets:
         layer_mode = QuantMode.INT8 if linear is out_emb else mode
         _set_module(model, name, _quantized_linear(linear, layer_mode, act_dtype))
-    if type(in_emb) is nn.Embedding:
-        model.set_input_embeddings(Int8Embedding(in_emb.weight, act_dtype))
+    if type(in_emb) is nn.Embedding or (isinstance(in_emb, nn.Embedding) and hasattr(in_emb, "embed_scale")):
+        model.set_input_embeddings(Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None)))
     return model
 
 
