@@ -49,8 +49,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="newly computed blocks of priority >= P are written to the disk/remote tiers at once "
                         "(101: only what the host tier evicts)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the unit of prefix reuse)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                   help="weights, activations and KV")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
+                   help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16, else float32)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (pair with --dtype bfloat16 or auto)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (more wait)")
@@ -87,16 +89,16 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DEFAULT_EVENT_BUFFER = 100_000  # when an endpoint is given without --event-buffer-max-size
 
 
-def _load_model(spec: str, dtype: str, device: str):
+def _load_model(spec: str, dtype: str, device: str, quantization: str = "none"):
     """A ``LoadedModel``; ``tiny:<arch>`` builds the random-weight test model.
     Raises ``ValueError`` for an unknown spec, dtype or device."""
     if spec.startswith(TINY_PREFIX):
         from kvreuse.models.tiny import tiny_model
 
-        return tiny_model(spec[len(TINY_PREFIX):], dtype=dtype, device=device)
+        return tiny_model(spec[len(TINY_PREFIX):], dtype=dtype, device=device, quantization=quantization)
     from kvreuse.models.loader import load_model
 
-    return load_model(spec, dtype=dtype, device=device)
+    return load_model(spec, dtype=dtype, device=device, quantization=quantization)
 
 
 def _engine_config(args: argparse.Namespace):
@@ -105,6 +107,7 @@ def _engine_config(args: argparse.Namespace):
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(
         model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), device=args.device,
+        quantization=args.quantization,
         kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
@@ -147,7 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = _engine_config(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
         with console.status(f"loading model {args.model} ({config.dtype}, device {config.device}) ..."):
-            loaded = _load_model(args.model, config.dtype, config.device)
+            loaded = _load_model(args.model, config.dtype, config.device, config.quantization)
         buffer_size = args.event_buffer_max_size or (_DEFAULT_EVENT_BUFFER if args.kv_events_endpoint else 0)
         if buffer_size:
             from kvreuse.events.buffer import EventBuffer

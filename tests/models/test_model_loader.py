@@ -49,13 +49,21 @@ def test_folder_without_config_is_rejected(tmp_path):
 # ----------------------------------------------------------------------------- dtype / device
 
 @pytest.mark.parametrize("text,expected", [
-    ("float32", torch.float32), ("fp32", torch.float32), ("auto", torch.float32),
+    ("float32", torch.float32), ("fp32", torch.float32),
     ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16),
     ("float16", torch.float16), ("fp16", torch.float16), ("torch.float16", torch.float16),
     (torch.bfloat16, torch.bfloat16),
 ])
 def test_parse_dtype(text, expected):
     assert parse_dtype(text) is expected
+
+
+def test_auto_dtype_is_bf16_only_on_a_cpu_with_native_bf16():
+    from kvreuse.models.quant import fast_bf16_cpu
+
+    assert parse_dtype("auto") is (torch.bfloat16 if fast_bf16_cpu() else torch.float32)
+    assert parse_dtype("auto", "cpu") is parse_dtype("auto")
+    assert parse_dtype("auto", "cuda") is torch.float32
 
 
 @pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])

@@ -11,6 +11,7 @@ class EngineConfig:
 
     model: str = "default"
     dtype: str = "float32"
+    quantization: str = "none"  # weight-only: none | int8 | int4 (kvreuse.models.quant)
     device: str = "auto"
     kv_cache_memory_gib: float = 1.0
     block_size: int = 16

@@ -48,7 +48,8 @@ class LLMEngine:
 
         self.config = config
         if loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name: str = loaded.name

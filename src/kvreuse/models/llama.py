@@ -5,7 +5,8 @@ Why: a transformers forward spends much of a short step in Python and in small o
 32-token suffix of a cached prompt, that is a large share of the time. This forward
 runs the same computation in the same order with fewer calls: ``F.rms_norm`` (one fused
 op), the model's own rotary module for cos/sin, transformers' own RoPE function, and
-``paged_attention`` for attention over the pool. On SmolLM2 it gives bit-identical
+``paged_attention`` for attention over the pool. Projections are called as modules, so
+weight-only quantized layers (:mod:`kvreuse.models.quant`) plug in unchanged. On SmolLM2 it gives bit-identical
 logits to the transformers forward (tests/models/test_llama_forward.py).
 
 Only plain Llama checkpoints qualify (``supports``): ``model_type == "llama"``, SiLU MLP,
@@ -72,14 +73,14 @@ class LlamaForward:
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (self.hidden,), layer.input_layernorm.weight, self.eps)
-            q = F.linear(h, attn.q_proj.weight).view(q_shape).transpose(1, 2)  # [1, heads, T, d]
-            k = F.linear(h, attn.k_proj.weight).view(kv_shape).transpose(1, 2)  # [1, kv_heads, T, d]
-            v = F.linear(h, attn.v_proj.weight).view(kv_shape).transpose(1, 2)
+            q = attn.q_proj(h).view(q_shape).transpose(1, 2)  # [1, heads, T, d]
+            k = attn.k_proj(h).view(kv_shape).transpose(1, 2)  # [1, kv_heads, T, d]
+            v = attn.v_proj(h).view(kv_shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own RoPE
             o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, kv_context=kv_context)  # [1, T, heads, d]
-            x = x + F.linear(o.reshape(1, t, -1), attn.o_proj.weight)
+            x = x + attn.o_proj(o.reshape(1, t, -1))
             h = F.rms_norm(x, (self.hidden,), layer.post_attention_layernorm.weight, self.eps)
-            gate = F.silu(F.linear(h, mlp.gate_proj.weight))
-            x = x + F.linear(gate.mul_(F.linear(h, mlp.up_proj.weight)), mlp.down_proj.weight)
+            gate = F.silu(mlp.gate_proj(h))
+            x = x + mlp.down_proj(gate.mul_(mlp.up_proj(h)))
         x = F.rms_norm(x[:, logits_index], (self.hidden,), inner.norm.weight, self.eps)  # [1, n, hidden]
         return self.model.lm_head(x)[0]  # [n, vocab]

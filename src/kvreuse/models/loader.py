@@ -15,6 +15,7 @@ from typing import Any
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
 import torch
+from kvreuse.models.quant import SCHEMES, QuantMode, fast_bf16_cpu, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
 from kvreuse.models.store import (
     MARKER,
@@ -36,6 +37,8 @@ __all__ = [
     "resolve_model_spec",
     "resolve_source",
     "parse_dtype",
+    "parse_quantization",
+    "QuantMode",
     "parse_device",
     "default_cache_root",
     "compute_model_id",
@@ -59,10 +62,12 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 # --------------------------------------------------------------------------- dtype / device
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
     """Map ``float32|fp32|bfloat16|bf16|float16|fp16|auto`` (or a torch dtype) to a torch dtype.
 
-    ``auto`` means float32: weights are dequantized fp32 and fp32 is the exact reference.
+    ``auto`` is bfloat16 on a CPU that multiplies bf16 natively (AMX or AVX512-BF16, see
+    :func:`kvreuse.models.quant.fast_bf16_cpu`) and float32 elsewhere (other CPUs, CUDA);
+    ``device`` None means cpu. float32 stays the exact reference: ask for it by name.
     Raises ValueError for anything else.
     """
     if isinstance(dtype, torch.dtype):
@@ -71,7 +76,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     key = str(dtype).strip().lower().removeprefix("torch.")
     if key == "auto":
-        return torch.float32
+        on_cpu = device is None or torch.device(str(device)).type == "cpu"
+        return torch.bfloat16 if on_cpu and fast_bf16_cpu() else torch.float32
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype '{dtype}'; use float32, bfloat16 or float16 (or fp32, bf16, fp16, auto)")
     return _DTYPES[key]
@@ -164,8 +170,8 @@ class LoadedModel:
     """A ready model: ``model`` is in eval mode on ``device`` in ``dtype``.
 
     ``model_id`` is ``"<name>@sha256:<16 hex>"``; ``fingerprint`` is the full hex. It covers
-    weights, config, tokenizer and the runtime dtype, so KV computed by two LoadedModels can
-    be shared only when their ``model_id``s are equal.
+    weights, config, tokenizer, the runtime dtype and the quantization scheme, so KV computed
+    by two LoadedModels can be shared only when their ``model_id``s are equal.
     """
 
     model: Any = field(repr=False)
@@ -179,6 +185,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
     path: Path | None = None  # folder the weights were loaded from (None for random weights)
+    quantization: QuantMode = QuantMode.NONE  # weight-only quantization of the linear layers
 
     @property
     def kv_spec(self) -> ModelShape:
@@ -238,48 +245,62 @@ def eos_token_ids_of(model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, tokenizer_hash: str,
                  dtype: torch.dtype, device: torch.device, path: Path | None,
-                 attn_implementation: str | None = None) -> LoadedModel:
-    """Put ``model`` in eval mode on ``device``/``dtype`` and wrap it in a :class:`LoadedModel`.
+                 attn_implementation: str | None = None,
+                 quantization: str | QuantMode = QuantMode.NONE) -> LoadedModel:
+    """Put ``model`` in eval mode on ``device``/``dtype``, quantize its weights if asked, and
+    wrap it in a :class:`LoadedModel`. Quantization runs on ``device`` from the weights as
+    given (pass fp32 weights), before the cast to ``dtype``.
     Raises ``ValueError`` naming ``--dtype`` for fp16 on Gemma models, whose activations
-    overflow fp16 (NaN logits, also in plain transformers)."""
+    overflow fp16 (NaN logits, also in plain transformers), or for an unknown quantization."""
+    quant = parse_quantization(quantization)
     model_type = getattr(model.config, "model_type", "") or ""
     if dtype == torch.float16 and model_type.startswith(("gemma2", "gemma3")):
         raise ValueError(f"--dtype float16: {model_type} overflows fp16 (NaN logits); use --dtype bfloat16 or float32")
+    if quant is not QuantMode.NONE:
+        model = quantize_model(model.to(device=device), quant, act_dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
-    model_id, full = compute_model_id(name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype))
+    model_id, full = compute_model_id(name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype),
+                                      quantization=SCHEMES[quant])
     return LoadedModel(
         model=model, tokenizer=tokenizer, name=name, model_id=model_id, fingerprint=full,
         dtype=dtype, device=device, shape=shape_from_config(model.config),
         eos_token_ids=eos_token_ids_of(model, tokenizer),
-        has_chat_template=bool(getattr(tokenizer, "chat_template", None)), path=path,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)), path=path, quantization=quant,
     )
 
 
 def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: str | Path | None = None, attn_implementation: str | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, attn_implementation: str | None = None,
+               quantization: str | QuantMode = "none") -> LoadedModel:
     """Load a model by ``--model`` spec (see :func:`resolve_source`) for inference.
 
     GGUF sources are converted once into ``cache_dir`` (default ``$KVREUSE_CACHE_DIR`` or
     ``~/.cache/kvreuse/models``); later loads read safetensors. ``attn_implementation`` is
     passed to ``from_pretrained`` (e.g. a name registered with transformers'
-    ``AttentionInterface``); None keeps transformers' default (sdpa).
-    Raises ValueError for an unresolvable spec, unsupported dtype or unavailable device.
+    ``AttentionInterface``); None keeps transformers' default (sdpa). ``quantization``
+    (``none|int8|int4``, see :mod:`kvreuse.models.quant`) quantizes the linear layers from the
+    fp32 weights after loading; activations, norms and KV then run in ``dtype`` (``auto``:
+    bf16 where the CPU has native bf16, the only dtype in which the int8 kernel is fast).
+    Raises ValueError for an unresolvable spec, unsupported dtype or quantization, or an
+    unavailable device.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype, dev = parse_dtype(dtype), parse_device(device)
+    dev = parse_device(device)
+    torch_dtype, quant = parse_dtype(dtype, dev), parse_quantization(quantization)
     src, folder = prepare_folder(spec, cache_dir)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
-    kw: dict[str, Any] = {"local_files_only": True, "dtype": torch_dtype}
+    load_dtype = torch.float32 if quant is not QuantMode.NONE else torch_dtype  # codes from full precision
+    kw: dict[str, Any] = {"local_files_only": True, "dtype": load_dtype}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kw)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return finish_model(model, tokenizer, name=src.name, weights_hash=weights_digest(folder, root),
                         tokenizer_hash=tokenizer_digest(folder), dtype=torch_dtype, device=dev,
-                        path=folder, attn_implementation=attn_implementation)
+                        path=folder, attn_implementation=attn_implementation, quantization=quant)
 
 
 def tiny_model(arch: str = "llama", **kwargs: Any) -> LoadedModel:

@@ -69,11 +69,15 @@ def state_dict_digest(model: torch.nn.Module) -> str:
 
 
 def compute_model_id(name: str, weights_digest: str, config: Any, tokenizer_hash: str,
-                     dtype: str) -> tuple[str, str]:
-    """Return ``(model_id, full hex)``: ``name@sha256:<16 hex>`` over weights+config+tokenizer+dtype."""
+                     dtype: str, quantization: str = "none") -> tuple[str, str]:
+    """Return ``(model_id, full hex)``: ``name@sha256:<16 hex>`` over weights+config+tokenizer+dtype
+    and, when not ``"none"``, the quantization scheme (so fp32, bf16, int8 and int4 KV never
+    share block keys; unquantized ids are unchanged from before quantization existed)."""
     h = hashlib.sha256()
-    for part in (f"kvreuse-model-v{FORMAT_VERSION}", weights_digest, canonical_config_json(config),
-                 tokenizer_hash, dtype):
+    parts = [f"kvreuse-model-v{FORMAT_VERSION}", weights_digest, canonical_config_json(config), tokenizer_hash, dtype]
+    if quantization != "none":
+        parts.append(f"quantization={quantization}")
+    for part in parts:
         h.update(part.encode() + b"\0")
     full = h.hexdigest()
     return f"{name}@sha256:{full[:16]}", full

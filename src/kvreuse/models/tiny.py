@@ -99,16 +99,19 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 49152, num_layers: int
 
 def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype = "float32",
                device: str = "cpu", cache_dir: str | Path | None = None,
-               attn_implementation: str | None = None, **config_kwargs: Any) -> ml.LoadedModel:
+               attn_implementation: str | None = None, quantization: str = "none",
+               **config_kwargs: Any) -> ml.LoadedModel:
     """Build a tiny random-weight model (deterministic in ``seed``) with the SmolLM2 tokenizer.
 
     ``config_kwargs`` go to :func:`tiny_config`. The name is ``tiny-<arch>-s<seed>`` and the
-    ``model_id`` hashes the actual tensors, so it differs by arch, seed, sizes and dtype.
-    Raises ValueError for an unknown arch, dtype or device.
+    ``model_id`` hashes the actual tensors, so it differs by arch, seed, sizes, dtype and
+    ``quantization`` (``none|int8|int4``).
+    Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
 
-    torch_dtype, dev = ml.parse_dtype(dtype), ml.parse_device(device)
+    dev = ml.parse_device(device)
+    torch_dtype = ml.parse_dtype(dtype, dev)
     tok_dir = tokenizer_dir(cache_dir)
     tokenizer = _load_tokenizer(str(tok_dir))
     config = tiny_config(arch, vocab_size=len(tokenizer), **config_kwargs)
@@ -122,4 +125,4 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
     digest = store.state_dict_digest(model)
     return ml.finish_model(model, tokenizer, name=f"tiny-{arch}-s{seed}", weights_hash=digest,
                            tokenizer_hash=store.tokenizer_digest(tok_dir), dtype=torch_dtype, device=dev,
-                           path=None, attn_implementation=attn_implementation)
+                           path=None, attn_implementation=attn_implementation, quantization=quantization)

@@ -1,0 +1,249 @@
+"""Weight-only quantization: int8 / int4 linear layers on PyTorch's own CPU kernels.
+
+Why: a decode step reads every weight once. SmolLM2-135M in fp32 is 540 MB per token; its
+GGUF (Q4_1 layers, Q8_0 embedding) is 98 MB. Keeping the weights compact is what lets batch-1
+decode approach the memory system's limit.
+
+Schemes (``SCHEMES`` names them; the name is folded into the model fingerprint):
+
+- ``int8``: symmetric, one scale per output channel, ``torch._weight_int8pack_mm``
+  (``y = (x @ q.T) * scale``). The kernel wants bf16 activations: with fp32 ones it is
+  5-15x slower than a plain fp32 matmul (docs in MODELS.md), so pair it with ``dtype=bf16``.
+- ``int4``: asymmetric, one (scale, min) per group of 32 input channels, tinygemm layout
+  ``w = (q - 8) * scale + zero`` with ``zero = min + 8 * scale``,
+  ``torch._weight_int4pack_mm_for_cpu``. A GGUF Q4_1 block is exactly this (32 weights,
+  ``w = q * d + m``), so requantizing a Q4_1-dequantized weight recovers the file's own codes.
+- A tied or plain ``nn.Embedding`` becomes int8 with one scale per group of 32 (a GGUF Q8_0
+  block, recovered exactly from its dequantized values); the lookup gathers rows and scales.
+
+Kernels are CPU only (``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``; the packed
+int4 layout is CPU specific). On any other device, or for a shape the kernel refuses (int4 needs
+``out_features % 16 == 0``), a layer keeps its codes unpacked and dequantizes on the fly
+(``F.linear`` over the dequantized weight): correct everywhere, compact in memory, not fast.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["QuantMode", "SCHEMES", "parse_quantization", "fast_bf16_cpu", "Int8Linear", "Int4Linear",
+           "Int8Embedding", "quantize_model", "weight_bytes"]
+
+INT4_GROUP = 32  # input channels per (scale, zero) group; a GGUF Q4_1 / Q8_0 block
+EMBED_GROUP = 32
+
+
+class QuantMode(enum.Enum):
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+# What each mode does, as folded into the model fingerprint; change the text when the math changes.
+SCHEMES: dict[QuantMode, str] = {
+    QuantMode.NONE: "none",
+    QuantMode.INT8: "int8-sym-per-channel;embed-int8-g32;lm_head-int8;v1",
+    QuantMode.INT4: f"int4-asym-g{INT4_GROUP};embed-int8-g{EMBED_GROUP};lm_head-int8;v1",
+}
+
+
+def parse_quantization(mode: str | QuantMode) -> QuantMode:
+    """``none|int8|int4`` (or a QuantMode) to a QuantMode. Raises ValueError otherwise."""
+    if isinstance(mode, QuantMode):
+        return mode
+    try:
+        return QuantMode(str(mode).strip().lower())
+    except ValueError:
+        raise ValueError(f"unknown quantization '{mode}'; use none, int8 or int4") from None
+
+
+@lru_cache(maxsize=1)
+def fast_bf16_cpu() -> bool:
+    """True when this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16).
+
+    Read from ``/proc/cpuinfo`` flags (``amx_bf16``, ``avx512_bf16``); False when unreadable.
+    On such CPUs bf16 GEMM runs several times fp32's rate (measured here: AMX Xeon ~7x,
+    AVX512-BF16 EPYC ~4x) and the int8 kernel is only fast with bf16 activations.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return False
+
+
+# --------------------------------------------------------------------------- layers
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale[:, None]).T (+ bias)``; ``q`` int8 ``[out, in]``, ``scale`` ``[out]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.detach().float()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)  # [out]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(act_dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype))
+        self.use_kernel = w.device.type == "cpu"
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.to(self.scale.dtype) * self.scale[:, None]  # [out, in]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        lead = x.shape[:-1]
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scale.to(x.dtype))
+        y = y.view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.use_kernel}"
+
+
+def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min-max 4-bit codes of ``w [out, in]``: ``(q int32 [out, in] in 0..15, scale, zero)``,
+    scale and zero ``[out, in/group]`` fp32, with ``w ~= (q - 8) * scale + zero``."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-10)  # [out, groups, 1]
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale.view(n, -1), (lo + 8.0 * scale).view(n, -1)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise 4-bit weights (``INT4_GROUP`` input channels per scale/zero).
+
+    CPU: packed by ``_convert_weight_to_int4pack_for_cpu`` and multiplied by
+    ``_weight_int4pack_mm_for_cpu``. Elsewhere (or ``out % 16 != 0``): two codes per uint8,
+    dequantized on the fly.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 group: int = INT4_GROUP) -> None:
+        super().__init__()
+        n, k = weight.shape
+        if k % group:
+            raise ValueError(f"in_features {k} is not a multiple of the int4 group {group}")
+        self.in_features, self.out_features, self.group = k, n, group
+        q, scale, zero = _int4_codes(weight.detach(), group)
+        self.use_kernel = weight.device.type == "cpu" and n % 16 == 0
+        if self.use_kernel:
+            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
+            # [in/group, out, 2]: the kernel's (scale, zero) layout
+            self.register_buffer("scale_zero", torch.stack([scale.T, zero.T], dim=-1).contiguous().to(act_dtype))
+        else:
+            self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))  # [out, in/2]
+            self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).to(act_dtype))  # [out, groups, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[out, in]`` in the activation dtype (reference / fallback path)."""
+        n, k, g = self.out_features, self.in_features, self.group
+        if self.use_kernel:  # the packed layout is opaque: multiply the identity through the kernel
+            eye = torch.eye(k, dtype=self.scale_zero.dtype, device=self.qweight.device)
+            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, g, self.scale_zero).T
+        q = torch.stack([self.qweight & 0xF, self.qweight >> 4], dim=-1).view(n, k // g, g)
+        scale, zero = self.scale_zero[..., 0:1], self.scale_zero[..., 1:2]  # [out, groups, 1]
+        return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        lead = x.shape[:-1]
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.qweight, self.group,
+                                             self.scale_zero.to(x.dtype))
+        y = y.view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}, kernel={self.use_kernel}"
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding as int8 rows with one scale per ``group`` columns (a GGUF Q8_0 block).
+
+    ``embed_scale`` (Gemma's scaled embedding: rows times sqrt(hidden)) multiplies the rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, group: int = EMBED_GROUP,
+                 embed_scale: torch.Tensor | float | None = None) -> None:
+        super().__init__()
+        v, d = weight.shape
+        self.group = group if d % group == 0 else d
+        wg = weight.detach().float().view(v, d // self.group, self.group)
+        scale = (wg.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-10)  # [V, groups, 1]
+        self.num_embeddings, self.embedding_dim = v, d
+        self.register_buffer("qweight", torch.round(wg / scale).clamp(-127, 127).to(torch.int8).view(v, d))
+        self.register_buffer("scale", scale.to(act_dtype))
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        v, d, g = self.num_embeddings, self.embedding_dim, self.group
+        return (self.qweight.view(v, d // g, g).to(self.scale.dtype) * self.scale).view(v, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        rows = self.qweight[ids].view(*ids.shape, self.embedding_dim // g, g)  # [..., groups, g] int8
+        out = (rows.to(self.scale.dtype) * self.scale[ids]).view(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
+# --------------------------------------------------------------------------- model surgery
+
+def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype) -> nn.Module:
+    if mode is QuantMode.INT4 and linear.in_features % INT4_GROUP == 0:
+        return Int4Linear(linear.weight, linear.bias, act_dtype)
+    return Int8Linear(linear.weight, linear.bias, act_dtype)
+
+
+def quantize_model(model: nn.Module, mode: str | QuantMode, *, act_dtype: torch.dtype) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` of ``model`` by its quantized form.
+
+    Linear layers take ``mode`` (int4 falls back to int8 where ``in_features`` is not a multiple
+    of 32); the output projection (``lm_head``) takes int8 per channel in both modes (its
+    weight is usually the tied embedding, a Q8_0 tensor in GGUFs, and 4-bit there costs quality
+    for little speed); the input embedding, a plain ``nn.Embedding`` or Gemma's scaled one
+    (``embed_scale``), becomes :class:`Int8Embedding`; other embeddings are kept. Scales are stored in
+    ``act_dtype``; call this on the model's device before casting it to ``act_dtype``, with the
+    weights still fp32 so the codes are computed from full-precision values.
+    Returns ``model``. ``mode`` none returns ``model`` untouched.
+    """
+    mode = parse_quantization(mode)
+    if mode is QuantMode.NONE:
+        return model
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        layer_mode = QuantMode.INT8 if linear is out_emb else mode
+        _set_module(model, name, _quantized_linear(linear, layer_mode, act_dtype))
+    if type(in_emb) is nn.Embedding or (isinstance(in_emb, nn.Embedding) and hasattr(in_emb, "embed_scale")):
+        model.set_input_embeddings(Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None)))
+    return model
+
+
+def _set_module(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer storage of ``model`` (tied weights once)."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
