@@ -186,7 +186,7 @@ class BlockPool:
         except RuntimeError:
             for block in out:  # all or nothing: hand back what was taken (now bare blocks)
                 block.ref_count = 0
-                self._reset(block)
+                block.reset()
                 self._free.append(block)
             raise
         finally:
@@ -294,7 +294,7 @@ class BlockPool:
             if block.ref_count > 0:
                 continue
             if block.block_hash is None:
-                self._reset(block)
+                block.reset()
                 self._free.append(block)
             else:
                 self._num_cached_free += 1
@@ -412,7 +412,7 @@ class BlockPool:
             parent.num_cached_children -= 1
             if parent.num_cached_children == 0 and parent.ref_count == 0:
                 self._make_evictable(parent)
-        self._reset(block)
+        block.reset()
 
     def _forget(self, block: KVBlock) -> BlockHash:
         """An unheld cached block back to the free list, not counted as an eviction; its key."""
@@ -420,16 +420,3 @@ class BlockPool:
         self._unregister(block, evicted=False)
         self._free.append(block)
         return key  # type: ignore[return-value]
-
-    @staticmethod
-    def _reset(block: KVBlock) -> None:
-        block.block_hash = None
-        block.parent_hash = None
-        block.token_ids = ()
-        block.depth = 0
-        block.priority = DEFAULT_PRIORITY
-        block.duration_s = None
-        block.expires_at = None
-        block.access_count = 0
-        block.num_cached_children = 0
-        block.version += 1

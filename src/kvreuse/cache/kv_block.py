@@ -30,6 +30,20 @@ class KVBlock:
     num_cached_children: int = 0  # registered blocks whose parent is this one
     version: int = 0  # bumps invalidate this block's heap entries
 
+    def reset(self) -> None:
+        """Back to a bare block (no key, default retention); ``version`` bumps so any heap
+        entry of its old life is stale. The pool calls it when a block leaves the index."""
+        self.block_hash = None
+        self.parent_hash = None
+        self.token_ids = ()
+        self.depth = 0
+        self.priority = DEFAULT_PRIORITY
+        self.duration_s = None
+        self.expires_at = None
+        self.access_count = 0
+        self.num_cached_children = 0
+        self.version += 1
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative ints: blocks needed for ``a`` tokens of ``b`` per block."""
