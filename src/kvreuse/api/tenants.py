@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-ADMIN_PATHS = ("/v1/kv_cache_state", "/v1/kv_cache_events", "/reset_prefix_cache")  # and their sub-paths
+# and their sub-paths; /v1/kvreuse/info names the (unauthenticated) ZMQ event socket, whose
+# events carry every tenant's token ids: admins (routers) only
+ADMIN_PATHS = ("/v1/kv_cache_state", "/v1/kv_cache_events", "/reset_prefix_cache", "/v1/kvreuse/info")
 ADMIN_WRITES = ("/v1/schemas",)  # POST / DELETE need an admin key; GET does not
 
 

@@ -189,7 +189,10 @@ class SchemaStore:
             )
         if meta.get("checksum") != _checksum(tensors):
             raise StoreMismatch("it fails its checksum", "checksum")
-        bad = [k for k, t in sorted(tensors.items()) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        ints = [k for k, t in sorted(tensors.items()) if not t.is_floating_point()]
+        if ints:  # KV is floating point: an integer tensor (checksum recomputed or not) is not KV
+            raise StoreMismatch(f"{ints[0].removeprefix(_PREFIX)!r} holds {tensors[ints[0]].dtype}, not KV", "dtype")
+        bad = [k for k, t in sorted(tensors.items()) if not bool(torch.isfinite(t).all())]
         if bad:
             raise StoreMismatch(f"{bad[0].removeprefix(_PREFIX)!r} holds non-finite values", "non_finite")
         self._verified = {path: (stamp, tensors)}  # keep one schema's tensors: restarts load schemas in turn

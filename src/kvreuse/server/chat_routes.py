@@ -84,13 +84,19 @@ def pml_message(messages) -> str | None:
 async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
                       retention: KvCacheRetentionConfig | None, request: Request):
     # Compiled once, on the engine thread (where the schemas live); the choices share it.
+    def prepare(engine):  # the module blocks take pool room too: ask for them in the same call
+        prepared = engine.prepare_prompt(pml)
+        return prepared, engine.modules.blocks_of(prepared.plan) * engine.block_size
+
     try:
-        prepared = await ctx.engine.call(lambda engine: engine.prepare_prompt(pml))
+        prepared, module_tokens = await ctx.engine.call(prepare)
     except PMLError as exc:
         raise APIError(str(exc), param="messages") from None
     end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
-    default_max = max(1, ctx.engine.max_model_len - end)
+    # what the context and the pool leave: the new tokens go in blocks of their own, after the modules'
+    default_max = min(ctx.engine.max_model_len - end,
+                      reply_room(ctx, len(prepared.token_ids) + module_tokens, param="messages"))
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
