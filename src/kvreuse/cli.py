@@ -174,8 +174,12 @@ def run_serve(args: argparse.Namespace) -> int:
         console.print(f"[bold red]kvreuse serve:[/] {exc}")
         return 2
     names = ", ".join(app.state.ctx.served_model_names)
+    from kvreuse.models.loader import dtype_name
+
+    quant = getattr(getattr(loaded, "quantization", None), "value", "none")
     console.print(f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
-                  f"{config.dtype}, context {engine.max_model_len} tokens, served as {names}")
+                  f"{dtype_name(loaded.dtype)}" + ("" if quant == "none" else f", {quant} weights")
+                  + f", context {engine.max_model_len} tokens, served as {names}")
     console.print(f"kvreuse: {_pool_summary(engine.engine)}")
     if publisher is not None:
         console.print(f"kvreuse: KV events on {args.kv_events_endpoint}"

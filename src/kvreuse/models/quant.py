@@ -95,7 +95,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(act_dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype))
-        self.use_kernel = w.device.type == "cpu"
+        # torch's CPU int8 kernel is wrong (inf, NaN, or a crash) in bf16/fp16 when ``in`` is not a
+        # multiple of 16 (measured on torch 2.13 with in = 8, 24, 40, 56, 72); fp32 is right for any
+        self.use_kernel = w.device.type == "cpu" and (act_dtype == torch.float32 or self.in_features % 16 == 0)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.to(self.scale.dtype) * self.scale[:, None]  # [out, in]

@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--schema-dir", default=None, help="write module KV here (what serve --schema-dir loads)")
     pre.add_argument("--url", default=None, help="precompute on a running server instead (POST /v1/schemas)")
     pre.add_argument("--model", default="default")
-    pre.add_argument("--dtype", default="float32")
+    pre.add_argument("--dtype", default="float32", help="as the server's --dtype (module files are keyed to it)")
+    pre.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                     help="as the server's --quantization (module files are keyed to it)")
     pre.add_argument("--device", default="auto")
     pre.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB")
     pre.add_argument("--block-size", type=int, default=16)
@@ -70,10 +72,10 @@ def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict
     from kvreuse.cli import _load_model
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                           kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
                           max_model_len=args.max_model_len, schema_dir=args.schema_dir)
-    engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device))
+    engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device, config.quantization))
     with tqdm(desc="precomputing modules", unit="module", file=sys.stderr) as bar:
         def progress(done: int, total: int, name: str) -> None:
             bar.total = total
