@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting) or bfloat16 (AMX CPUs)")
+    ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting) or bfloat16 (CPUs with native bf16: AMX or avx512_bf16)")
     ap.add_argument("--cached-per-rep", type=int, default=3,
                     help="cached requests per repetition, each with a new suffix (cheap; steadies the median)")
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))
