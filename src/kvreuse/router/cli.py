@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost of one uncached prompt block, in blocks of load (kv policy)")
     p.add_argument("--tier-weights", default=None, metavar="LEVEL=W,...",
                    help="how much a block cached in each tier counts in the overlap, e.g. "
-                        "device=1,host=0.99,disk=0.95,remote=0.95 (default: measured by bench/tiers.py)")
+                        "device=1,host=0.5 (default: measured by bench/tiers.py: 1, 0.997, 0.992, 0.970)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health probes")
     p.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                    help="wait this long for at least one executor to answer")
