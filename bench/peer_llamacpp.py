@@ -53,7 +53,7 @@ class LlamaCpp:
         if not keep_cache:
             self.llm.reset()  # forget every evaluated token: a cold prefill
         start = time.perf_counter()
-        for _ in self.llm.generate(tokens, temp=0.0, reset=not keep_cache):
+        for _ in self.llm.generate(tokens, temp=0.0):  # reset=True: it reuses the longest common prefix
             break
         return time.perf_counter() - start
 
