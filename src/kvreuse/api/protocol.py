@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from kvreuse.api.body import check_text
 from kvreuse.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvreuse.events.records import TIER_NAMES  # level -> what users read (re-exported)
 
 
 def _drop_nulls(data: Any) -> Any:
@@ -212,7 +213,6 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-TIER_NAMES = {"GPU": "device", "CPU": "host", "DISK": "disk", "REMOTE": "remote"}  # level -> what users read
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,

@@ -26,9 +26,8 @@ from kvreuse.cache.block_pool import BlockPool, Clock
 from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock
-from kvreuse.events.records import EventSink
+from kvreuse.events.records import HOST_LEVEL, EventSink  # noqa: F401  (HOST_LEVEL re-exported)
 
-HOST_LEVEL = "CPU"  # vLLM's KV-event medium for host memory
 
 
 class KVMover(Protocol):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from kvreuse.cache.block_pool import BlockPool, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.host_tier import HostTier
+from kvreuse.events.records import HOST_LEVEL
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 from kvreuse.cache.retention import requested_block_retention
 
@@ -74,7 +75,7 @@ def _tokens_by_level(admission: Admission, block_size: int, device_level: str, c
     out = {device_level: (admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
            + context_tokens}
     if from_host:
-        out["CPU"] = from_host
+        out[HOST_LEVEL] = from_host
     for level in admission.loaded_levels:
         out[level] = out.get(level, 0) + block_size
     return {level: n for level, n in out.items() if n}

@@ -24,6 +24,11 @@ from typing import Any, Protocol
 from kvreuse.cache.hashing import BlockHash
 
 DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compatibility
+# the tiers below it, by vLLM's media names too (the ZMQ events' ``medium`` field carries them)
+HOST_LEVEL = "CPU"
+DISK_LEVEL = "DISK"
+REMOTE_LEVEL = "REMOTE"
+TIER_NAMES = {DEVICE_LEVEL: "device", HOST_LEVEL: "host", DISK_LEVEL: "disk", REMOTE_LEVEL: "remote"}  # level -> what users read
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,9 +74,9 @@ def _tiers(s: Any) -> dict[str, Any]:
     host tier's occupancy, moves and occupancy by priority (``docs/tiers.md``)."""
     if not s.tiers:
         return {}
-    from kvreuse.api.protocol import TIER_NAMES
+    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
-    host = s.tiers.get("CPU", {})
+    host = s.tiers.get(HOST_LEVEL, {})
     return {
         "hits_tokens": {TIER_NAMES.get(k, k): v for k, v in sorted(s.prefix_cache_hits_tokens_by_tier.items())},
         "host": {
@@ -86,5 +86,5 @@ def _tiers(s: Any) -> dict[str, Any]:
             "blocks_by_priority": {k.removeprefix("blocks_priority_"): v for k, v in host.items()
                                    if k.startswith("blocks_priority_")},
         },
-        "stores": {TIER_NAMES[level]: s.tiers[level] for level in ("DISK", "REMOTE") if level in s.tiers},
+        "stores": {TIER_NAMES[level]: s.tiers[level] for level in (DISK_LEVEL, REMOTE_LEVEL) if level in s.tiers},
     }

@@ -146,14 +146,14 @@ def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metr
     tiers = getattr(s, "tiers", None) or {}
     if not tiers:
         return
-    from kvreuse.api.protocol import TIER_NAMES
+    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
     hits = CounterMetricFamily("kvreuse:prefix_cache_hits_by_tier", "Prompt tokens found in the cache, by tier.",
                                labels=[*labels, "tier"])
     for level, name in TIER_NAMES.items():
         hits.add_metric([*values, name], by_tier.get(level, 0))
     yield hits
-    host = tiers.get("CPU", {})
+    host = tiers.get(HOST_LEVEL, {})
     families: dict[str, CounterMetricFamily] = {}
     for stat, (metric, doc, direction) in _TIER_COUNTERS.items():
         family = families.setdefault(metric, CounterMetricFamily(metric, doc, labels=[*labels, "direction"]))
@@ -169,7 +169,7 @@ def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metr
         if key.startswith("blocks_priority_"):
             held.add_metric([*values, key.removeprefix("blocks_priority_")], n)
     yield held
-    for level in ("DISK", "REMOTE"):
+    for level in (DISK_LEVEL, REMOTE_LEVEL):
         if level in tiers:
             name = level.lower()
             store = CounterMetricFamily(f"kvreuse:{name}_tier_events", f"The {TIER_NAMES[level]} store's counters.",

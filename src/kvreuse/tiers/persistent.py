@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.events.records import DISK_LEVEL, REMOTE_LEVEL
 from kvreuse.tiers.block_codec import BlockRecord, encode_block
 from kvreuse.tiers.disk_store import DiskStore
 from kvreuse.tiers.namespace import TierNamespace
@@ -29,8 +30,6 @@ from kvreuse.tiers.remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 
-DISK_LEVEL = "DISK"  # level names follow vLLM's media: GPU (device), CPU (host), DISK, REMOTE
-REMOTE_LEVEL = "REMOTE"
 
 
 @dataclass

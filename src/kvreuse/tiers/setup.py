@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreuse.cache.eviction import make_policy
 from kvreuse.cache.host_tier import HostTier, OffloadPolicy
+from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL
 
 if TYPE_CHECKING:
     from kvreuse.engine.llm_engine import EngineConfig
@@ -54,7 +55,7 @@ def build_stores(config: "EngineConfig", layout: "KVLayout", loaded: Any) -> "Pe
 def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
     """Counters and gauges per lower tier: ``CPU`` (the host tier), ``DISK``, ``REMOTE``."""
     pool, s = host.pool, host.stats
-    out: dict[str, dict[str, float]] = {"CPU": {
+    out: dict[str, dict[str, float]] = {HOST_LEVEL: {
         "num_blocks": pool.num_blocks, "num_cached_blocks": pool.num_cached_blocks,
         "offloaded_blocks": s.offloaded_blocks, "onboarded_blocks": s.onboarded_blocks,
         "loaded_blocks": s.loaded_blocks, "skipped_blocks": s.skipped_blocks, "dropped_blocks": s.dropped_blocks,
@@ -65,8 +66,8 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
     }}
     below = host.below
     if below is not None:
-        for level, store in (("DISK", below.disk), ("REMOTE", below.remote)):
+        for level, store in ((DISK_LEVEL, below.disk), (REMOTE_LEVEL, below.remote)):
             if store is not None:
                 out[level] = {k: float(v) for k, v in store.stats().items()}
-        out["CPU"]["tier_writes_dropped"] = below.stats.dropped_writes
+        out[HOST_LEVEL]["tier_writes_dropped"] = below.stats.dropped_writes
     return out
