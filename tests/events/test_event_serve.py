@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ import pytest
 
 from kvreuse.events.records import event_from_json
 from tests.events.event_helpers import CATCH_UP, CacheMirror
+from tests.serve_process import free_port, running_server
 from tests.events.test_event_engine import wire_blocks
 from tests.events.test_event_routes import read_sse
 
@@ -50,42 +49,15 @@ while True:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     port, pub_port, replay_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
-           "--kv-cache-memory", "0.0002", "--max-model-len", "512", "--served-model-name", "tiny",
-           "--kv-events-endpoint", f"tcp://*:{pub_port}", "--kv-events-replay-endpoint", f"tcp://*:{replay_port}",
-           "--log-level", "warning"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.0002", "--max-model-len", "512",
+            "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
+            "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    with running_server(port, args, log) as url:
         yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_zmq_sse_and_state_agree_on_a_running_server(serve):

@@ -5,7 +5,6 @@ and converges on /v1/kv_cache_state after a run that moves blocks down and back 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.events.event_helpers import CATCH_UP
-from tests.events.test_event_serve import free_port
+from tests.serve_process import free_port, running_server
 
 PER_MEDIUM_SUBSCRIBER = r"""
 import json, sys, msgpack, zmq
@@ -59,32 +58,11 @@ def per_level(state: dict) -> dict:
 def serve_tiered(tmp_path_factory):
     port, pub_port, replay_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
-           "--kv-cache-memory", "0.0002", "--host-cache-memory", "0.002", "--max-model-len", "512",
-           "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
-           "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.0002", "--host-cache-memory", "0.002",
+            "--max-model-len", "512", "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
+            "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    with running_server(port, args, log) as url:
         yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_tiered):

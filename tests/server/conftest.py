@@ -7,11 +7,12 @@ wait for it with ``wait_idle``.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
+
+from tests.serve_process import free_port  # noqa: F401  (tests import it from here)
 
 from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 
@@ -45,10 +46,6 @@ def client(app):
         yield c
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from tests.serve_process import free_port, running_server
 
 from .helpers import BLOCK_SIZE, words
 
@@ -17,36 +16,11 @@ API_KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from .conftest import free_port
-
-    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--port", str(port),
-           "--kv-cache-memory", "0.02", "--max-model-len", "512", "--served-model-name", "tiny",
-           "--api-key", API_KEY, "--log-level", "info"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvreuse serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvreuse serve did not come up:\n{log.read_text()}")
-            time.sleep(0.25)
+    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.02", "--max-model-len", "512",
+            "--served-model-name", "tiny", "--api-key", API_KEY, "--log-level", "info"]
+    with running_server(free_port(), args, log) as url:
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_startup_prints_address_and_pool(served):
