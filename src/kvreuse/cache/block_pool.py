@@ -323,13 +323,13 @@ class BlockPool:
                 self._make_evictable(block)
         return changed
 
-    def evict_all_cached(self, *, may_clear_all: bool = True) -> int:
+    def evict_all_cached(self) -> int:
         """Forget every cached block not in use (``reset_prefix_cache``). Returns how many.
-        Not counted as evictions: nothing needed the room. Emits ``AllBlocksCleared`` when the
-        pool ends up empty and ``may_clear_all`` (it names no level: a tier below the device
-        pool passes ``False`` and reports ``BlocksRemoved`` at its level instead)."""
+        Not counted as evictions: nothing needed the room. A device pool left empty emits
+        ``AllBlocksCleared``; that event names no level, so a tier below (another
+        ``cache_level``) reports ``BlocksRemoved`` at its level instead."""
         removed = [self._forget(self._pop_victim()) for _ in range(self._num_cached_free)]
-        if not self._cached and may_clear_all:
+        if not self._cached and self.cache_level == DEVICE_LEVEL:
             self._emit(AllBlocksCleared())
         elif removed:
             self._emit(BlocksRemoved(tuple(removed), self.cache_level))

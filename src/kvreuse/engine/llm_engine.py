@@ -366,5 +366,5 @@ class LLMEngine:
         how many were dropped."""
         dropped = 0
         if self.host is not None:  # first, so the device's AllBlocksCleared (if any) is the last word
-            dropped += self.host.pool.evict_all_cached(may_clear_all=False)
+            dropped += self.host.pool.evict_all_cached()
         return dropped + self.pool.evict_all_cached()
