@@ -62,9 +62,7 @@ class _EngineCollector(Collector):
             return family
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
+            return gauge_family(name, doc, labels, values, value)
 
         yield counter("kvreuse:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries_tokens)

@@ -75,6 +75,7 @@ class PersistentTiers:
         self.write_through_min_priority = write_through_min_priority
         self.stats = PersistentStats()
         self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue(maxsize=queue_blocks)
+        self._flushed: threading.Event | None = None  # set by the writer when it reaches flush()'s marker
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -112,9 +113,8 @@ class PersistentTiers:
         while True:
             item = self._queue.get()
             if item is None:
-                flushed = getattr(self, "_flushed", None)
-                if flushed is not None:
-                    flushed.set()
+                if self._flushed is not None:
+                    self._flushed.set()
                 continue
             key, payload = item
             for store in (self.disk, self.remote):
