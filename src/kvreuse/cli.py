@@ -164,7 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
             # The snapshot runs in the engine thread, so it sees the pool between steps.
             publisher = ZmqEventPublisher(
                 buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-                snapshot_fn=lambda: engine.call_blocking(lambda e: buffer.snapshot(e.cache_pools()), timeout=30),
+                snapshot_fn=lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30),
             )
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
                         publisher=publisher)  # /v1/kvreuse/info advertises the publisher to routers

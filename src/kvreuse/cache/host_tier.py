@@ -13,6 +13,10 @@ block occupies one of them and device + host hold ``device + host`` distinct blo
 
 Nothing here touches a tensor: bytes move through a ``KVMover`` given by the edge (the
 engine's model runner; ``None`` in the simulator, where only bookkeeping exists).
+
+The stores below (disk, remote) change on their own thread; what they report is applied here,
+on the engine thread, to one ``StoreLedger`` per store level (``sync_stores``), which emits
+their KV events and answers snapshots (``cache.store_ledger``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvreuse.cache.block_pool import BlockPool, Clock
 from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock
+from kvreuse.cache.store_ledger import StoreChange, StoreLedger
 from kvreuse.events.records import HOST_LEVEL, EventSink  # noqa: F401  (HOST_LEVEL re-exported)
 
 
@@ -59,13 +64,19 @@ class LoadedBlock(Protocol):
 
 class Stores(Protocol):
     """The disk / remote stores below the host tier (``tiers.persistent.PersistentTiers``):
-    they do their own IO; this tier only hands them blocks and asks them for chains."""
+    they do their own IO; this tier only hands them blocks (key, parent key, token ids,
+    depth), asks them for chains, and takes the changes they saw (thread-safe)."""
 
-    def spill(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, tuple[int, ...]]], kv: Any) -> None: ...
+    levels: tuple[str, ...]  # the cache level of each store present
+
+    def spill(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, tuple[int, ...], int]], kv: Any) -> None: ...
 
     def writes_through(self, priority: int) -> bool: ...
 
-    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None) -> list[LoadedBlock]: ...
+    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
+              depth: int = 0) -> list[LoadedBlock]: ...
+
+    def take_changes(self) -> list[StoreChange]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,9 @@ class HostTier:
         self.pool = BlockPool(num_blocks, block_size, policy=policy, clock=clock, events=events,
                               cache_level=HOST_LEVEL, record_evictions=below is not None)
         self.below = below  # disk / remote: host evictions spill there, admission reads there last
+        # what the stores hold, as this executor announces it: one ledger per store level
+        self.ledgers = {level: StoreLedger(level, block_size, events=events)
+                        for level in (below.levels if below is not None else ())}
         self.offload_policy = offload_policy
         self.mover = mover
         self.stats = TierStats()
@@ -149,7 +163,7 @@ class HostTier:
         if spilled and self.below is not None and self.mover is not None:
             # read before the copy below overwrites those host blocks
             kv = self.mover.read_host([e.block_id for e in spilled])
-            self.below.spill([(e.block_hash, e.parent_hash, e.token_ids) for e in spilled], kv)
+            self.below.spill([(e.block_hash, e.parent_hash, e.token_ids, e.depth) for e in spilled], kv)
         if self.mover is not None:
             self.mover.offload([e.block_id for e in wanted], [b.block_id for b in host])
         for block, e in zip(host, wanted):
@@ -199,11 +213,25 @@ class HostTier:
         return moved
 
     # ------------------------------------------------------------------ stores -> device
-    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None) -> list:
-        """The stores' continuation of a chain after ``parent`` (verified blocks), or ``[]``."""
+    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None, depth: int = 0) -> list:
+        """The stores' continuation of a chain after ``parent`` (``keys[0]`` at chain position
+        ``depth``): verified blocks, or ``[]``."""
         if self.below is None or not keys:
             return []
-        return self.below.match(keys, token_blocks, parent)
+        return self.below.match(keys, token_blocks, parent, depth)
+
+    def sync_stores(self) -> int:
+        """Apply the changes the stores reported since the last call to their ledgers, in the
+        order seen (this emits their events). Returns how many changes there were."""
+        if self.below is None:
+            return 0
+        changes = self.below.take_changes()
+        start = 0
+        for i in range(1, len(changes) + 1):  # one apply per run of one level keeps the order
+            if i == len(changes) or changes[i].level != changes[start].level:
+                self.ledgers[changes[start].level].apply(changes[start:i])
+                start = i
+        return len(changes)
 
     def load(self, stored: Sequence[LoadedBlock], device_block_ids: Sequence[int]) -> list[tuple]:
         """Write the stores' blocks into device blocks (fresh, held by the caller). Returns,
@@ -226,10 +254,12 @@ class HostTier:
         picked = [b for b in blocks if b.block_hash is not None and self.below.writes_through(b.priority)]
         if picked:
             kv = self.mover.read_device([b.block_id for b in picked])
-            self.below.spill([(b.block_hash, b.parent_hash, b.token_ids) for b in picked], kv)  # type: ignore[misc]
+            self.below.spill([(b.block_hash, b.parent_hash, b.token_ids, b.depth) for b in picked], kv)  # type: ignore[misc]
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        for ledger in self.ledgers.values():
+            ledger.check_integrity()
 
 
 def _stack(kvs: Sequence[Any]) -> Any:

@@ -158,7 +158,7 @@ class KVCacheManager:
             j = n + len(below)
             if j < limit:  # store IO only now that the admission goes through
                 stored = self.lower.match_stores(keys[j:limit], (token_blocks[i] for i in range(j, limit)),
-                                                 keys[j - 1] if j else None)
+                                                 keys[j - 1] if j else None, j)
         # worked out before anything is held, so a failure here leaks no block
         wanted = [retention(i) or (None, None) for i in range(n + len(below) + len(stored))]
         self.pool.acquire(hits)

@@ -112,6 +112,7 @@ class AsyncEngine:
         self._integrity_error: str | None = None
         self._thread: threading.Thread | None = None
         self._running = False
+        engine.watch_stores(self._wake.set)  # finished disk / remote writes wake an idle loop
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -247,6 +248,7 @@ class AsyncEngine:
                 # Durations that ran out while idle fall back to priority 35 now (metrics,
                 # dashboard and BlockUpdated events follow), not at the next allocation.
                 self.engine.pool.expire()
+                self.engine.sync_stores()  # store writes finished while idle: their events now
                 self._publish_stats()
                 self._idle_integrity_check()
                 # Clear before re-checking the inbox so a command sent in between is not missed.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +38,10 @@ from kvreuse.engine.scheduler import Scheduler
 from kvreuse.pml.schema_store import SchemaStore
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.stop_checker import check_stop
+
+if TYPE_CHECKING:
+    from kvreuse.events.records import KVSnapshot
+    from kvreuse.tiers.persistent import PersistentTiers
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ class LLMEngine:
             events = EventBuffer(config.event_buffer_max_size)
         self.events: EventBuffer | None = events  # None = events off (TensorRT-LLM's default)
         self.host: HostTier | None = build_host_tier(config, layout, loaded, events, bytes_per_block)
+        self.stores: "PersistentTiers | None" = None if self.host is None else self.host.below  # type: ignore[assignment]
         self.pool = BlockPool(
             num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events,
             record_evictions=self.host is not None,
@@ -237,6 +244,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
+        self.sync_stores()
         self._restore_context()
         plan = self.scheduler.schedule()
         if not plan and self.scheduler.waiting and not self.scheduler.running and self._break_context_deadlock():
@@ -357,14 +365,50 @@ class LLMEngine:
                     f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
                 )
 
-    def cache_pools(self) -> tuple[BlockPool, ...]:
-        """The device pool, then the tiers below it (snapshots list every level)."""
-        return (self.pool,) if self.host is None else (self.pool, self.host.pool)
+    def cache_pools(self) -> tuple:
+        """The device pool, then the tiers below it: the host pool and the stores' ledgers
+        (snapshots list every level)."""
+        if self.host is None:
+            return (self.pool,)
+        return (self.pool, self.host.pool, *self.host.ledgers.values())
+
+    def sync_stores(self) -> int:
+        """Apply what the disk / remote stores reported since the last call (finished writes,
+        removals) to their ledgers, emitting their events. Engine thread; ``step`` calls it
+        first, an idle ``AsyncEngine`` when ``watch_stores``' wake-up fires. Returns how many
+        changes there were."""
+        return 0 if self.host is None else self.host.sync_stores()
+
+    def watch_stores(self, wake: Callable[[], None]) -> None:
+        """Have the stores call ``wake()`` (thread-safe, non-blocking) from their threads
+        whenever they report a change, so an idle engine thread applies it."""
+        if self.stores is not None:
+            self.stores.on_change = wake
+
+    @property
+    def remote_store_id(self) -> str | None:
+        """Identity of the remote store this executor shares (no credentials), or None."""
+        return None if self.stores is None else self.stores.remote_store_id
+
+    def kv_snapshot(self) -> "KVSnapshot":
+        """Every level's blocks (``cache_pools``) as one ``KVSnapshot`` labelled with the id of
+        the last event they reflect, store changes applied first. Engine thread only.
+        Raises ``RuntimeError`` when events are off."""
+        if self.events is None:
+            raise RuntimeError("KV events are off (--event-buffer-max-size 0): no snapshot to take")
+        self.sync_stores()
+        return self.events.snapshot(self.cache_pools())
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use, on the device and in the host tier; returns
-        how many were dropped."""
+        how many were dropped. The disk and remote stores keep theirs: after the device's
+        ``AllBlocksCleared`` (which consumers apply to every level) their ledgers announce
+        them again."""
         dropped = 0
         if self.host is not None:  # first, so the device's AllBlocksCleared (if any) is the last word
             dropped += self.host.pool.evict_all_cached()
-        return dropped + self.pool.evict_all_cached()
+        dropped += self.pool.evict_all_cached()
+        if self.host is not None and not self.pool.cached_hashes():  # the device said AllBlocksCleared
+            for ledger in self.host.ledgers.values():
+                ledger.announce_all()
+        return dropped

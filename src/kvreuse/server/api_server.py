@@ -59,7 +59,7 @@ def engine_event_feed(engine: AsyncEngine) -> EventFeed | None:
         return None
 
     async def snapshot() -> KVSnapshot:
-        return await engine.call(lambda e: buffer.snapshot(e.cache_pools()))
+        return await engine.call(lambda e: e.kv_snapshot())
 
     return EventFeed(buffer, snapshot)
 

@@ -71,6 +71,50 @@ class BlockRecord:
     kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim]
 
 
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """What a block says it is, read from its header alone: not verified (no checksum)."""
+
+    key: BlockHash
+    parent_key: BlockHash | None
+    token_ids: tuple[int, ...]
+
+
+HEADER_PREFIX_BYTES = _PREFIX.size  # magic, version and header length: read these first
+
+
+def header_bytes(prefix: bytes | bytearray | memoryview) -> int:
+    """How many leading bytes of a block hold its header (prefix included), from its first
+    ``HEADER_PREFIX_BYTES``. Raises ``CorruptBlock`` for a bad magic or header length,
+    ``ForeignBlock`` for another format version."""
+    if len(prefix) < _PREFIX.size:
+        raise CorruptBlock(f"truncated block: {len(prefix)} bytes")
+    magic, version, header_len = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptBlock(f"not a kvreuse block (magic {bytes(magic)!r})")
+    if version != FORMAT_VERSION:
+        raise ForeignBlock(f"block format version {version}, this build reads {FORMAT_VERSION}")
+    if header_len > _MAX_HEADER_BYTES:
+        raise CorruptBlock(f"header length {header_len} exceeds {_MAX_HEADER_BYTES}")
+    return _PREFIX.size + header_len
+
+
+def decode_header(data: bytes | bytearray | memoryview, namespace: TierNamespace) -> BlockHeader:
+    """The key, parent and tokens in a block's first ``header_bytes`` bytes (or the whole
+    block), for listing a store without reading its KV. Checks the framing, the header's
+    fields and the namespace, not the checksum: ``decode_block`` still verifies on use.
+    Raises ``CorruptBlock`` / ``ForeignBlock`` as ``decode_block`` would for those parts."""
+    view = memoryview(data).cast("B")
+    end = header_bytes(view[: _PREFIX.size])
+    if end > len(view):
+        raise CorruptBlock(f"header of {end} bytes, only {len(view)} read")
+    header = _parse_header(view[_PREFIX.size : end])
+    _check_namespace(header, namespace)
+    parent = header["parent_key"]
+    return BlockHeader(BlockHash(header["key"]), None if parent is None else BlockHash(parent),
+                       tuple(header["token_ids"]))
+
+
 def encode_block(record: BlockRecord, namespace: TierNamespace) -> bytes:
     """Bytes of ``record`` under ``namespace``. Raises ``ValueError`` for a record that could
     never decode: wrong rank, block dimension != namespace.block_size, more tokens than

@@ -25,6 +25,10 @@ Contracts:
   ``contains`` / ``put``, or by ``purge_expired``).
 - Thread-safe: the index, renames and deletions are under one lock; reads and writes of file
   contents are not. A block evicted while another thread reads it is a miss, not an error.
+- Changes are observable in order: ``put``'s ``on_stored`` and the ``listen`` callback run
+  under the lock as an entry enters or leaves the index (cap, TTL, a refused or vanished
+  file, ``delete``), so whoever mirrors the index (``PersistentTiers``, for KV events) sees
+  every key's changes in the order they happened, whichever thread made them.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ from pathlib import Path
 import torch
 
 from kvreuse.cache.hashing import BlockHash
-from kvreuse.tiers.block_codec import BlockRecord, CorruptBlock, ForeignBlock, decode_block
+from kvreuse.tiers.block_codec import (
+    HEADER_PREFIX_BYTES, BlockHeader, BlockRecord, CorruptBlock, ForeignBlock, decode_block, decode_header,
+    header_bytes,
+)
 from kvreuse.tiers.namespace import TierNamespace
 from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 
@@ -95,7 +102,14 @@ class DiskStore:
         self._bytes = 0
         self._counters = StoreCounters(COUNTERS)
         self._streak = FailureStreak(logger, f"disk cache {self.root}")
+        self._on_removed: Callable[[BlockHash], None] | None = None
         self._rebuild()
+
+    def listen(self, on_removed: Callable[[BlockHash], None]) -> None:
+        """Call ``on_removed(key)`` whenever an entry leaves the index, from whichever thread
+        removes it, under the store's lock: it must be quick, must not raise and must not
+        call back into the store (e.g. put on a thread-safe queue)."""
+        self._on_removed = on_removed
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -103,6 +117,25 @@ class DiskStore:
         """Whether a live entry exists (not verified; ``get`` verifies). Does not touch LRU order."""
         with self._lock:
             return self._live_entry(key, self._clock()) is not None
+
+    def keys(self) -> list[BlockHash]:
+        """The keys of the index now, least recently used first (expired ones included until
+        purged)."""
+        with self._lock:
+            return list(self._index)
+
+    def header(self, key: BlockHash) -> BlockHeader | None:
+        """What the file of ``key`` says it is (key, parent, tokens), from its header only:
+        not verified, ``get`` verifies. None when there is no such file or its header does not
+        parse (``get`` will refuse it). Reads a few hundred bytes; never raises for IO."""
+        try:
+            with open(self._path(key), "rb") as f:
+                prefix = f.read(HEADER_PREFIX_BYTES)
+                head = prefix + f.read(header_bytes(prefix) - len(prefix))
+            found = decode_header(head, self.namespace)
+        except (OSError, CorruptBlock):
+            return None
+        return found if found.key == key else None
 
     def get(
         self, key: BlockHash, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
@@ -153,10 +186,12 @@ class DiskStore:
 
     # -- changes ---------------------------------------------------------------------------
 
-    def put(self, key: BlockHash, payload: bytes) -> bool:
+    def put(self, key: BlockHash, payload: bytes, *, on_stored: Callable[[], None] | None = None) -> bool:
         """Store ``payload`` (``encode_block`` bytes of the block keyed ``key``; a mismatch is
         refused on read) and make it the most recently used. Evicts LRU entries to stay under
-        ``max_bytes``. False when it could not be stored."""
+        ``max_bytes``. False when it could not be stored. ``on_stored()`` runs under the lock
+        once the entry is in the index, before any removal of it can be reported (same rules
+        as ``listen``'s callback)."""
         size = len(payload)
         if size > self.max_bytes:
             self._counters.add("too_large")
@@ -187,6 +222,8 @@ class DiskStore:
                 self._bytes -= old.size
             self._index[key] = _Entry(size, now)
             self._bytes += size
+            if on_stored is not None:
+                on_stored()
             self._purge_expired_locked(now)
             self._evict_to_cap_locked()
         self._streak.succeeded()
@@ -199,6 +236,7 @@ class DiskStore:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._bytes -= entry.size
+                self._removed_locked(key)
             self._remove_quietly(self._path(key))
         return entry is not None
 
@@ -243,6 +281,7 @@ class DiskStore:
 
     def _drop_locked(self, key: BlockHash) -> None:
         self._bytes -= self._index.pop(key).size
+        self._removed_locked(key)
         self._remove_quietly(self._path(key))
 
     def _forget(self, key: BlockHash) -> None:
@@ -250,6 +289,11 @@ class DiskStore:
             entry = self._index.pop(key, None)
             if entry is not None:
                 self._bytes -= entry.size
+                self._removed_locked(key)
+
+    def _removed_locked(self, key: BlockHash) -> None:
+        if self._on_removed is not None:
+            self._on_removed(key)
 
     def _remove_quietly(self, path: Path) -> None:
         try:

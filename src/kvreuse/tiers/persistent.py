@@ -9,6 +9,13 @@ put by one background writer, so a slow disk or Redis never stalls a step; a ful
 drops the write (counted). Reads (``match``) are synchronous: the engine needs the KV
 before it runs the request. Every failure (absent, corrupt, foreign, store down, breaker
 open) is a miss: it costs a recompute, never a request.
+
+What the stores hold is reported, never emitted from here: every change seen (a write the
+store acknowledged, a block the disk already held at start, a block verified on a read, a
+disk entry that left the index, a remote key found missing) is a ``StoreChange`` on a
+thread-safe queue; the engine thread takes them (``take_changes``) into its ledgers, which
+emit the KV events (``cache.store_ledger``). ``on_change`` is called after each, so an idle
+engine thread wakes up to apply them.
 """
 
 from __future__ import annotations
@@ -16,20 +23,22 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.cache.store_ledger import StoreChange
 from kvreuse.events.records import DISK_LEVEL, REMOTE_LEVEL
-from kvreuse.tiers.block_codec import BlockRecord, encode_block
+from kvreuse.tiers.block_codec import BlockHeader, BlockRecord, encode_block
 from kvreuse.tiers.disk_store import DiskStore
 from kvreuse.tiers.namespace import TierNamespace
 from kvreuse.tiers.remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 
+SpilledBlock = tuple[BlockHash, BlockHash | None, tuple[int, ...], int]  # key, parent key, token ids, depth
 
 
 @dataclass
@@ -74,10 +83,71 @@ class PersistentTiers:
         self.remote = remote
         self.write_through_min_priority = write_through_min_priority
         self.stats = PersistentStats()
-        self._queue: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue(maxsize=queue_blocks)
+        # called (from any thread) after a change is queued: must be thread-safe and never block
+        self.on_change: Callable[[], None] | None = None
+        self._changes: queue.SimpleQueue[StoreChange] = queue.SimpleQueue()
+        self._queue: queue.Queue[tuple[SpilledBlock, bytes] | None] = queue.Queue(maxsize=queue_blocks)
+        self._pending = 0  # writes queued and not finished (both stores tried)
+        self._pending_lock = threading.Lock()
         self._flushed: threading.Event | None = None  # set by the writer when it reaches flush()'s marker
+        if disk is not None:
+            disk.listen(lambda key: self._note(StoreChange(DISK_LEVEL, key, False)))
+            self._announce_disk()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The cache levels of the stores present: ``DISK`` and / or ``REMOTE``."""
+        return tuple(level for level, store in ((DISK_LEVEL, self.disk), (REMOTE_LEVEL, self.remote)) if store)
+
+    @property
+    def remote_store_id(self) -> str | None:
+        """The remote store's identity (``RemoteStore.identity``: no credentials), or None."""
+        return None if self.remote is None else self.remote.identity
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or in progress now."""
+        return self._pending
+
+    # ------------------------------------------------------------------ changes
+    def take_changes(self) -> list[StoreChange]:
+        """Every change queued since the last call, in the order seen. Any thread (the engine's)."""
+        out: list[StoreChange] = []
+        while True:
+            try:
+                out.append(self._changes.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _note(self, change: StoreChange) -> None:
+        self._changes.put(change)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _announce_disk(self) -> None:
+        """Report the blocks the disk held at start (its rebuilt index), from their headers.
+        A block's depth is its chain position among them (0 when its parent is not there)."""
+        headers: dict[BlockHash, BlockHeader] = {}
+        for key in self.disk.keys():  # type: ignore[union-attr]
+            found = self.disk.header(key)  # type: ignore[union-attr]
+            if found is not None:  # unreadable: get() will refuse it, nothing to announce
+                headers[key] = found
+        depths: dict[BlockHash, int] = {}
+        for key in headers:
+            if key in depths:
+                continue
+            chain = [key]  # walk up to a block of known depth or the first one not on disk
+            while (parent := headers[chain[-1]].parent_key) in headers and parent not in depths and len(chain) <= len(headers):
+                chain.append(parent)
+            parent = headers[chain[-1]].parent_key
+            depth = depths.get(parent, -1) if parent is not None else -1  # type: ignore[arg-type]
+            for k in reversed(chain):
+                depth += 1
+                depths[k] = depth
+        for key, found in headers.items():
+            self._note(StoreChange(DISK_LEVEL, key, True, found.parent_key, found.token_ids, depths[key]))
 
     # ------------------------------------------------------------------ writes
     def writes_through(self, priority: int) -> bool:
@@ -85,14 +155,18 @@ class PersistentTiers:
         (so another executor can hit it before this one evicts it)."""
         return priority >= self.write_through_min_priority
 
-    def spill(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, tuple[int, ...]]], kv: torch.Tensor) -> None:
-        """Queue ``blocks`` (key, parent key, token ids) for the stores; ``kv`` is their KV
-        ``[layers, 2, kv_heads, n, block_size, head_dim]`` on the CPU, owned by this call (a
-        copy the caller will not write). Never raises for a store problem."""
-        for i, (key, parent, tokens) in enumerate(blocks):
+    def spill(self, blocks: Sequence[SpilledBlock], kv: torch.Tensor) -> None:
+        """Queue ``blocks`` (key, parent key, token ids, depth) for the stores; ``kv`` is their
+        KV ``[layers, 2, kv_heads, n, block_size, head_dim]`` on the CPU, owned by this call (a
+        copy the caller will not write). Never raises for a store problem. Each store that
+        acknowledges a block reports it (``take_changes``)."""
+        for i, block in enumerate(blocks):
+            key, parent, tokens, _ = block
             try:
                 payload = encode_block(BlockRecord(key, parent, tuple(tokens), kv[:, :, :, i]), self.namespace)
-                self._queue.put_nowait((key, payload))
+                with self._pending_lock:
+                    self._queue.put_nowait((block, payload))
+                    self._pending += 1
             except queue.Full:
                 self.stats.dropped_writes += 1
             except ValueError as exc:  # a block the codec refuses (cannot happen for pool blocks)
@@ -116,16 +190,26 @@ class PersistentTiers:
                 if self._flushed is not None:
                     self._flushed.set()
                 continue
-            key, payload = item
-            for store in (self.disk, self.remote):
-                if store is not None and store.put(key, payload):  # put never raises: False on failure
+            (key, parent, tokens, depth), payload = item
+            if self.disk is not None:
+                # reported under the disk's lock, before any removal of the entry can be
+                stored = StoreChange(DISK_LEVEL, key, True, parent, tuple(tokens), depth)
+                if self.disk.put(key, payload, on_stored=lambda: self._note(stored)):  # never raises
                     self.stats.written_blocks += 1
+            if self.remote is not None and self.remote.put(key, payload):
+                self.stats.written_blocks += 1
+                self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+            with self._pending_lock:
+                self._pending -= 1
 
     # ------------------------------------------------------------------ reads
-    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None) -> list[StoredKV]:
-        """The longest run of ``keys`` (continuing the chain after ``parent``) that the stores
-        hold with matching tokens and parent, verified; disk first, then one batched remote
-        read for the rest. Reads only."""
+    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
+              depth: int = 0) -> list[StoredKV]:
+        """The longest run of ``keys`` (continuing the chain after ``parent``; ``keys[0]`` at
+        chain position ``depth``) that the stores hold with matching tokens and parent,
+        verified; disk first, then one batched remote read for the rest. Reads only, and
+        reports what it learnt: each block used is held; a remote key that the store said it
+        lacks (absent, or refused and deleted) is not."""
         out: list[StoredKV] = []
         tokens = list(token_blocks)  # one entry per key
         if self.disk is not None:
@@ -133,17 +217,24 @@ class PersistentTiers:
                 record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype)
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
-                out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
+                out.append(self._used(record, DISK_LEVEL, depth + len(out)))
         if self.remote is not None and len(out) < len(keys):
             rest = list(keys[len(out):])
-            for record, want in zip(self.remote.get_many(rest, shape=self.block_shape, dtype=self.dtype),
-                                    tokens[len(out):]):
+            found = self.remote.fetch_many(rest, shape=self.block_shape, dtype=self.dtype)
+            for key, record in zip(rest, found or ()):  # None: the store did not answer, nothing learnt
+                if record is None:
+                    self._note(StoreChange(REMOTE_LEVEL, key, False))
+            for record, want in zip(found or (), tokens[len(out):]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
-                out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, REMOTE_LEVEL))
+                out.append(self._used(record, REMOTE_LEVEL, depth + len(out)))
         self.stats.disk_hits += sum(1 for s in out if s.level == DISK_LEVEL)
         self.stats.remote_hits += sum(1 for s in out if s.level == REMOTE_LEVEL)
         return out
+
+    def _used(self, record: BlockRecord, level: str, depth: int) -> StoredKV:
+        self._note(StoreChange(level, record.key, True, record.parent_key, record.token_ids, depth))
+        return StoredKV(record.key, record.parent_key, record.token_ids, record.kv, level)
 
     @staticmethod
     def _continues(record: BlockRecord, token_ids, parent: BlockHash | None) -> bool:

@@ -26,6 +26,7 @@ Contracts (a down, slow or flushed Redis never fails a request):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,7 @@ class RemoteStore:
             health_check_interval=0,
         )
         self._client = redis.Redis(connection_pool=pool)
+        self.identity = store_identity(pool.connection_kwargs, self.prefix)
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
         self._counters = StoreCounters(COUNTERS)
         self._streak = FailureStreak(logger, f"remote cache {pool.connection_kwargs.get('host')}:"
@@ -98,12 +100,21 @@ class RemoteStore:
         self, keys: Sequence[BlockHash], *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
     ) -> list[BlockRecord | None]:
         """``get`` for each key, in one round trip (a pipeline). All None when the store fails."""
+        found = self.fetch_many(keys, shape=shape, dtype=dtype)
+        return [None] * len(keys) if found is None else found
+
+    def fetch_many(
+        self, keys: Sequence[BlockHash], *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> list[BlockRecord | None] | None:
+        """``get_many``, telling a store that answered from one that did not: None when the
+        call failed or the breaker skipped it (nothing is known of the keys); else, per key,
+        the verified record or None (absent, or refused and deleted)."""
         if not keys:
             return []
         values = self._call(lambda: self._fetch(keys))
         if values is None:
             self._counters.add("misses", len(keys))
-            return [None] * len(keys)
+            return None
         return [self._decode(key, value, shape, dtype) for key, value in zip(keys, values, strict=True)]
 
     def contains(self, key: BlockHash) -> bool:
@@ -186,3 +197,13 @@ class RemoteStore:
             logger.info("remote cache: circuit breaker closed, store reachable again")
         self._streak.succeeded()
         return result
+
+
+def store_identity(connection_kwargs: dict, prefix: str) -> str:
+    """16 hex of a SHA-256 over where the store is (host and port, or socket path, and
+    database) and the namespace prefix: executors that report the same identity share
+    entries, so a router counts one's remote blocks as reachable from the others. No user
+    name or password goes in, and the hash reveals neither the address nor the model."""
+    where = connection_kwargs.get("path") or f"{connection_kwargs.get('host')}:{connection_kwargs.get('port')}"
+    text = f"kvreuse-remote-store|{where}|db={connection_kwargs.get('db', 0)}|{prefix}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
