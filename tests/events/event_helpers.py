@@ -84,6 +84,46 @@ class CacheMirror:
         return True
 
 
+@dataclass
+class LevelMirror:
+    """A consumer's per-level copy of an executor's blocks (level -> block hash -> parent),
+    from numbered events: a key may be held at several levels at once (a disk or remote copy
+    of a device block). ``AllBlocksCleared`` empties every level; a removal naming no level
+    removes the key everywhere. Compare with ``snapshot_levels``."""
+
+    levels: dict[str, dict[BlockHash, BlockHash | None]] = field(default_factory=dict)
+    last_event_id: int = -1
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            assert event.event_id == self.last_event_id + 1, "events lost: enlarge the test's buffer"
+            data = event.data
+            if isinstance(data, BlocksStored):
+                parent = data.parent_hash
+                for b in data.blocks:
+                    self.levels.setdefault(b.cache_level, {})[b.block_hash] = parent
+                    parent = b.block_hash
+            elif isinstance(data, BlocksRemoved):
+                for level, held in self.levels.items():
+                    if data.cache_level in (None, level):
+                        for h in data.block_hashes:
+                            held.pop(h, None)
+            elif isinstance(data, AllBlocksCleared):
+                self.levels.clear()
+            self.last_event_id = event.event_id
+
+    def nonempty(self) -> dict[str, dict[BlockHash, BlockHash | None]]:
+        return {level: held for level, held in self.levels.items() if held}
+
+
+def snapshot_levels(snapshot: KVSnapshot) -> dict[str, dict[BlockHash, BlockHash | None]]:
+    """A snapshot as ``LevelMirror.nonempty()`` shows it."""
+    out: dict[str, dict[BlockHash, BlockHash | None]] = {}
+    for b in snapshot.blocks:
+        out.setdefault(b.cache_level, {})[b.block_hash] = b.parent_hash
+    return out
+
+
 def locked_snapshot(pool: Any, buffer: EventBuffer, engine_lock: threading.Lock) -> Callable[[], KVSnapshot]:
     """A snapshot function that takes ``engine_lock`` (which the test's "engine" holds while
     it mutates the pool, i.e. around each step), so the snapshot and its ``last_event_id``
