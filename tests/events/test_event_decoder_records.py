@@ -97,7 +97,7 @@ def test_sse_and_zmq_feeds_reach_the_same_index_by_one_apply_path():
             payload = encode_batch(1.0, to_vllm_events(events[i : i + 7], "int"), 0, encoding)
             for record in decode_records(payload):
                 index.apply_record(f"zmq-{encoding}", record)
-    expected = {index_key(b.block_hash): "GPU" for b in pool.cached_hashes()}
+    expected = {index_key(b.block_hash): frozenset({"GPU"}) for b in pool.cached_hashes()}
     assert len(expected) > 0 and pool.num_evictions > 0
     assert index.mirror("sse").levels == expected
     assert index.mirror("zmq-array").levels == expected

@@ -38,6 +38,7 @@ class ExecutorInfo:
     events: dict[str, Any]  # {"http": bool, "zmq_endpoint": str | None, "zmq_bound": bool, ...}
     tokenizer_probe: dict[str, Any]
     instance_id: str | None = None  # one per executor process: a new one means it restarted
+    remote_store: str | None = None  # identity of the remote store it shares (None: none, or an older executor)
 
     @classmethod
     def from_json(cls, url: str, d: dict) -> "ExecutorInfo":
@@ -45,7 +46,8 @@ class ExecutorInfo:
         try:
             return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),
                        d["hash_algorithm"], d.get("tokenizer_path"), int(d.get("max_model_len") or 0),
-                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}), d.get("instance_id"))
+                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}), d.get("instance_id"),
+                       d.get("remote_store"))
         except KeyError as exc:
             raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None
 

@@ -6,14 +6,20 @@ full hash) land in one index. A 64-bit collision can only make the router prefer
 executor that then misses; the executor checks stored tokens on every hit, so the answer
 is never wrong.
 
-Each executor has a ``Mirror`` (its keys with their cache level, and the id of the last
-event applied). ``holders`` maps each key to a bitmask of executors, so the overlap of a
-request with every executor is one pass over its leading keys::
+Each executor has a ``Mirror`` (its keys with every cache level it holds them at: a disk or
+remote copy of a device block is held at two levels at once; and the id of the last event
+applied). ``holders`` maps each key to a bitmask of executors, so the overlap of a request
+with every executor is one pass over its leading keys::
 
     alive = all executors
     for i, key in enumerate(keys):           # stops at the first key nobody holds
-        gone = alive & ~holders[key]          # these executors' prefixes end at block i
+        gone = alive & ~reach(key)            # these executors' prefixes end at block i
         ...
+
+Shared remote stores: executors that report the same remote store identity (``set_store``;
+``/v1/kvreuse/info``'s ``remote_store``: same Redis and namespace) read each other's
+``REMOTE`` blocks, so a key one of them holds at ``REMOTE`` is reachable from all of them, at
+the ``REMOTE`` level: ``reach(key) = holders[key] | every store group with a REMOTE holder``.
 
 Events change the index through one path, ``apply_record``, whatever brings them: the SSE
 feed's numbered JSON events (through ``apply``, which checks ids), the ZMQ feed's wire
@@ -30,7 +36,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvreuse.events.records import DEVICE_LEVEL, AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
+from kvreuse.events.records import DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL
+from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
 from kvreuse.events.records import CacheCreated, Event, KVEvent, KVSnapshot
 
 IndexKey = int  # low 64 bits of a BlockHash, big-endian (as events.wire.wire_hash "int")
@@ -41,14 +48,19 @@ def index_key(block_hash: bytes) -> IndexKey:
     return int.from_bytes(block_hash[-8:], "big")
 
 
+_LEVEL_ORDER = (DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL)  # nearest first (``level_of``)
+_NO_LEVELS: frozenset[str] = frozenset()
+
+
 @dataclass(slots=True)
 class Mirror:
     """One executor's blocks as the router knows them."""
 
     bit: int  # this executor's bit in ``KVIndex.holders`` masks
-    levels: dict[IndexKey, str] = field(default_factory=dict)  # key -> cache level
+    levels: dict[IndexKey, frozenset[str]] = field(default_factory=dict)  # key -> every level it is held at
     last_event_id: int = -1  # id of the last event applied (-1: none, or a ZMQ feed)
     num_resyncs: int = 0  # snapshots loaded after a gap
+    store: str | None = None  # identity of the remote store it shares (``KVIndex.set_store``)
 
 
 class KVIndex:
@@ -56,7 +68,10 @@ class KVIndex:
     loop (or the simulator) is its only caller."""
 
     def __init__(self) -> None:
-        self.holders: dict[IndexKey, int] = {}  # key -> bitmask of executors holding it
+        self.holders: dict[IndexKey, int] = {}  # key -> bitmask of executors holding it (any level)
+        self.remote_holders: dict[IndexKey, int] = {}  # key -> bitmask of executors holding it at REMOTE
+        self._stores: dict[str, int] = {}  # remote store identity -> bitmask of the executors sharing it
+        self._level_sets: dict[frozenset[str], frozenset[str]] = {}  # one object per set of levels
         self._mirrors: dict[str, Mirror] = {}
         self._handlers = {
             BlocksStored: self._on_stored,
@@ -77,6 +92,21 @@ class KVIndex:
     def mirror(self, name: str) -> Mirror:
         return self._mirrors[name]
 
+    def set_store(self, name: str, store: str | None) -> None:
+        """Note that ``name`` shares the remote store ``store`` (its identity; ``None``: none):
+        from now on a key any executor of that store holds at ``REMOTE`` is reachable from
+        ``name`` too. Keeps every mirror as it is."""
+        mirror = self._mirrors[name]
+        if mirror.store is not None:
+            left = self._stores[mirror.store] & ~mirror.bit
+            if left:
+                self._stores[mirror.store] = left
+            else:
+                del self._stores[mirror.store]
+        mirror.store = store
+        if store is not None:
+            self._stores[store] = self._stores.get(store, 0) | mirror.bit
+
     @property
     def executors(self) -> list[str]:
         return list(self._mirrors)
@@ -89,18 +119,42 @@ class KVIndex:
     # ------------------------------------------------------------------ queries
     def overlaps(self, keys: Sequence[IndexKey], names: Sequence[str],
                  tier_weights: Mapping[str, float] | None = None) -> dict[str, float]:
-        """For each executor in ``names``: how many leading ``keys`` it holds (any cache
-        level); with ``tier_weights`` (cache level -> weight, 1.0 for a level not listed),
-        each held block counts its level's weight instead of 1 (a host-tier block saves less
-        than a device one). O(length of the longest match). Does not modify the index."""
+        """For each executor in ``names``: how many leading ``keys`` it can reach (held at any
+        cache level, or at ``REMOTE`` by an executor sharing its remote store); with
+        ``tier_weights`` (cache level -> weight, 1.0 for a level not listed), each block
+        counts the weight of the best level it is reachable at instead of 1 (a host-tier
+        block saves less than a device one). O(length of the longest match). Does not modify
+        the index."""
         counts = self._overlap_counts(keys, names)
         if tier_weights is None:
             return counts  # type: ignore[return-value]
         out: dict[str, float] = {}
         for name, n in counts.items():
-            levels = self._mirrors[name].levels
-            out[name] = float(sum(tier_weights.get(levels.get(key, DEVICE_LEVEL), 1.0) for key in keys[:n]))
+            out[name] = float(sum(max(tier_weights.get(level, 1.0) for level in self.reachable_levels(name, key))
+                                  for key in keys[:n]))
         return out
+
+    def reach(self, key: IndexKey) -> int:
+        """Bitmask of the executors that can reach ``key``: its holders, and every executor
+        sharing a remote store with one that holds it at ``REMOTE``."""
+        held = self.holders.get(key, 0)
+        remote = self.remote_holders.get(key, 0)
+        if remote:
+            for members in self._stores.values():
+                if remote & members:
+                    held |= members
+        return held
+
+    def reachable_levels(self, name: str, key: IndexKey) -> frozenset[str]:
+        """The levels at which ``name`` reaches ``key``: its own, plus ``REMOTE`` when an
+        executor sharing its remote store holds it there. Empty when unreachable."""
+        mirror = self._mirrors[name]
+        own = mirror.levels.get(key, _NO_LEVELS)
+        if REMOTE_LEVEL in own or mirror.store is None:
+            return own
+        if self.remote_holders.get(key, 0) & self._stores[mirror.store]:
+            return self._interned(own | {REMOTE_LEVEL})
+        return own
 
     def _overlap_counts(self, keys: Sequence[IndexKey], names: Sequence[str]) -> dict[str, int]:
         bits = {name: self._mirrors[name].bit for name in names}
@@ -108,10 +162,11 @@ class KVIndex:
         alive = 0
         for b in bits.values():
             alive |= b
-        holders = self.holders
+        holders, reach = self.holders, self.reach
+        shared = bool(self._stores) and bool(self.remote_holders)  # else reach(key) is holders[key]
         i = 0
         for key in keys:
-            held = holders.get(key, 0) & alive
+            held = (reach(key) if shared else holders.get(key, 0)) & alive
             if held != alive:
                 gone = alive & ~held
                 for b in bits.values():
@@ -124,39 +179,42 @@ class KVIndex:
         return {name: ended.get(b, i) for name, b in bits.items()}
 
     def level_of(self, name: str, key: IndexKey) -> str | None:
-        return self._mirrors[name].levels.get(key)
+        """The nearest level ``name`` itself holds ``key`` at (device first), or None."""
+        levels = self._mirrors[name].levels.get(key, _NO_LEVELS)
+        return next((lv for lv in _LEVEL_ORDER if lv in levels), min(levels, default=None))
 
     # ------------------------------------------------------------------ updates
     def store(self, name: str, keys: Iterable[IndexKey], level: str = DEVICE_LEVEL) -> None:
-        """Note ``keys`` as held by ``name`` at ``level`` (one it held at another level moves)."""
+        """Note ``keys`` as held by ``name`` at ``level`` too (the levels it held them at stay:
+        a move between tiers is a removal at the old level and a store at the new one)."""
         mirror = self._mirrors[name]
         for key in keys:
             self._hold(mirror, key, level)
 
     def remove(self, name: str, keys: Iterable[IndexKey], level: str | None = None) -> None:
-        """Forget ``keys`` on ``name``; with ``level``, only where held at that level (a
-        block that already moved to another tier stays)."""
+        """Forget ``keys`` on ``name`` at ``level`` (it stays held at its other levels), or at
+        every level when ``level`` is None."""
         mirror = self._mirrors[name]
         for key in keys:
-            held = mirror.levels.get(key)
-            if held is not None and (level is None or held == level):
-                del mirror.levels[key]
-                self._drop_bit(key, mirror.bit)
+            self._unhold(mirror, key, level)
 
     def clear(self, name: str) -> None:
         """Forget every block of ``name`` (it restarted, cleared, or is resyncing)."""
         mirror = self._mirrors[name]
-        for key in mirror.levels:
-            self._drop_bit(key, mirror.bit)
+        for key, levels in mirror.levels.items():
+            self._drop_bit(self.holders, key, mirror.bit)
+            if REMOTE_LEVEL in levels:
+                self._drop_bit(self.remote_holders, key, mirror.bit)
         mirror.levels = {}
 
     def apply_record(self, name: str, record: KVEvent) -> None:
         """Apply one event record to ``name``'s mirror, with no id check: the one path by
         which events change the index (``apply``, the ZMQ feed and the simulator call it).
 
-        stored: each block held at its level; removed: dropped where held at the record's
-        level (at any level when it is ``None``); cleared: ``clear``; updated: a held block
-        follows a level move (priorities are not indexed); created: nothing. Raises
+        stored: each block held at its level (too); removed: dropped at the record's level (at
+        every level when it is ``None``); cleared: ``clear`` (every level); updated: a block
+        held at the old level moves to the new one (priorities are not indexed); created:
+        nothing. Raises
         ``KeyError`` for anything that is not a ``KVEvent`` record."""
         self._handlers[type(record)](name, record)
 
@@ -180,6 +238,26 @@ class KVIndex:
             self._hold(mirror, index_key(b.block_hash), b.cache_level)
         mirror.last_event_id = snapshot.last_event_id
 
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError`` unless ``holders``, ``remote_holders`` and the store groups
+        are exactly what the mirrors say. O(keys held): for tests."""
+        holders: dict[IndexKey, int] = {}
+        remote: dict[IndexKey, int] = {}
+        stores: dict[str, int] = {}
+        for name, mirror in self._mirrors.items():
+            for key, levels in mirror.levels.items():
+                if not levels:
+                    raise RuntimeError(f"{name} holds key {key:#x} at no level")
+                holders[key] = holders.get(key, 0) | mirror.bit
+                if REMOTE_LEVEL in levels:
+                    remote[key] = remote.get(key, 0) | mirror.bit
+            if mirror.store is not None:
+                stores[mirror.store] = stores.get(mirror.store, 0) | mirror.bit
+        for what, have, want in (("holders", self.holders, holders), ("remote_holders", self.remote_holders, remote),
+                                 ("store groups", self._stores, stores)):
+            if have != want:
+                raise RuntimeError(f"KVIndex {what} disagree with the mirrors: {len(have)} entries, {len(want)} expected")
+
     # ------------------------------------------------------------------ internals
     def _on_stored(self, name: str, record: BlocksStored) -> None:
         mirror = self._mirrors[name]
@@ -192,16 +270,39 @@ class KVIndex:
     def _on_updated(self, name: str, record: BlockUpdated) -> None:
         mirror = self._mirrors[name]
         key = index_key(record.block_hash)
-        if record.new_cache_level is not None and key in mirror.levels:
-            mirror.levels[key] = record.new_cache_level
+        new, old = record.new_cache_level, record.old_cache_level
+        held = mirror.levels.get(key, _NO_LEVELS)
+        if new is not None and held and (old is None or old in held):
+            if old is not None:
+                self._unhold(mirror, key, old)
+            self._hold(mirror, key, new)
+
+    def _interned(self, levels: frozenset[str]) -> frozenset[str]:
+        return self._level_sets.setdefault(levels, levels)
 
     def _hold(self, mirror: Mirror, key: IndexKey, level: str) -> None:
-        mirror.levels[key] = level
+        mirror.levels[key] = self._interned(mirror.levels.get(key, _NO_LEVELS) | {level})
         self.holders[key] = self.holders.get(key, 0) | mirror.bit
+        if level == REMOTE_LEVEL:
+            self.remote_holders[key] = self.remote_holders.get(key, 0) | mirror.bit
 
-    def _drop_bit(self, key: IndexKey, bit: int) -> None:
-        mask = self.holders.get(key, 0) & ~bit
-        if mask:
-            self.holders[key] = mask
+    def _unhold(self, mirror: Mirror, key: IndexKey, level: str | None) -> None:
+        held = mirror.levels.get(key)
+        if held is None or (level is not None and level not in held):
+            return
+        left = _NO_LEVELS if level is None else self._interned(held - {level})
+        if REMOTE_LEVEL in held and REMOTE_LEVEL not in left:
+            self._drop_bit(self.remote_holders, key, mirror.bit)
+        if left:
+            mirror.levels[key] = left
         else:
-            self.holders.pop(key, None)
+            del mirror.levels[key]
+            self._drop_bit(self.holders, key, mirror.bit)
+
+    @staticmethod
+    def _drop_bit(masks: dict[IndexKey, int], key: IndexKey, bit: int) -> None:
+        mask = masks.get(key, 0) & ~bit
+        if mask:
+            masks[key] = mask
+        else:
+            masks.pop(key, None)

@@ -129,6 +129,8 @@ class Router:
         self._start_feed(e)
 
     def _start_feed(self, e: Executor) -> None:
+        # executors of one remote store reach each other's REMOTE blocks (KVIndex.set_store)
+        self.index.set_store(e.name, e.info.remote_store if e.info else None)
         feed = self._feed_for(e)
         self.feeds[e.name] = feed
         self._feed_tasks[e.name] = asyncio.create_task(feed.run(), name=f"router-feed-{e.name}")

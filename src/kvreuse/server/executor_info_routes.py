@@ -6,6 +6,9 @@ executor publishes KV events (``zmq_bound``: whether the PUB socket is bound at
 ``zmq_endpoint``, so a subscriber can connect there; a publisher that connects out sends
 to whoever bound that address, and a router connecting to it too would hear nothing),
 and the process's ``instance_id`` (new at every start, also on ``/health``).
+``remote_store`` identifies the remote store (Redis URL's location and database, and the
+namespace; no credentials, hashed) when there is one: executors reporting the same one read
+each other's ``REMOTE`` blocks, and a router counts them as reachable from all of them.
 ``tokenizer_probe`` holds the token ids of a fixed text and of a fixed chat, so a router
 can check that its own tokenizer and chat template agree before it trusts its keys.
 """
@@ -61,6 +64,8 @@ async def kvreuse_info(request: Request) -> dict:
         "enable_prefix_caching": config.enable_prefix_caching,
         "max_model_len": engine.max_model_len,
         "num_blocks": engine.pool.num_blocks,
+        "cache_levels": [pool.cache_level for pool in engine.cache_pools()],
+        "remote_store": engine.remote_store_id,
         "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},
         "tokenizer_probe": tokenizer_probe(tokenizer),
     }
