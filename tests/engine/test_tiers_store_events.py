@@ -9,6 +9,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.cache.hashing import hash_token_blocks
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import BlocksRemoved, BlocksStored
+from kvreuse.server.metrics import _tier_metrics
 from tests.events.event_helpers import LevelMirror, snapshot_levels
 from tests.tiers.conftest import redis_server  # noqa: F401  (a real redis-server per test)
 
@@ -57,6 +58,23 @@ def test_events_rebuild_every_level_and_the_ledgers_match_the_stores(tiny_llama,
     assert engine.stores.disk.stats()["evictions"] == disk.num_removed > 0  # the cap, reported
     every_key = {k for p in PROMPTS for k in keys_of(llm, p)}
     assert {b.block_hash for b in remote.cached_hashes()} == redis_keys(llm, redis_server.url) == every_key
+    # /metrics counts per tier exactly what the events said
+    events = [e.data for e in buffer.get_events(after_id=-1, max_events=10**9)]
+    said = {(stat, level): 0 for stat in ("blocks_stored", "blocks_removed") for level in ("CPU", "DISK", "REMOTE")}
+    for d in events:
+        if isinstance(d, BlocksStored) and d.blocks[0].cache_level != "GPU":
+            said["blocks_stored", d.blocks[0].cache_level] += len(d.blocks)
+        elif isinstance(d, BlocksRemoved) and d.cache_level != "GPU":
+            said["blocks_removed", d.cache_level] += len(d.block_hashes)
+    names = {"CPU": "host", "DISK": "disk", "REMOTE": "remote"}
+    families = {f.name: f for f in _tier_metrics(engine.stats(), [], [])}
+    for (stat, level), n in said.items():
+        family = families[f"kvreuse:kv_tier_{stat}"]
+        assert family.type == "counter"
+        assert [s.value for s in family.samples if s.labels["tier"] == names[level]] == [n]
+    held = {s.labels["tier"]: s.value for s in families["kvreuse:kv_tier_blocks_held"].samples}
+    assert held == {names[lv]: len(mirror.levels[lv]) for lv in names}
+    assert families["kvreuse:kv_tier_writes_pending"].samples[0].value == 0
 
     # Redis loses everything unseen; the ledger keeps announcing it until a read finds a key missing
     redis.Redis.from_url(redis_server.url).flushall()

@@ -124,6 +124,16 @@ _TIER_COUNTERS = {  # host-tier stat -> (metric, help, direction)
 }
 
 
+_LEDGER_STATS = {  # tier_stats keys every lower level has -> (metric, help); by tier label
+    "blocks_stored": ("kvreuse:kv_tier_blocks_stored", "Blocks a tier reported stored (its BlocksStored events).",
+                      CounterMetricFamily),
+    "blocks_removed": ("kvreuse:kv_tier_blocks_removed", "Blocks a tier reported removed (its BlocksRemoved events).",
+                       CounterMetricFamily),
+    "blocks_held": ("kvreuse:kv_tier_blocks_held", "Blocks a tier holds now, as its events report them.",
+                    GaugeMetricFamily),
+}
+
+
 _STORE_GAUGES = {  # the stores' stats() that are levels, not counts
     "entries": "Blocks the store holds.",
     "bytes": "Bytes the store holds.",
@@ -167,13 +177,21 @@ def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metr
         if key.startswith("blocks_priority_"):
             held.add_metric([*values, key.removeprefix("blocks_priority_")], n)
     yield held
+    yield gauge_family("kvreuse:kv_tier_writes_pending", "Disk / remote writes queued or in progress.",
+                       labels, values, host.get("tier_writes_pending", 0))
+    for stat, (metric, doc, kind) in _LEDGER_STATS.items():
+        family = kind(metric, doc, labels=[*labels, "tier"])
+        for level in (HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL):
+            if level in tiers:
+                family.add_metric([*values, TIER_NAMES[level]], tiers[level].get(stat, 0))
+        yield family
     for level in (DISK_LEVEL, REMOTE_LEVEL):
         if level in tiers:
             name = level.lower()
             store = CounterMetricFamily(f"kvreuse:{name}_tier_events", f"The {TIER_NAMES[level]} store's counters.",
                                         labels=[*labels, "event"])
             for key, n in sorted(tiers[level].items()):
-                if key not in _STORE_GAUGES:
+                if key not in _STORE_GAUGES and key not in _LEDGER_STATS:
                     store.add_metric([*values, key], n)
             yield store
             for key in sorted(_STORE_GAUGES.keys() & tiers[level].keys()):  # levels, not counts: they go down

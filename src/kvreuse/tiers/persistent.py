@@ -14,8 +14,9 @@ What the stores hold is reported, never emitted from here: every change seen (a 
 store acknowledged, a block the disk already held at start, a block verified on a read, a
 disk entry that left the index, a remote key found missing) is a ``StoreChange`` on a
 thread-safe queue; the engine thread takes them (``take_changes``) into its ledgers, which
-emit the KV events (``cache.store_ledger``). ``on_change`` is called after each, so an idle
-engine thread wakes up to apply them.
+emit the KV events (``cache.store_ledger``). The writer calls ``on_change`` whenever it runs
+out of work (and every ``WAKE_EVERY`` writes of a long burst), so an idle engine thread wakes
+up to apply what it finished; changes seen on the engine thread are applied by it anyway.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvreuse.tiers.remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 
+WAKE_EVERY = 32  # finished writes between on_change calls while the writer stays busy
 SpilledBlock = tuple[BlockHash, BlockHash | None, tuple[int, ...], int]  # key, parent key, token ids, depth
 
 
@@ -83,7 +85,7 @@ class PersistentTiers:
         self.remote = remote
         self.write_through_min_priority = write_through_min_priority
         self.stats = PersistentStats()
-        # called (from any thread) after a change is queued: must be thread-safe and never block
+        # called by the writer thread when changes wait: must be thread-safe and never block
         self.on_change: Callable[[], None] | None = None
         self._changes: queue.SimpleQueue[StoreChange] = queue.SimpleQueue()
         self._queue: queue.Queue[tuple[SpilledBlock, bytes] | None] = queue.Queue(maxsize=queue_blocks)
@@ -123,8 +125,6 @@ class PersistentTiers:
 
     def _note(self, change: StoreChange) -> None:
         self._changes.put(change)
-        if self.on_change is not None:
-            self.on_change()
 
     def _announce_disk(self) -> None:
         """Report the blocks the disk held at start (its rebuilt index), from their headers.
@@ -184,6 +184,7 @@ class PersistentTiers:
         return done.wait(timeout_s)
 
     def _write_loop(self) -> None:
+        finished = 0
         while True:
             item = self._queue.get()
             if item is None:
@@ -201,6 +202,10 @@ class PersistentTiers:
                 self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
             with self._pending_lock:
                 self._pending -= 1
+                idle = self._pending == 0
+            finished += 1
+            if (idle or finished % WAKE_EVERY == 0) and self.on_change is not None:
+                self.on_change()
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,

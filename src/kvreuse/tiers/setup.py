@@ -53,7 +53,9 @@ def build_stores(config: "EngineConfig", layout: "KVLayout", loaded: Any) -> "Pe
 
 
 def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
-    """Counters and gauges per lower tier: ``CPU`` (the host tier), ``DISK``, ``REMOTE``."""
+    """Counters and gauges per lower tier: ``CPU`` (the host tier), ``DISK``, ``REMOTE``. Each
+    level has ``blocks_stored`` / ``blocks_removed`` (blocks its events reported stored and
+    removed since start) and ``blocks_held`` (held now, as announced)."""
     pool, s = host.pool, host.stats
     out: dict[str, dict[str, float]] = {HOST_LEVEL: {
         "num_blocks": pool.num_blocks, "num_cached_blocks": pool.num_cached_blocks,
@@ -63,11 +65,19 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
         "loaded_bytes": s.loaded_blocks * block_bytes,
         "offload_seconds": s.offload_seconds, "onboard_seconds": s.onboard_seconds,
         **{f"blocks_priority_{p}": n for p, n in pool.blocks_by_priority().items()},
+        # host blocks enter only by offload, so every one offloaded and not held now has left
+        # (and none is held by a request between steps, when stats are taken)
+        "blocks_stored": s.offloaded_blocks, "blocks_removed": s.offloaded_blocks - pool.num_cached_blocks,
+        "blocks_held": pool.num_cached_blocks,
     }}
     below = host.below
     if below is not None:
         for level, store in ((DISK_LEVEL, below.disk), (REMOTE_LEVEL, below.remote)):
             if store is not None:
-                out[level] = {k: float(v) for k, v in store.stats().items()}
+                ledger = host.ledgers[level]
+                out[level] = {k: float(v) for k, v in store.stats().items()} | {
+                    "blocks_stored": ledger.num_stored, "blocks_removed": ledger.num_removed,
+                    "blocks_held": len(ledger)}
         out[HOST_LEVEL]["tier_writes_dropped"] = below.stats.dropped_writes
+        out[HOST_LEVEL]["tier_writes_pending"] = below.pending_writes
     return out
