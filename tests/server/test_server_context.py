@@ -70,7 +70,7 @@ def test_events_are_off_without_a_buffer(async_engine):
             "KV cache events are off: start the server with --event-buffer-max-size N (N > 0)")
         assert c.get("/v1/kvreuse/info").json()["events"] == {
             "http": False, "zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None,
-            "zmq_topic": "", "zmq_hash_format": "int",
+            "zmq_topic": "", "zmq_hash_format": "int", "zmq_last_event_id": None,
         }
 
 
@@ -82,6 +82,7 @@ def test_info_reports_the_publisher_it_was_built_with(own_engine):
             assert c.get("/v1/kvreuse/info").json()["events"] == {
                 "http": True, "zmq_endpoint": publisher.endpoint, "zmq_bound": True,
                 "zmq_replay_endpoint": publisher.replay_endpoint, "zmq_topic": "kv", "zmq_hash_format": "bytes",
+                "zmq_last_event_id": -1,  # not started: nothing sent
             }
             publisher.close()
             assert c.get("/v1/kvreuse/info").json()["events"]["zmq_bound"] is False

@@ -5,6 +5,8 @@ model identity, block size, hash algorithm and tokenizer. It also learns where t
 executor publishes KV events (``zmq_bound``: whether the PUB socket is bound at
 ``zmq_endpoint``, so a subscriber can connect there; a publisher that connects out sends
 to whoever bound that address, and a router connecting to it too would hear nothing),
+and how far it got (``zmq_last_event_id``: the newest event it has published, so a consumer
+that knows a snapshot's ``last_event_id`` knows when the wire has caught up with it),
 and the process's ``instance_id`` (new at every start, also on ``/health``).
 ``remote_store`` identifies the remote store (Redis URL's location and database, and the
 namespace; no credentials, hashed) when there is one: executors reporting the same one read
@@ -33,13 +35,14 @@ def _zmq_facts(publisher: ZmqEventPublisher | None) -> dict[str, Any]:
     now: true while its PUB socket is bound and open, so a subscriber can connect."""
     if publisher is None:
         return {"zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None, "zmq_topic": "",
-                "zmq_hash_format": "int"}
+                "zmq_hash_format": "int", "zmq_last_event_id": None}
     return {
         "zmq_endpoint": publisher.endpoint,
         "zmq_bound": publisher.subscribable,
         "zmq_replay_endpoint": publisher.replay_endpoint,
         "zmq_topic": publisher.topic.decode(),
         "zmq_hash_format": publisher.hash_format,
+        "zmq_last_event_id": publisher.last_event_id,  # newest buffer event it has sent (-1: none)
     }
 
 
