@@ -1,5 +1,7 @@
 """Test-side consumers and snapshot functions of KV events: ``CacheMirror``, a full copy of
-one pool's cache rebuilt from a snapshot and the numbered events after it; ``locked_snapshot``
+one pool's cache rebuilt from a snapshot and the numbered events after it; ``LevelMirror``,
+one block set per cache level (a store copy is held at two levels), compared with
+``snapshot_levels``; ``locked_snapshot``
 and ``engine_thread_snapshot``, consistent snapshot functions for tests that drive a pool or
 an engine; and ``CATCH_UP``, the replay-socket catch-up shared by the plain-pyzmq subscriber
 scripts.

@@ -71,3 +71,21 @@ def test_a_block_held_at_two_levels_survives_a_move_of_one_of_them():
     index.apply_record("a", BlocksRemoved((h,), None))  # no level named: gone everywhere
     index.check_integrity()
     assert index.mirror("a").levels == {} and index.holders == {}
+
+
+def test_the_shared_store_sends_a_request_to_an_idle_executor_of_the_store():
+    import random
+
+    from kvreuse.router.policy import Candidate, KVPolicy, choose
+
+    index = cluster()
+    load = {"a": 6.0, "b": 0.0, "c": 0.0}  # a is busy; b and c idle
+    overlaps = index.overlaps(KEYS, list("abc"), W)
+    cands = [Candidate(n, overlaps[n], len(KEYS), load[n], 0) for n in "abc"]
+    decision = choose(KVPolicy(overlap_weight=8.0), cands, random.Random(0))
+    assert decision.scores == {"a": 8.0 * (5 - overlaps["a"]) + 6.0, "b": 8.0 * (5 - overlaps["b"]), "c": 40.0}
+    assert decision.choice == "b"  # 4 blocks it can read back from Redis, and no queue
+    index.set_store("b", None)  # without the shared store, b holds 1 block: busy a wins
+    overlaps = index.overlaps(KEYS, list("abc"), W)
+    cands = [Candidate(n, overlaps[n], len(KEYS), load[n], 0) for n in "abc"]
+    assert overlaps["b"] == W["GPU"] and choose(KVPolicy(overlap_weight=8.0), cands, random.Random(0)).choice == "a"

@@ -139,10 +139,13 @@ class PersistentTiers:
             if key in depths:
                 continue
             chain = [key]  # walk up to a block of known depth or the first one not on disk
-            while (parent := headers[chain[-1]].parent_key) in headers and parent not in depths and len(chain) <= len(headers):
+            while len(chain) <= len(headers):  # (a cycle of keys cannot happen; bounded anyway)
+                parent = headers[chain[-1]].parent_key
+                if parent not in headers or parent in depths:
+                    break
                 chain.append(parent)
             parent = headers[chain[-1]].parent_key
-            depth = depths.get(parent, -1) if parent is not None else -1  # type: ignore[arg-type]
+            depth = -1 if parent is None else depths.get(parent, -1)
             for k in reversed(chain):
                 depth += 1
                 depths[k] = depth
@@ -193,7 +196,7 @@ class PersistentTiers:
                 continue
             (key, parent, tokens, depth), payload = item
             if self.disk is not None:
-                # reported under the disk's lock, before any removal of the entry can be
+                # reported under the disk's lock, so before any removal of the entry is
                 stored = StoreChange(DISK_LEVEL, key, True, parent, tuple(tokens), depth)
                 if self.disk.put(key, payload, on_stored=lambda: self._note(stored)):  # never raises
                     self.stats.written_blocks += 1
