@@ -68,6 +68,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
         from kvreuse.api.limit_metrics import LimiterCollector
 
         router.metrics.registry.register(LimiterCollector(limiter, "kvreuse:router_"))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.gather(*(router.probe(e) for e in router.executors.values()))

@@ -76,11 +76,13 @@ def build_context(
     """The state of one app over ``engine``: a new metrics registry, a new ``instance_id``
     (a uuid: ``/health`` and ``/v1/kvreuse/info`` report it, so a router sees a restart
     even when it missed the downtime) and the engine's event feed. ``served_model_name``
-    defaults to the engine's model name. Raises ``ValueError`` for an empty served name."""
+    defaults to the engine's model name. ``limiter``'s counters go in the registry (the
+    routes reach it through the request's lease, not the context). Raises ``ValueError``
+    for an empty served name."""
     names = _served_names(engine, served_model_name)
     events = engine_event_feed(engine)
     metrics = ServerMetrics(engine, names[0], event_buffer=None if events is None else events.buffer, limiter=limiter)
-    return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher, limiter)
+    return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher)
 
 
 def build_app(

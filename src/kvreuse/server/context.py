@@ -17,7 +17,6 @@ from fastapi import Request
 from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
-    from kvreuse.api.limiter import TenantLimiter
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.events.buffer import EventBuffer
     from kvreuse.events.publisher import ZmqEventPublisher
@@ -61,7 +60,6 @@ class ServerContext:
     instance_id: str  # new per app (per executor process): a router sees a restart by it
     events: EventFeed | None = None  # None: KV events are off
     publisher: ZmqEventPublisher | None = None  # the ZMQ publisher /v1/kvreuse/info advertises, if any
-    limiter: TenantLimiter | None = None  # per-tenant limits (kvreuse.api.limiter), if any
 
     @property
     def prompt_limit(self) -> int:
