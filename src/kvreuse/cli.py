@@ -69,6 +69,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, "
                         "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
                         "and no admin routes)")
+    from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments
+
+    add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
     # 8 MiB: kvreuse.api.middleware.DEFAULT_MAX_BODY_BYTES (not imported: the CLI imports lazily)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
@@ -137,6 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
     the app, start the engine and the publisher, serve until interrupted, then close both.
     Returns the exit status (2 for a bad flag or model)."""
     from kvreuse.api.access_log import uvicorn_server
+    from kvreuse.api.tenant_limits import limits_from_args
     from rich.console import Console
 
     from kvreuse.engine.async_engine import AsyncEngine
@@ -149,6 +153,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = _engine_config(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
+        limiter = None
+        if (tenant_limits := limits_from_args(args)) is not None:  # before the model loads: fail at once
+            from kvreuse.api.limiter import TenantLimiter
+            from kvreuse.api.tenants import APIKeys
+
+            tenant_limits.check_keys(APIKeys.parse(args.api_key) if args.api_key else None)
+            limiter = TenantLimiter(tenant_limits)
         with console.status(f"loading model {args.model} ({config.dtype}, device {config.device}) ..."):
             loaded = _load_model(args.model, config.dtype, config.device, config.quantization)
         buffer_size = args.event_buffer_max_size or (_DEFAULT_EVENT_BUFFER if args.kv_events_endpoint else 0)
@@ -167,7 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 snapshot_fn=lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30),
             )
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
-                        publisher=publisher)  # /v1/kvreuse/info advertises the publisher to routers
+                        publisher=publisher, limiter=limiter)  # /v1/kvreuse/info advertises the publisher to routers
     except ValueError as exc:
         if publisher is not None:
             publisher.close()

@@ -1,7 +1,7 @@
 """ASGI guards in front of every route of the executor and the router: the body-size
-limit and the API key.
+limit, the API key and the tenant's in-flight limit.
 
-Both answer in OpenAI's error shape before any route (or JSON parsing, or tokenizing) runs.
+All answer in OpenAI's error shape before any route (or JSON parsing, or tokenizing) runs.
 The body is read in chunks and refused as soon as it passes the limit, so no more than
 ``max_bytes`` of a body is ever held.
 """
@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvreuse.api.errors import error_body
-from kvreuse.api.tenants import APIKeys, needs_admin
+from kvreuse.api.errors import error_body, limit_response
+from kvreuse.api.limiter import LimitExceeded, TenantLimiter
+from kvreuse.api.tenants import APIKeys, needs_admin, tenant_of
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
@@ -106,3 +107,39 @@ class APIKeyMiddleware:
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST: what generates tokens
+LEASE_STATE = "tenant_lease"  # scope["state"] key of the request's Lease
+
+
+def lease_of(scope: Scope):
+    """The request's ``kvreuse.api.limiter.Lease`` (``None``: no tenant limits on this app)."""
+    return (scope.get("state") or {}).get(LEASE_STATE)
+
+
+class TenantLimitMiddleware:
+    """Hold one of the caller's tenant's in-flight slots (``TenantLimiter.open``) for every
+    ``POST`` of ``LIMITED_PATHS``, from before the route runs until the app returns, which
+    for a stream is when its last byte is sent or its client disconnects. A full limit is
+    a 429 at once (``Retry-After``). The lease goes in ``scope["state"]`` (``lease_of``) for
+    the route to reserve and record tokens on; it is closed here, whatever happens. Runs
+    inside ``APIKeyMiddleware``, which names the tenant."""
+
+    def __init__(self, app: ASGIApp, limiter: TenantLimiter) -> None:
+        self.app, self.limiter = app, limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("path") not in LIMITED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            lease = self.limiter.open(tenant_of(scope))
+        except LimitExceeded as exc:
+            await limit_response(exc)(scope, receive, send)
+            return
+        scope.setdefault("state", {})[LEASE_STATE] = lease
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lease.close()

@@ -66,6 +66,10 @@ class APIKeys:
     def has_tenants(self) -> bool:
         return any(t is not None for t in self.tenants.values())
 
+    @property
+    def tenant_names(self) -> frozenset[str]:
+        return frozenset(t for t in self.tenants.values() if t is not None)
+
 
 def needs_admin(method: str, path: str) -> bool:
     """Whether a tenant key is refused (403) on ``method path``."""

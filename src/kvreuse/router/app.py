@@ -18,6 +18,13 @@ header; without it, the client's own ``Authorization`` goes through and the exec
 it. A tenant key's body gets the tenant's salt in ``cache_salt`` (``tenant_salt``) before it
 is hashed, explained or forwarded, so its keys are the ones the executor computes.
 
+Tenant limits (``limiter``, ``kvreuse.api.limiter``) are the executor's, checked before
+anything is sent: a tenant's in-flight slot is taken before the body is parsed
+(``TenantLimitMiddleware``) and held until the response's last byte; its tokens per minute
+are reserved once the prompt is tokenized (``kvreuse.router.tenant_usage.request_cost``)
+and corrected to the usage the executor answers with. A refusal is the executor's 429,
+``Retry-After`` included, and reaches no executor.
+
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
 so it changes no policy state: its choice is the one the same request would get next.
@@ -38,19 +45,30 @@ from fastapi.responses import JSONResponse, Response
 
 from kvreuse import __version__
 from kvreuse.api.body import parse_json_body
-from kvreuse.api.errors import APIError
-from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.api.errors import APIError, limit_response
+from kvreuse.api.limiter import LimitExceeded, TenantLimiter
+from kvreuse.api.middleware import (
+    DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware, lease_of,
+)
 from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
+from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
 
 
 def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limiter: TenantLimiter | None = None) -> FastAPI:
     """An app serving ``router``; its lifespan starts and stops the router's tasks.
-    ``api_key``: the keys clients must send (None: the router checks none). Raises
-    ``ValueError`` for a bad key spec."""
+    ``api_key``: the keys clients must send (None: the router checks none). ``limiter``:
+    per-tenant limits (they need keys). Raises ``ValueError`` for a bad key spec, or limits
+    naming a tenant no key has."""
     keys = api_key if isinstance(api_key, APIKeys) or api_key is None else APIKeys.parse(api_key)
+    if limiter is not None:
+        limiter.limits.check_keys(keys)
+        from kvreuse.api.limit_metrics import LimiterCollector
+
+        router.metrics.registry.register(LimiterCollector(limiter, "kvreuse:router_"))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.gather(*(router.probe(e) for e in router.executors.values()))
@@ -67,19 +85,41 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(LimitExceeded)
+    async def _limited(_: Request, exc: LimitExceeded) -> Response:
+        return limit_response(exc)  # the executor's 429, Retry-After included
+
     def upstream_headers(request: Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k != "authorization"}
         return {**headers, **router.control_headers} if keys is not None else dict(request.headers)
 
+    async def routed(request: Request, path: str, *, chat: bool) -> Response:
+        try:
+            raw, body = await _client_body(request)
+        except APIError as exc:
+            return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
+        lease = lease_of(request.scope)
+        tap = None
+        if lease is not None and lease.limits_tokens and isinstance(body, dict):
+            tap = UsageTap(lease, hide_usage=ask_for_usage(body))
+            if tap.hide_usage:
+                raw = _dumps(body)
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
+        if tap is not None:
+            cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.max_model_len)
+            if cost is not None:
+                lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
+        return await forward(router, path, raw, upstream_headers(request), chat=chat, request=request, keys=keys,
+                             usage=tap)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(router, "/v1/completions", await _salted_body(request), upstream_headers(request),
-                             chat=False, request=request)
+        return await routed(request, "/v1/completions", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(router, "/v1/chat/completions", await _salted_body(request), upstream_headers(request),
-                             chat=True, request=request)
+        return await routed(request, "/v1/chat/completions", chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -108,7 +148,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     @app.post("/v1/route/explain")
     async def explain(request: Request) -> JSONResponse:
         try:
-            body = parse_json_body(await _salted_body(request))
+            _, body = await _client_body(request)
         except APIError as exc:
             return exc.response()
         if not isinstance(body, dict):
@@ -134,31 +174,34 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             "executors": executors, "choice": routed.decision.choice if routed else None,
         })
 
-    # Added last = outermost: the size limit runs first, then the key, then the routes.
+    # Added last = outermost: the size limit runs first, then the key, then the tenant's
+    # in-flight slot, then the routes.
+    if limiter is not None:
+        app.add_middleware(TenantLimitMiddleware, limiter=limiter)
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, api_key=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     return app
 
 
-async def _salted_body(request: Request) -> bytes:
-    """The body, with the tenant's salt in ``cache_salt`` for a tenant key; unchanged for an
-    admin key, or when it is not a JSON object (the caller answers that)."""
+async def _client_body(request: Request) -> tuple[bytes, object]:
+    """``(bytes to forward, parsed body)``: for a tenant key, the body with the tenant's salt
+    in ``cache_salt`` (unchanged for an admin key, or when it is not a JSON object, which
+    the caller answers). Raises the executor's ``APIError`` (400) for a body that does not parse."""
     raw = await request.body()
+    body = parse_json_body(raw)
     tenant = tenant_of(request.scope)
-    if tenant is None:
-        return raw
-    try:
-        body = parse_json_body(raw)
-    except APIError:
-        return raw
-    if not isinstance(body, dict):
-        return raw
+    if tenant is None or not isinstance(body, dict):
+        return raw, body
     salt = body.get("cache_salt")
     body["cache_salt"] = tenant_salt(tenant, salt if isinstance(salt, str) and salt else None)
+    return _dumps(body), body
+
+
+def _dumps(body: dict) -> bytes:
     try:
         return json.dumps(body).encode()
-    except RecursionError:  # parsed at the parser's limit: never forward it unsalted
+    except RecursionError:  # parsed at the parser's limit: never forward it changed
         raise APIError("request body: JSON is nested too deeply (arrays or objects about 1000 levels deep)") from None
 
 

@@ -2,7 +2,8 @@
 
     kvreuse route --port P --executor URL [--executor URL ...]
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
-                  [--executor-api-key KEY] [--api-key KEY] [--max-body-bytes N]
+                  [--executor-api-key KEY] [--api-key KEY[:TENANT] ...] [--max-body-bytes N]
+                  [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
@@ -23,6 +24,11 @@ With a router key, proxied requests carry the executor key (the router has check
 client); without one, they carry the client's own ``Authorization`` header.
 ``--max-body-bytes`` (the executor's default, 8 MiB) gives larger bodies the executor's 413
 before they are read past the limit.
+
+``--tenant-limits FILE`` / ``--tenant-max-in-flight N`` / ``--tenant-tokens-per-minute N``
+are the executor's (``kvreuse.api.tenant_limits``), enforced on the router's tenant keys
+before a request is sent anywhere; proxied requests carry the executor key (an admin
+key), so the executors' own tenant limits do not see them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from collections.abc import Sequence
 import httpx
 
 from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
+from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments
+from kvreuse.api.tenant_limits import limits_from_args
 from kvreuse.api.tenants import APIKeys
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
@@ -70,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "more keys; KEY:TENANT keys get the tenant's cache salt; default: the --executor-api-key)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get a 413 (as on the executor)")
+    add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -103,6 +112,7 @@ async def discover(urls: Sequence[str], timeout_s: float, api_key: str | None = 
 def route_main(argv: Sequence[str] | None = None) -> int:
     """Entry point. Returns 2 for incompatible executors or none reachable."""
     from kvreuse.api.access_log import uvicorn_server
+    from kvreuse.api.limiter import TenantLimiter
     from kvreuse.router.app import build_router_app
     from kvreuse.router.prompt_keys import PromptHasher
     from kvreuse.router.router import Router
@@ -118,6 +128,9 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         # Executors that need a key: so does the router (their key, unless it has its own).
         api_key = args.api_key or ([args.executor_api_key] if args.executor_api_key else None)
         keys = APIKeys.parse(api_key) if api_key else None
+        tenant_limits = limits_from_args(args)
+        if tenant_limits is not None:
+            tenant_limits.check_keys(keys)
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
         tier_weights = parse_tier_weights(args.tier_weights)
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
@@ -139,6 +152,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
-    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes)
+    limiter = None if tenant_limits is None else TenantLimiter(tenant_limits)
+    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes, limiter=limiter)
     uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

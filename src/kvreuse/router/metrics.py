@@ -6,7 +6,8 @@ Names share the executors' ``kvreuse:`` prefix with ``router_`` in front:
 and ``kvreuse:router_prompt_blocks_total`` (their ratio is the routed prefix-hit rate),
 ``kvreuse:router_retries_total``, ``kvreuse:router_executor_up``,
 ``kvreuse:router_executor_load_blocks``, ``kvreuse:router_executor_in_flight``,
-``kvreuse:router_index_keys``."""
+``kvreuse:router_index_keys``; with tenant limits, ``kvreuse:router_tenant_*``
+(``kvreuse.api.limit_metrics``, registered by ``build_router_app``)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,9 @@ from kvreuse.api.connection import client_disconnected  # the executor's own wat
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response
 from kvreuse.router.executors import Executor
+from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
+from kvreuse.router.tenant_usage import UsageTap
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +55,18 @@ def error(message: str, status: int, type_: str = "service_unavailable") -> JSON
 
 
 async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                  request: Request | None = None) -> Response:
+                  request: Request | None = None, keys: RequestKeys | None = None,
+                  usage: UsageTap | None = None) -> Response:
     """The executor's response to ``raw`` (a completions or chat body), or a 503 when no
     executor could take it. Records routing metrics on ``router``. ``request`` is the
     client's (its body already read): if its client disconnects before the response (or a
     stream's first chunk) arrives, the upstream request is closed and a 499 is returned
-    (to nobody); without it, disconnects are not watched."""
+    (to nobody); without it, disconnects are not watched. ``keys``: the body's, when the
+    caller has them (else ``raw`` is parsed and hashed here). ``usage`` reads the response's
+    usage for the tenant's limits (``kvreuse.router.tenant_usage``)."""
     gone = asyncio.ensure_future(client_disconnected(request)) if request is not None else None
     try:
-        return await _forward(router, path, raw, headers, chat=chat, gone=gone)
+        return await _forward(router, path, raw, headers, chat=chat, gone=gone, keys=keys, usage=usage)
     finally:
         if gone is not None:
             gone.cancel()  # a streamed response watches the client itself from here
@@ -91,13 +96,14 @@ async def _unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
 
 
 async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                   gone: asyncio.Future | None) -> Response:
-    try:
-        body = parse_json_body(raw)
-    except APIError as exc:
-        return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
-    # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
-    keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
+                   gone: asyncio.Future | None, keys: RequestKeys | None, usage: UsageTap | None) -> Response:
+    if keys is None:
+        try:
+            body = parse_json_body(raw)
+        except APIError as exc:
+            return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
+        # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
+        keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
     last_error = "no healthy executor"
@@ -110,7 +116,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         executor.begin(blocks)
         router.metrics.decision(routed)
         try:
-            response = await _send(router, executor, path, raw, fwd, blocks, gone)
+            response = await _send(router, executor, path, raw, fwd, blocks, gone, usage)
         except _ClientGone:
             executor.end(blocks)
             logger.info("client left before %s answered; its request there was closed", executor.url)
@@ -132,7 +138,7 @@ class _Retry(Exception):
 
 
 async def _send(router: Router, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
-                blocks: int, gone: asyncio.Future | None) -> Response:
+                blocks: int, gone: asyncio.Future | None, usage: UsageTap | None) -> Response:
     """Raises ``_Retry`` (nothing reached the client; ``executor.end`` is the caller's) or
     ``_ClientGone`` (the upstream response is closed; ``executor.end`` is the caller's)."""
     client = router.client
@@ -157,6 +163,8 @@ async def _send(router: Router, executor: Executor, path: str, raw: bytes, heade
         finally:
             await resp.aclose()
         executor.end(blocks)
+        if usage is not None and resp.status_code == 200:
+            usage.json_body(content)
         return Response(content, status_code=resp.status_code, headers=out_headers)
     chunks = resp.aiter_raw()
     try:
@@ -177,7 +185,9 @@ async def _send(router: Router, executor: Executor, path: str, raw: bytes, heade
                 whole, sep, pending = (pending + chunk).rpartition(SSE_SEPARATOR)
                 if sep:
                     done = (whole + sep).endswith(SSE_DONE)
-                    yield whole + sep
+                    events = whole + sep if usage is None else usage.events(whole + sep)
+                    if events:
+                        yield events
             failure = None if done else "it closed the stream before [DONE]"
         except httpx.TransportError as exc:
             failure = f"the connection broke ({type(exc).__name__})"

@@ -81,6 +81,11 @@ class Router:
     def block_size(self) -> int:
         return self.settings.block_size
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest context among the executors known (0 before any answered)."""
+        return max((e.info.max_model_len for e in self.executors.values() if e.info is not None), default=0)
+
     # ------------------------------------------------------------------ decisions
     def candidates(self, keys: RequestKeys, exclude: Collection[str] = ()) -> list[Candidate]:
         names = [n for n, e in self.executors.items() if e.healthy and n not in exclude]

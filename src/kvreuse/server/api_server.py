@@ -2,7 +2,7 @@
 
 ::
 
-    client ─▶ BodyLimit ─▶ APIKey ─▶ routes (completions / chat / info / events / dashboard / tokenize)
+    client ─▶ BodyLimit ─▶ APIKey ─▶ TenantLimit ─▶ routes (completions / chat / info / events / dashboard / tokenize)
                                         │ generate()
                                         ▼
                                    AsyncEngine ─▶ engine thread ─▶ LLMEngine
@@ -33,8 +33,9 @@ from kvreuse.server import (
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
+from kvreuse.api.limiter import TenantLimiter
 from kvreuse.api.tenants import APIKeys
-from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
 
 if TYPE_CHECKING:
     from kvreuse.events.publisher import ZmqEventPublisher
@@ -70,14 +71,17 @@ def build_context(
     served_model_name: str | Sequence[str] | None = None,
     limits: ServerLimits = ServerLimits(),
     publisher: ZmqEventPublisher | None = None,
+    limiter: TenantLimiter | None = None,
 ) -> ServerContext:
     """The state of one app over ``engine``: a new metrics registry, a new ``instance_id``
     (a uuid: ``/health`` and ``/v1/kvreuse/info`` report it, so a router sees a restart
     even when it missed the downtime) and the engine's event feed. ``served_model_name``
-    defaults to the engine's model name. Raises ``ValueError`` for an empty served name."""
+    defaults to the engine's model name. ``limiter``'s counters go in the registry (the
+    routes reach it through the request's lease, not the context). Raises ``ValueError``
+    for an empty served name."""
     names = _served_names(engine, served_model_name)
     events = engine_event_feed(engine)
-    metrics = ServerMetrics(engine, names[0], event_buffer=None if events is None else events.buffer)
+    metrics = ServerMetrics(engine, names[0], event_buffer=None if events is None else events.buffer, limiter=limiter)
     return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher)
 
 
@@ -88,16 +92,21 @@ def build_app(
     served_model_name: str | Sequence[str] | None = None,
     limits: ServerLimits = ServerLimits(),
     publisher: ZmqEventPublisher | None = None,
+    limiter: TenantLimiter | None = None,
 ) -> FastAPI:
     """An app serving ``engine``; it starts nothing (the owner starts the engine before
     serving and shuts it down after). Requests naming a model other than the served names
     get 404. ``publisher``: the ZMQ publisher of the engine's events, advertised to routers
     on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` (one spec or
     several: ``KEY`` for an admin, ``KEY:TENANT`` for a tenant, ``kvreuse.api.tenants``)
-    guards ``/v1/*``, ``/openapi.json`` and the vLLM admin routes. Raises ``ValueError``
-    for an empty served name or a bad key spec."""
+    guards ``/v1/*``, ``/openapi.json`` and the vLLM admin routes. ``limiter``: the
+    per-tenant limits (``kvreuse.api.limiter``; it needs keys). Raises ``ValueError`` for
+    an empty served name, a bad key spec, or limits naming a tenant no key has."""
     keys = APIKeys.parse(api_key) if api_key else None
-    ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher)
+    if limiter is not None:
+        limiter.limits.check_keys(keys)
+    ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher,
+                        limiter=limiter)
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -109,7 +118,10 @@ def build_app(
     app.include_router(events_routes.build_router(ctx.events))  # KV events: long-poll, SSE, snapshot (docs/events.md)
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
-    # Added last = outermost: the size limit runs before the key check reads nothing.
+    # Added last = outermost: the size limit runs before the key check reads nothing; the
+    # tenant limit runs inside the key check, which names the tenant.
+    if limiter is not None:
+        app.add_middleware(TenantLimitMiddleware, limiter=limiter)
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, api_key=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)

@@ -30,7 +30,7 @@ from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
-    reply_room, run_to_completion, sampling_params, sse, start_streams,
+    reply_room, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -38,8 +38,8 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    """Raises 400 (bad field or messages, prompt too long), 404 (unknown model); 500 on
-    engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default), or
+    """Raises 400 (bad field or messages, prompt too long), 404 (unknown model), 429 (a
+    tenant limit, ``kvreuse.api.limiter``); 500 on engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default), or
     the KV pool where that is smaller (``reply_room``)."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
@@ -62,10 +62,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
+    meter = reserve_tokens(request, requests, [len(prompt.token_ids)], body.n)  # 429: tenant's tokens spent
     if body.stream:
-        streams = await start_streams(ctx, requests)
+        streams = await start_streams(ctx, requests, meter)
         return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests, request)
+    finals = await run_to_completion(ctx, requests, request, meter)
     choices = _choices(finals, ctx.engine.tokenizer)
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens,
@@ -105,10 +106,11 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
+    meter = reserve_tokens(request, requests, [end], body.n)  # 429: tenant's tokens spent
     if body.stream:
-        streams = await start_streams(ctx, requests)
+        streams = await start_streams(ctx, requests, meter)
         return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests, request)
+    finals = await run_to_completion(ctx, requests, request, meter)
     return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer),
                          "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
                                              finals[0].num_cached_tokens, finals[:1])})

@@ -29,7 +29,7 @@ from kvreuse.api.protocol import CompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
-    run_to_completion, sampling_params, sse, start_streams,
+    reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -39,7 +39,8 @@ _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
-    """Raises 400 (bad field, prompt too long), 404 (unknown model); 500 on engine failure."""
+    """Raises 400 (bad field, prompt too long), 404 (unknown model), 429 (a tenant limit,
+    ``kvreuse.api.limiter``); 500 on engine failure."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
@@ -73,10 +74,11 @@ async def create_completion(body: CompletionRequest, request: Request):
                                           f"{base_id}-{index}", salt, retention, prepared[i]))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
+    meter = reserve_tokens(request, requests, lengths, body.n)  # a 429 when the tenant's tokens per minute are spent
     if body.stream:
-        streams = await start_streams(ctx, requests)
+        streams = await start_streams(ctx, requests, meter)
         return StreamingResponse(_stream(ctx, body, header, streams, echo_text), media_type="text/event-stream")
-    finals = await run_to_completion(ctx, requests, request)
+    finals = await run_to_completion(ctx, requests, request, meter)
     choices = [
         {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
          "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvreuse.api.body import parse_json_body
-from kvreuse.api.errors import APIError, error_response
+from kvreuse.api.errors import APIError, error_response, limit_response
+from kvreuse.api.limiter import LimitExceeded
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.pml import PMLError
 
@@ -110,6 +111,10 @@ def install_error_handlers(app: FastAPI) -> None:
         except APIError as exc:
             return exc.response()
         return None
+
+    @app.exception_handler(LimitExceeded)
+    async def _limited(_: Request, exc: LimitExceeded) -> JSONResponse:
+        return limit_response(exc)  # 429 with Retry-After
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

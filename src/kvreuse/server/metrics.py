@@ -15,7 +15,9 @@ priority (``evictions``, ``blocks_by_priority``), TTFT and per-token latency his
 (``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``request_time_per_output_token_seconds``), tokens computed vs reused
 (``prompt_tokens_computed`` / ``prompt_tokens_reused``, and ``tokens_computed`` with decode),
-events dropped (``kv_events_dropped``, present while events are on). Router decisions are
+events dropped (``kv_events_dropped``, present while events are on). With tenant limits,
+``tenant_requests_refused{tenant,reason}``, ``tenant_requests_in_flight`` and
+``tenant_tokens_charged`` (``kvreuse.api.limit_metrics``). Router decisions are
 on the router's own ``/metrics`` (``kvreuse:router_decisions``, ``kvreuse.router.metrics``).
 ``tests/server/test_metrics_audit.py`` asserts every one of them with exact values.
 
@@ -232,7 +234,7 @@ class RequestTracker:
 class ServerMetrics:
     """The app's registry and the request-level instruments."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, *, event_buffer: Any = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, *, event_buffer: Any = None, limiter: Any = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -256,6 +258,10 @@ class ServerMetrics:
         self.finished = Counter("kvreuse:request_success", "Finished requests by finish reason.",
                                 [*labels, "finished_reason"], registry=r)
         r.register(_EngineCollector(engine, model_name, event_buffer))
+        if limiter is not None:  # a TenantLimiter
+            from kvreuse.api.limit_metrics import LimiterCollector
+
+            r.register(LimiterCollector(limiter, "kvreuse:"))
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -16,6 +16,7 @@ from fastapi import Request
 
 from kvreuse.api.connection import client_disconnected
 from kvreuse.api.errors import APIError
+from kvreuse.api.middleware import lease_of
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.sampling_params import SamplingParams
@@ -23,6 +24,7 @@ from kvreuse.server.context import ServerContext
 from kvreuse.server.errors import ClientDisconnected, from_value_error
 
 if TYPE_CHECKING:
+    from kvreuse.api.limiter import Lease
     from kvreuse.engine.llm_engine import RequestOutput
     from kvreuse.pml.prepared import PreparedPrompt
 
@@ -112,26 +114,62 @@ class EngineRequest:
     prepared: PreparedPrompt | None = None  # a PML prompt, compiled once (docs/pml.md); prompt_token_ids is then empty
 
 
-async def _tracked(ctx: ServerContext, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+class TokenMeter:
+    """What a response's usage says so far (each prompt's tokens once, plus every choice's
+    output tokens), written to the tenant's lease as outputs arrive: a request cut short
+    (its client left, the engine failed) is charged what it used, not what it reserved."""
+
+    def __init__(self, lease: Lease, n: int) -> None:
+        self._lease, self._n = lease, n  # choice index // n: the prompt it belongs to
+        self._prompts: dict[int, int] = {}
+        self._outputs: dict[int, int] = {}
+        self._total = 0
+        lease.record(0)  # nothing used until an output says so
+
+    def observe(self, index: int, output: RequestOutput) -> None:
+        prompt, outputs = index // self._n, len(output.output_token_ids)
+        self._total += output.num_prompt_tokens - self._prompts.get(prompt, 0) + outputs - self._outputs.get(index, 0)
+        self._prompts[prompt], self._outputs[index] = output.num_prompt_tokens, outputs
+        self._lease.record(self._total)
+
+
+def reserve_tokens(http_request: Request, requests: Sequence[EngineRequest], prompt_lengths: Sequence[int],
+                   n: int) -> TokenMeter | None:
+    """Reserve what the request may use at most (every prompt's tokens + every choice's
+    ``max_tokens``) from its tenant's tokens per minute, and return the meter that corrects
+    the charge to what it uses. Raises ``LimitExceeded`` (a 429) when the tenant cannot
+    have it; ``None`` when the app has no tenant limits."""
+    lease = lease_of(http_request.scope)
+    if lease is None:
+        return None
+    lease.reserve(sum(prompt_lengths), sum(r.params.max_tokens for r in requests))
+    return TokenMeter(lease, n)
+
+
+async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | None) -> AsyncIterator[RequestOutput]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
         cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared,
     ):
         tracker.observe(output)
+        if meter is not None:
+            meter.observe(req.index, output)
         yield output
 
 
 async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest],
-                            http_request: Request | None = None) -> list[RequestOutput]:
+                            http_request: Request | None = None, meter: TokenMeter | None = None,
+                            ) -> list[RequestOutput]:
     """The final output of each request, run concurrently. Raises ``ValueError`` /
     ``EngineError`` of the first that fails (the others are cancelled and aborted), and
     ``ClientDisconnected`` when ``http_request``'s client leaves first: every request is
-    then aborted and its blocks freed, as for a stream (vLLM's ``with_cancellation``)."""
+    then aborted and its blocks freed, as for a stream (vLLM's ``with_cancellation``).
+    ``meter`` (``reserve_tokens``) sees every output."""
 
     async def last(req: EngineRequest) -> RequestOutput:
         final = None
-        async for output in _tracked(ctx, req):
+        async for output in _tracked(ctx, req, meter):
             final = output
         assert final is not None and final.finished
         return final
@@ -174,10 +212,12 @@ class ChoiceStreams:
             await gen.aclose()  # type: ignore[attr-defined]
 
 
-async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest]) -> ChoiceStreams:
+async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest],
+                        meter: TokenMeter | None = None) -> ChoiceStreams:
     """Admit every request and wait for its first output *before* the response starts, so
-    a rejected request is still a plain 4xx (raises ``ValueError`` / ``EngineError``)."""
-    gens = [_tracked(ctx, r) for r in requests]
+    a rejected request is still a plain 4xx (raises ``ValueError`` / ``EngineError``).
+    ``meter`` (``reserve_tokens``) sees every output."""
+    gens = [_tracked(ctx, r, meter) for r in requests]
     firsts = [asyncio.ensure_future(anext(g)) for g in gens]
     try:
         first_outputs = await asyncio.gather(*firsts)

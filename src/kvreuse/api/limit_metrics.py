@@ -1,0 +1,45 @@
+"""Prometheus view of a ``TenantLimiter`` (``kvreuse.api.limiter``), read at scrape time.
+
+The executor exports ``kvreuse:tenant_*``, the router ``kvreuse:router_tenant_*``:
+
+- ``..._requests_refused_total{tenant,reason}``: 429s, ``reason`` ``max_in_flight``,
+  ``tokens_per_minute`` or ``request_too_large``;
+- ``..._requests_in_flight{tenant}``: requests holding a slot now;
+- ``..._tokens_charged_total{tenant}``: tokens charged to tenants with a tokens-per-minute
+  limit, as settled when each request ended.
+
+``tenant`` is the tenant's name, ``(admin)`` for the admin keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvreuse.api.limiter import TenantLimiter, tenant_label
+
+
+class LimiterCollector(Collector):
+    def __init__(self, limiter: TenantLimiter, prefix: str) -> None:
+        self.limiter, self.prefix = limiter, prefix  # prefix: "kvreuse:" or "kvreuse:router_"
+
+    def collect(self) -> Iterator[Metric]:
+        limiter, p = self.limiter, self.prefix
+        refused = CounterMetricFamily(f"{p}tenant_requests_refused", "Requests refused (429) by a tenant limit.",
+                                      labels=["tenant", "reason"])
+        for (tenant, reason), n in sorted(limiter.refusals.items()):
+            refused.add_metric([tenant, reason], n)
+        yield refused
+        in_flight = GaugeMetricFamily(f"{p}tenant_requests_in_flight", "Requests holding a tenant's in-flight slot.",
+                                      labels=["tenant"])
+        charged = CounterMetricFamily(f"{p}tenant_tokens_charged",
+                                      "Tokens charged to a tenant's tokens per minute (settled at each request's end).",
+                                      labels=["tenant"])
+        for tenant in limiter.tenants():
+            in_flight.add_metric([tenant_label(tenant)], limiter.in_flight(tenant))
+            if limiter.limits.of(tenant).tokens_per_minute is not None:
+                charged.add_metric([tenant_label(tenant)], limiter.tokens_charged(tenant))
+        yield in_flight
+        yield charged

@@ -1,0 +1,105 @@
+"""A routed request's tokens, for its tenant's tokens per minute (``kvreuse.api.limiter``):
+what it may cost before it is sent (``request_cost``), what it used after (``UsageTap``).
+
+``request_cost`` is the executor's own reservation: every prompt's tokens (tokenized as the
+executor does, ``PromptHasher``) plus ``n`` times each prompt's ``max_tokens``; without
+``max_tokens`` a completion reserves the executor's default (16, or what the context leaves)
+and a chat what the context leaves (the executor may reserve less: it also knows its pool).
+
+``UsageTap`` reads the ``usage`` the executor answers with into the lease: the JSON body of
+a non-streamed response, the usage event of a stream. A stream whose client did not ask for
+usage is sent upstream with ``stream_options.include_usage`` (``ask_for_usage``) and the
+usage event is taken out of what the client gets, so the client sees the stream it asked
+for. A response without usage (an error, a stream cut short) leaves the reservation charged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvreuse.api.limiter import Lease
+from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the executor's (OpenAI's) default for completions
+
+
+def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys,
+                 max_model_len: int) -> tuple[int, int] | None:
+    """``(prompt tokens, completion tokens)`` the request may use at most, or ``None`` when
+    the body is not one the executor would run (it answers that itself, and nothing is
+    reserved). ``keys`` are the request's (their ``num_tokens`` is the first prompt's)."""
+    from kvreuse.api.errors import APIError
+    from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
+
+    if keys.num_tokens == 0:
+        return None
+    try:
+        if chat:
+            req = ChatCompletionRequest.model_validate(body)
+            room = max(1, max_model_len - keys.num_tokens)
+            return keys.num_tokens, req.n * (req.max_tokens or room)
+        creq = CompletionRequest.model_validate(body)
+        prompts = creq.prompts()
+        lengths = [keys.num_tokens] + [len(hasher.tokenizer.encode(p)) if isinstance(p, str) else len(p)
+                                       for p in prompts[1:]]
+    except (ValueError, APIError):
+        return None
+    completion = sum(creq.n * (creq.max_tokens or max(1, min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len - n)))
+                     for n in lengths)
+    return sum(lengths), completion
+
+
+def ask_for_usage(body: dict) -> bool:
+    """Ask a stream's executor for its usage event when the client did not (``body`` is
+    changed); whether the usage event must then be hidden from the client."""
+    options = body.get("stream_options")
+    if body.get("stream") is not True or not isinstance(options, dict | None):
+        return False
+    if options and options.get("include_usage") is True:
+        return False
+    body["stream_options"] = {**(options or {}), "include_usage": True, "continuous_usage_stats": False}
+    return True
+
+
+def _used(usage: Any) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return prompt + completion if isinstance(prompt, int) and isinstance(completion, int) else None
+
+
+class UsageTap:
+    """Records the usage of one proxied response on ``lease``; ``hide_usage``: the router
+    asked for the stream's usage event, the client did not."""
+
+    def __init__(self, lease: Lease, hide_usage: bool) -> None:
+        self.lease, self.hide_usage = lease, hide_usage
+
+    def json_body(self, content: bytes) -> None:
+        """A non-streamed response body."""
+        try:
+            used = _used(json.loads(content).get("usage"))
+        except (ValueError, AttributeError):
+            return
+        if used is not None:
+            self.lease.record(used)
+
+    def events(self, data: bytes) -> bytes:
+        """Whole SSE events (``data: ...\\n\\n`` each) -> what the client gets of them."""
+        if b'"usage"' not in data:
+            return data
+        out = []
+        for event in data.split(b"\n\n")[:-1]:
+            if event.startswith(b"data: {") and b'"usage"' in event:
+                try:
+                    chunk = json.loads(event[6:])
+                except ValueError:
+                    chunk = {}
+                used = _used(chunk.get("usage"))
+                if used is not None:
+                    self.lease.record(used)
+                    if self.hide_usage and chunk.get("choices") == []:
+                        continue
+            out.append(event + b"\n\n")
+        return b"".join(out)
