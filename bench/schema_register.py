@@ -166,17 +166,17 @@ def main() -> None:
     args = p.parse_args()
     variants = ([("before", str(Path(args.before_src).resolve()))] if args.before_src else []) + \
         [("after", str(ROOT / "src"))]
-    rows = []
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for run in range(args.runs):
         for label, src in variants:
             row = run_once(src, label, args, run)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    result = {"model": args.model, "members": args.members, "runs": args.runs, "serve_args": args.serve_arg,
-              "summary": summary(rows), "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+            result = {"model": args.model, "members": args.members, "runs": args.runs, "serve_args": args.serve_arg,
+                      "summary": summary(rows), "rows": rows}
+            out.write_text(json.dumps(result, indent=1))  # after every run: a stopped bench keeps what it measured
     plot(rows, out.with_suffix(".png"))
     print(json.dumps(result["summary"], indent=1))
 
