@@ -29,6 +29,13 @@ def make(tiny_llama, **config) -> LLMEngine:
     return LLMEngine(EngineConfig(**settings), tiny_llama)
 
 
+def tick(engine: LLMEngine) -> list:
+    """One turn of the engine loop (``AsyncEngine._step``): a step, then a registration slice."""
+    out = engine.step()
+    engine.precompute_slice()
+    return out
+
+
 class Settled:
     """The ``settle`` callback of a registration: what it ended with."""
 
@@ -68,12 +75,13 @@ def test_a_union_registers_in_slices_while_a_request_decodes_every_step(tiny_lla
     settled = Settled()
     engine.submit_schema(text, settled)
     assert engine.stats().schemas_registering == 1 and engine.modules.tokens_computed == 0
-    cost = engine.modules.cost(engine.registrations._jobs[0].schema)
+    (job,) = engine.registrations
+    cost = engine.modules.cost(job.schema)
     steps = []  # (module tokens run in the step, the stream decoded in it)
     tokens = []
     while engine.registrations.has_work():
         before = engine.modules.tokens_computed
-        out = engine.step()
+        out = tick(engine)
         engine.check_integrity()  # the registration's held blocks are accounted for
         tokens += [t for o in out for t in o.new_token_ids]
         steps.append((engine.modules.tokens_computed - before, [o.request_id for o in out]))
@@ -105,7 +113,7 @@ def test_sliced_registration_gives_the_kv_and_logits_of_one_done_at_once(tiny_ll
     sliced.add_request("s", STREAM_PROMPT, GREEDY)  # other KV written between the slices
     sliced.submit_schema(text, Settled())
     while sliced.registrations.has_work():
-        sliced.step()
+        tick(sliced)
     sliced.abort_request("s")
     a, b = module_kv(at_once, "facts"), module_kv(sliced, "facts")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -149,11 +157,11 @@ def test_a_busy_pool_makes_a_registration_wait_while_requests_run_and_fail_when_
     engine.step()  # it holds all but 2 blocks until it ends (all but 1 once it decodes)
     settled = Settled()
     engine.submit_schema(union("facts", 2), settled)
-    engine.step()  # no room for the root's 3 blocks: waits
+    tick(engine)  # no room for the root's 3 blocks: waits
     assert engine.registrations.has_work() and not settled.calls and engine.modules.tokens_computed == 0
     engine.check_integrity()
     while engine.has_unfinished_requests():
-        engine.step()
+        tick(engine)
     ((info, failed),) = settled.calls  # the hog ended and freed its blocks: registered
     assert not failed and info.computed == 3
 
@@ -177,7 +185,7 @@ def test_two_registrations_of_one_name_run_in_order_and_the_last_wins(tiny_llama
     engine.submit_schema(union("facts", 3, tag="v2"), second)
     assert [j.schema.name for j in engine.registrations] == ["facts", "facts"]
     while engine.has_unfinished_requests():
-        engine.step()
+        tick(engine)
         engine.check_integrity()
     assert not first.calls[0][1] and not second.calls[0][1]
     assert engine.modules.schemas["facts"].schema_hash == second.calls[0][0].schema_hash
@@ -188,7 +196,7 @@ def test_fail_all_releases_what_a_registration_holds(tiny_llama):
     engine = make(tiny_llama)
     settled = Settled()
     engine.submit_schema(union("facts", 4), settled)
-    engine.step()
+    tick(engine)
     assert engine.registrations.held()  # mid-module: its blocks and scratch are held
     engine.registrations.fail_all(RuntimeError("stopping"))
     ((exc, failed),) = settled.calls

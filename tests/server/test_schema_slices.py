@@ -1,7 +1,7 @@
 """POST /v1/schemas off the critical path, through the real server (tiny Llama): a schema over
 a cost limit is a 400 naming the setting before any work; a 500-member union registers while
-another client streams, the engine decoding the stream at every step a slice of the union's
-precompute runs in (steps are counted, not timed); prompts see the schema only once it is
+another client streams, slices of the union's precompute alternating with steps that give the
+stream a token (the engine's calls are counted, not timed); prompts see the schema only once it is
 complete, and the version registered before serves until then."""
 
 from __future__ import annotations
@@ -23,21 +23,31 @@ def union(name: str, members: int, *, tag: str = "") -> str:
     return f'<schema name="{name}">\n<system>Answer from the facts.</system>\n<union>\n{rows}\n</union>\n</schema>'
 
 
-class StepLog:
-    """A spy on the real ``LLMEngine.step``: per step, the module precompute tokens it ran and
-    the requests it produced a token for."""
+class EngineLog:
+    """A spy on the real engine loop's two calls: per ``LLMEngine.step``, the requests it
+    produced a token for, ``("step", ids)``; per ``precompute_slice``, the module precompute
+    tokens it ran, ``("slice", n)``, in the order the engine thread made them."""
 
     def __init__(self, engine) -> None:
-        self.steps: list[tuple[int, list[str]]] = []
-        original = engine.step
+        self.events: list[tuple[str, object]] = []
+        step, precompute_slice = engine.step, engine.precompute_slice
 
-        def step():
-            before = engine.modules.tokens_computed
-            out = original()
-            self.steps.append((engine.modules.tokens_computed - before, [o.request_id for o in out]))
+        def logged_step():
+            out = step()
+            self.events.append(("step", [o.request_id for o in out]))
             return out
 
-        engine.step = step
+        def logged_slice():
+            before = engine.modules.tokens_computed
+            precompute_slice()
+            if engine.modules.tokens_computed > before:
+                self.events.append(("slice", engine.modules.tokens_computed - before))
+
+        engine.step, engine.precompute_slice = logged_step, logged_slice
+
+    @property
+    def slices(self) -> list[int]:
+        return [n for kind, n in self.events if kind == "slice"]
 
 
 class StreamClient:
@@ -90,7 +100,7 @@ def test_a_500_member_union_registers_while_a_client_streams(tiny_llama):
     config = {"kv_cache_memory_gib": 0.05, "max_model_len": 2048, "schema_slice_tokens": SLICE}
     with fresh_server(tiny_llama, **config) as (url, engine):
         alone = httpx.post(url + "/v1/completions", json={**STREAM, "request_id": "alone"}, timeout=300).json()
-        log = StepLog(engine.engine)
+        log = EngineLog(engine.engine)
         stream = StreamClient(url)
         assert stream.first.wait(60)
         r = httpx.post(url + "/v1/schemas", json={"schema": union("facts", 500)}, timeout=300)
@@ -100,13 +110,17 @@ def test_a_500_member_union_registers_while_a_client_streams(tiny_llama):
         info = r.json()
         assert info["computed"] == 501 and info["name"] == "facts"
 
-        slices = [(n, ids) for n, ids in log.steps if n]
-        assert sum(n for n, _ in slices) == info["precompute_tokens"]  # every precompute token ran in a slice
-        assert max(n for n, _ in slices) <= SLICE
-        assert len(slices) >= info["precompute_tokens"] // SLICE  # so many steps, not one
-        # The stream got a token in every step a slice ran in: between two of its tokens the
-        # engine ran at most one slice of at most SLICE tokens.
-        assert all("stream-0" in ids for _, ids in slices)
+        slices = log.slices
+        assert sum(slices) == info["precompute_tokens"]  # every precompute token ran in a slice
+        assert max(slices) <= SLICE and len(slices) >= info["precompute_tokens"] // SLICE  # many steps, not one
+        # Between two slices the engine ran a step that gave the stream a token: between two
+        # of its tokens there was at most one slice of at most SLICE tokens.
+        first = next(i for i, (kind, _) in enumerate(log.events) if kind == "slice")
+        last = max(i for i, (kind, _) in enumerate(log.events) if kind == "slice")
+        window = log.events[first:last + 1]
+        for (kind_a, _), (kind_b, ids) in zip(window, window[1:]):
+            assert kind_a != kind_b  # slices and steps alternate
+            assert kind_b == "slice" or "stream-0" in ids
         streamed = "".join(stream.texts)
         assert len(stream.texts) >= len(slices) and alone["choices"][0]["text"].startswith(streamed)
         stats = engine.stats()
@@ -128,7 +142,7 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
     with fresh_server(tiny_llama, **config) as (url, engine):
         assert httpx.post(url + "/v1/schemas", json={"schema": union("facts", 10)}, timeout=120).status_code == 200
         v1 = httpx.post(url + "/v1/completions", json=prompt, timeout=60).json()["choices"][0]["text"]
-        log = StepLog(engine.engine)
+        log = EngineLog(engine.engine)
         results: dict[str, httpx.Response] = {}
 
         def post(key: str, text: str) -> None:
@@ -156,8 +170,35 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
             t.join()
         assert results["v2"].status_code == 200 and results["new"].status_code == 200
         assert seen["v1_while_v2"] >= 1 and seen["fresh_unknown"] >= 1
-        assert sum(1 for n, _ in log.steps if n) > 1  # the registrations ran in slices
+        assert len(log.slices) > 1  # the registrations ran in slices
         v2 = httpx.post(url + "/v1/completions", json=prompt, timeout=60).json()
         assert v2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         listed = httpx.get(url + "/v1/schemas").json()
         assert [s["name"] for s in listed["data"]] == ["facts", "fresh"] and listed["registering"] == []
+
+
+def test_a_registration_in_flight_when_the_engine_stops_fails_and_holds_nothing(tiny_llama):
+    import asyncio
+
+    import pytest
+
+    from kvreuse.engine.async_engine import AsyncEngine, EngineDeadError
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.05, block_size=16, max_model_len=2048,
+                                                schema_slice_tokens=4), tiny_llama))
+    engine.start()
+
+    async def stop_mid_registration() -> None:
+        task = asyncio.create_task(engine.register_schema(union("facts", 300)))
+        while engine.stats().schema_slices == 0:  # a slice ran: the registration is under way
+            await asyncio.sleep(0.01)
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await task
+
+    asyncio.run(stop_mid_registration())
+    inner = engine.engine
+    assert not inner.registrations.has_work() and "facts" not in inner.modules.schemas
+    assert inner.pool.num_used_blocks == 0
+    inner.check_integrity()

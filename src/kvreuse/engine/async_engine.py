@@ -366,6 +366,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             if not self._deliver(stream, output) and not output.finished:
                 self._abort(_Abort(output.request_id, stream))
+        self.engine.precompute_slice()  # schemas registering: a slice between two steps
         self._publish_stats()
 
     def _deliver(self, stream: _Stream, item: Any) -> bool:

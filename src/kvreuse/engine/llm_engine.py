@@ -245,22 +245,24 @@ class LLMEngine:
     def submit_schema(self, pml_text: str, settle: Settle, *, compiled=None) -> None:
         """Register a schema while serving: compiled and checked against the limits now
         (``compiled``: ``modules.compile(pml_text)`` done already, off this thread), then
-        precomputed a slice per ``step`` (``--schema-slice-tokens``) between the requests'
-        steps; ``settle(SchemaInfo, False)`` once it serves, ``settle(exc, True)`` if it
-        fails. Raises ``PMLError`` (nothing queued) for bad markup or a schema over a limit."""
+        precomputed a slice per ``precompute_slice`` call, between the requests' steps;
+        ``settle(SchemaInfo, False)`` once it serves, ``settle(exc, True)`` if it fails.
+        Raises ``PMLError`` (nothing queued) for bad markup or a schema over a limit."""
         schema = self.modules.compile(pml_text) if compiled is None else compiled
         self.registrations.submit(self.modules.start(schema, pml_text, settle=settle))
 
-    def _precompute_slice(self) -> None:
-        """At most ``--schema-slice-tokens`` of the registrations' precompute, before the
-        requests' step (pml/registration.py). A pool too full for the next module waits
-        while requests run (they free blocks); with none running, that registration fails."""
+    def precompute_slice(self) -> None:
+        """At most ``--schema-slice-tokens`` tokens of the registrations' module precompute
+        (pml/registration.py); the engine loop calls it after every ``step``, once that
+        step's outputs are delivered, so a token is never held back by a slice and a newly
+        arrived request waits for one slice at most. Never raises. A pool too full for the
+        next module makes that registration wait while requests run (they free blocks);
+        with none running, it fails."""
         if self.registrations.has_work():
             self.registrations.run_slice(can_wait=bool(self.scheduler.running))
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        self._precompute_slice()
         self._restore_context()
         plan = self.scheduler.schedule()
         if not plan and self.scheduler.waiting and not self.scheduler.running and self._break_context_deadlock():
@@ -361,7 +363,7 @@ class LLMEngine:
             schema_store_refused={} if self.modules.store is None else dict(self.modules.store.refused),
             schema_modules_filled={k: v for k, v in self.modules.modules_filled.items() if k != "present"},
             schema_slices=self.registrations.slices,
-            schemas_registering=sum(1 for _ in self.registrations),
+            schemas_registering=len(self.registrations),
             tokens_computed_modules=self.modules.tokens_computed,
         )
 

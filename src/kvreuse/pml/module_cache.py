@@ -136,6 +136,7 @@ class ModuleCache:
         self.kv_bytes_per_token = kv_bytes_per_token  # for the cost in bytes (0: unknown, counted as 0)
         self.schemas: dict[str, CompiledSchema] = {}
         self._sources: dict[str, str] = {}  # schema name -> PML text, for the store
+        self._costs: dict[str, SchemaCost] = {}  # schema name -> cost of the version registered (info)
         self.tokens_computed = 0  # module precompute tokens run (registrations and recomputes)
         self.modules_filled: Counter[str] = Counter()  # modules put into the pool, by FillSource value
 
@@ -189,6 +190,7 @@ class ModuleCache:
             self.demote(old)
         self.schemas[schema.name] = schema
         self._sources[schema.name] = pml_text
+        self._costs.pop(schema.name, None)
         if self.store is not None and (save or not self.store.path(schema).exists()):
             try:
                 self.store.save(schema, pml_text, kv)
@@ -221,6 +223,7 @@ class ModuleCache:
         restart. Requests using them keep them until they end. ``False`` if unknown."""
         schema = self.schemas.pop(name, None)
         self._sources.pop(name, None)
+        self._costs.pop(name, None)
         if schema is None:
             return False
         self.demote(schema)
@@ -232,7 +235,9 @@ class ModuleCache:
         """Raises ``KeyError`` for an unknown schema."""
         schema = self.schemas[name]
         mods = schema.precompute_modules
-        cost = self.cost(schema)
+        cost = self._costs.get(name)
+        if cost is None:
+            cost = self._costs[name] = self.cost(schema)
         return SchemaInfo(
             schema.name, schema.schema_hash, schema.length, tuple(m.qualified_name for m in mods),
             sum(len(m.stored_token_ids) for m in mods), cost.tokens, cost.bytes, computed, loaded, present,

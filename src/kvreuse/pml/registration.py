@@ -155,6 +155,9 @@ class RegistrationQueue:
     def __iter__(self) -> Iterator[Registration]:
         return iter(self._jobs)
 
+    def __len__(self) -> int:
+        return len(self._jobs)
+
     def run_slice(self, *, can_wait: bool) -> int:
         """Advance the registrations in order with at most ``slice_tokens`` precompute tokens
         in all; returns the tokens computed. Never raises: a registration that fails is
