@@ -106,7 +106,7 @@ class LLMEngine:
             limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
         )
-        # Schemas registered while serving: a slice of their precompute per step (submit_schema).
+        # Schemas registered while serving: a slice of their precompute after each step (submit_schema).
         self.registrations = RegistrationQueue(config.schema_slice_tokens)
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}
@@ -239,7 +239,8 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests queued or running, or schemas being registered (``step`` advances both)."""
+        """Requests queued or running, or schemas being registered (``step`` advances the
+        requests, ``precompute_slice`` the registrations)."""
         return self.scheduler.has_work() or self.registrations.has_work()
 
     def submit_schema(self, pml_text: str, settle: Settle, *, compiled=None) -> None:
@@ -369,8 +370,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every block's ref count equals the references the
-        live requests and registrations hold (own blocks and PML module blocks), so a leaked reference (a block
-        in use that no request owns) is caught. Raises ``RuntimeError``. Call between steps."""
+        live requests (own blocks and PML module blocks) and the registrations hold, so a
+        leaked reference (a block in use that nobody owns) is caught. Raises ``RuntimeError``.
+        Call between steps."""
         self.pool.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
