@@ -21,13 +21,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(port: int, args: Sequence[str], log: Path, startup_s: float = 180) -> Iterator[str]:
+def running_server(port: int, args: Sequence[str], log: Path, startup_s: float = 180,
+                   env_path: str | None = None) -> Iterator[str]:
     """``python -m kvreuse serve --port PORT ARGS`` with its output in ``log``; yields its base
     URL once /health answers 200, terminates it afterwards (killed if it does not stop in 15 s).
+    ``env_path``: the ``PYTHONPATH`` it runs with (another checkout's ``src``, for benches).
     Raises ``RuntimeError`` with the log if it exits or does not come up in ``startup_s``."""
     cmd = [sys.executable, "-m", "kvreuse", "serve", "--port", str(port), *args]
+    env = {**os.environ, "NO_COLOR": "1"}
+    if env_path is not None:
+        env["PYTHONPATH"] = env_path
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s

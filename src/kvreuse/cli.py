@@ -85,6 +85,14 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema-src-dir", default=None,
                    help="PML: folder that <module src=...> paths in POSTed or stored schemas are read from "
                         "(relative paths inside it only; without it src= is refused)")
+    # defaults: kvreuse.pml.schema_cost (not imported: the CLI imports lazily)
+    p.add_argument("--schema-slice-tokens", type=int, default=64,
+                   help="PML: module precompute tokens a schema registration runs per engine step, between "
+                        "the steps of the requests in flight (default: 64)")
+    p.add_argument("--schema-max-tokens", type=int, default=65536,
+                   help="PML: refuse (400) a schema whose modules' precompute passes run more tokens (default: 65536)")
+    p.add_argument("--schema-max-bytes", type=int, default=2**30,
+                   help="PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: 1 GiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -116,6 +124,8 @@ def _engine_config(args: argparse.Namespace):
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
         schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
+        schema_slice_tokens=args.schema_slice_tokens, schema_max_tokens=args.schema_max_tokens,
+        schema_max_bytes=args.schema_max_bytes,
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority, **extra,

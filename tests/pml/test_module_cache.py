@@ -9,6 +9,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.engine.context import ContextState
 from kvreuse.pml.module_cache import MODULE_PRIORITY
 from kvreuse.pml import PMLSemanticError, PMLSyntaxError
+from kvreuse.pml.schema_cost import SchemaTooLarge
 from tests.engine_helpers import LogitsSpy
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -241,13 +242,23 @@ def test_failed_replace_keeps_the_working_schema(tiny_llama):
     free = llm.engine.pool.num_free_blocks
     huge = f'<schema name="one"><module name="doc">{" ".join(["word"] * (4 * free + 40))}</module></schema>'
     assert 4 * free + 40 < llm.engine.max_model_len  # too big for the pool, not for the context
+    with pytest.raises(SchemaTooLarge, match=r"needs \d+ KV blocks .* but the pool has \d+.*--kv-cache-memory"):
+        llm.register_schema(huge)  # refused before any work
+    # One that fits the pool but not what a running request leaves: its first module is
+    # computed, the second cannot be held, the registration fails mid-way.
+    engine = llm.engine
+    engine.add_request("hog", list(range(100, 100 + 4 * (free - 20))), SamplingParams(max_tokens=1))
+    engine.scheduler.schedule()  # admitted: it holds its blocks
+    first = f'<module name="a">{" ".join(["alpha"] * 8)}</module>'
+    second = f'<module name="b">{" ".join(["beta"] * 4 * 30)}</module>'
     with pytest.raises(ValueError, match="free blocks"):
-        llm.register_schema(huge)
-    llm.engine.pool.check_integrity()
+        llm.register_schema(f'<schema name="one">{first}{second}</schema>')
+    engine.abort_request("hog")
+    engine.check_integrity()
     assert sorted(llm.engine.modules.schemas) == ["one"]
     out = llm.generate('<prompt schema="one"><doc/> Who keeps the ledger?</prompt>', GREEDY)[0]
     assert out.num_cached_tokens == len(llm.engine.modules.schemas["one"].module("doc").stored_token_ids)
-    # what the failed attempt cached does not squat at the module priority
+    # what the failed attempt cached (module "a") does not squat at the module priority
     schema_blocks = -(-out.num_cached_tokens // 4)
     assert llm.engine.pool.blocks_by_priority()[MODULE_PRIORITY] == schema_blocks
 

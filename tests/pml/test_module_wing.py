@@ -69,8 +69,9 @@ class FakeKV:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def precompute(self, token_ids, positions, slots, chunk_tokens) -> None:
-        self.calls.append(("precompute", list(token_ids), list(positions), list(slots), chunk_tokens))
+    def precompute_chunk(self, token_ids, positions, slots, start, end) -> None:
+        self.calls.append(("precompute", list(token_ids[start:end]), list(positions[start:end]),
+                           list(slots[start:end]), start))
 
     def write_kv(self, slots, kv, first_token=0) -> None:
         self.calls.append(("write_kv", list(slots), kv, first_token))
@@ -109,7 +110,8 @@ class FakeStore:
 def test_module_cache_drives_kv_only_through_kv_access():
     """Block size 4, a fresh pool of 8: the root ("Hi.", positions 0-2) lands in block 0;
     module m (" abcdefghij", 3-13) in blocks 1-3 and is computed attending to the root text,
-    whose scratch copy goes to block 4. The KV crosses as opaque values, by slot."""
+    whose scratch copy goes to block 4; its pass runs in chunks of 6 on a fixed grid, each
+    after the keys of the ones before. The KV crosses as opaque values, by slot."""
     kv, store = FakeKV(), FakeStore()
     pool = BlockPool(8, 4)
     cache = ModuleCache(KVCacheManager(pool), kv, CharTokenizer(), model_id="m", chunk_tokens=6, store=store)
@@ -117,9 +119,11 @@ def test_module_cache_drives_kv_only_through_kv_access():
     assert (info.computed, info.loaded, info.present) == (2, 0, 0)
     m_tokens = [ord(c) for c in " abcdefghij"]
     assert kv.calls == [
-        ("precompute", [72, 105, 46], [0, 1, 2], [0, 1, 2], 6),
+        ("precompute", [72, 105, 46], [0, 1, 2], [0, 1, 2], 0),
         ("read_kv", [0, 1, 2]),
-        ("precompute", [72, 105, 46, *m_tokens], list(range(14)), [16, 17, 18, *range(4, 15)], 6),
+        ("precompute", [72, 105, 46, *m_tokens[:3]], list(range(6)), [16, 17, 18, 4, 5, 6], 0),
+        ("precompute", m_tokens[3:9], list(range(6, 12)), list(range(7, 13)), 6),
+        ("precompute", m_tokens[9:], [12, 13], [13, 14], 12),
         ("read_kv", list(range(4, 15))),
     ]
     assert store.saved == {"": "kv@0", "m": "kv@4"}
@@ -154,9 +158,12 @@ def test_runner_writes_reads_and_precomputes_kv(tiny_llama):
     ids, pos = list(range(30, 41)), list(range(5, 16))
     runner.precompute(ids, pos, list(range(100, 111)), chunk_tokens=64)  # one pass
     runner.precompute(ids, pos, list(range(200, 211)), chunk_tokens=4)  # three chunks
+    for start in (0, 4, 8):  # the same chunks one call each (a schema registered a slice per step)
+        runner.precompute_chunk(ids, pos, list(range(300, 311)), start, start + 4)
     one, chunked = runner.read_kv(range(100, 111)), runner.read_kv(range(200, 211))
     assert one.shape == (layers, 2, 11, heads, dim)
     assert torch.allclose(one, chunked, atol=1e-5)
+    assert torch.equal(runner.read_kv(range(300, 311)), chunked)  # bit for bit
 
 
 # ---------------------------------------------------------------------- the engine's side

@@ -32,6 +32,7 @@ from kvreuse.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from kvreuse.cache.retention import KvCacheRetentionConfig
     from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+    from kvreuse.pml.module_cache import SchemaInfo
     from kvreuse.pml.prepared import PreparedPrompt
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,29 @@ class _Call:
 
 class _Stop:
     pass
+
+
+def _loop_future() -> tuple[asyncio.Future, Callable[[Any, bool], None]]:
+    """A future on the running loop and ``settle(value, failed)``, callable from any thread,
+    that completes it (ignored once the caller was cancelled or its loop closed)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle_in_loop(value: Any, failed: bool) -> None:
+        if future.done():  # the caller was cancelled
+            return
+        if failed:
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def settle(value: Any, failed: bool) -> None:
+        try:
+            loop.call_soon_threadsafe(settle_in_loop, value, failed)
+        except RuntimeError:
+            logger.warning("caller's event loop closed before its engine call returned")
+
+    return future, settle
 
 
 class AsyncEngine:
@@ -194,24 +218,27 @@ class AsyncEngine:
         (or raise its exception). For tests, admin endpoints and snapshots."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def settle_in_loop(value: Any, failed: bool) -> None:
-            if future.done():  # the caller was cancelled
-                return
-            if failed:
-                future.set_exception(value)
-            else:
-                future.set_result(value)
-
-        def settle(value: Any, failed: bool) -> None:
-            try:
-                loop.call_soon_threadsafe(settle_in_loop, value, failed)
-            except RuntimeError:
-                logger.warning("caller's event loop closed before its engine call returned")
-
+        future, settle = _loop_future()
         self._send(_Call(fn, settle))
+        return await future
+
+    async def register_schema(self, pml_text: str) -> SchemaInfo:
+        """Register a PML schema without stopping the requests in flight: compiled and checked
+        against the cost limits in a worker thread (``PMLError`` at once, nothing computed),
+        then precomputed on the engine thread a slice per step, between the requests' steps
+        (``LLMEngine.submit_schema``). Returns once the schema serves. Raises ``PMLError``,
+        ``PoolBusy`` (a ``ValueError``) when the pool cannot hold it, ``EngineDeadError``.
+        Cancelling the caller does not stop the registration (it completes on its own)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        compiled = await asyncio.to_thread(self.engine.modules.compile, pml_text)  # fixed settings only
+        future, settle = _loop_future()
+
+        def settle_failure(value: Any, failed: bool) -> None:
+            if failed:  # queued: the registration settles when it ends
+                settle(value, True)
+
+        self._send(_Call(lambda e: e.submit_schema(pml_text, settle, compiled=compiled), settle_failure))
         return await future
 
     def call_blocking(self, fn: Callable[[Any], T], timeout: float | None = None) -> T:
@@ -261,6 +288,7 @@ class AsyncEngine:
         finally:
             self._running = False
             self._fail_all(EngineDeadError("the engine has stopped"))
+            self.engine.registrations.fail_all(EngineDeadError("the engine has stopped"))
             self._drain_after_stop()
 
     def _until_next_expiry(self) -> float | None:
@@ -340,6 +368,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             if not self._deliver(stream, output) and not output.finished:
                 self._abort(_Abort(output.request_id, stream))
+        self.engine.precompute_slice()  # schemas registering: a slice between two steps
         self._publish_stats()
 
     def _deliver(self, stream: _Stream, item: Any) -> bool:

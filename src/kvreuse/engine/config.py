@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,9 @@ class EngineConfig:
     seed: int = 0
     schema_dir: str | None = None  # PML: persist module KV here (safetensors), reload on restart
     schema_src_dir: str | None = None  # PML: folder that <module src=...> paths are read from
+    schema_slice_tokens: int = 64  # PML: module precompute tokens run per engine step while registering
+    schema_max_tokens: int | None = DEFAULT_MAX_TOKENS  # PML: largest schema, in precompute tokens (None: no limit)
+    schema_max_bytes: int | None = DEFAULT_MAX_BYTES  # PML: largest schema, in KV bytes in the pool (None: no limit)
     host_cache_memory_gib: float = 0.0  # host tier below the device pool (0 = off)
     host_offload_min_priority: int = 35  # evicted device blocks of this priority or more go to the host
     disk_cache_dir: str | None = None  # disk tier below the host tier (None = off)
@@ -42,6 +47,11 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.schema_slice_tokens < 1:
+            raise ValueError(f"--schema-slice-tokens must be >= 1, got {self.schema_slice_tokens}")
+        for flag, value in (("--schema-max-tokens", self.schema_max_tokens), ("--schema-max-bytes", self.schema_max_bytes)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         if not self.host_cache_memory_gib >= 0:
             raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
         if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:

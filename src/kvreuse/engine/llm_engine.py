@@ -31,6 +31,8 @@ from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: th
 from kvreuse.engine.context import PromptContext
 from kvreuse.pml.module_cache import ModuleCache
 from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
+from kvreuse.pml.registration import RegistrationQueue, Settle
+from kvreuse.pml.schema_cost import SchemaLimits
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
 from kvreuse.engine.sampler import make_generator, sample_one
 from kvreuse.engine.sampling_params import SamplingParams
@@ -105,10 +107,14 @@ class LLMEngine:
         gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
         self.modules = ModuleCache(  # PML schemas: module KV precomputed into the pool
             self.kv, self.runner, self.tokenizer, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
-            chunk_tokens=config.max_num_batched_tokens,
+            chunk_tokens=min(config.schema_slice_tokens, config.max_num_batched_tokens),
             store=None if config.schema_dir is None else SchemaStore(config.schema_dir, self.model_id),
             src_dir=config.schema_src_dir, max_model_len=self.max_model_len,
+            limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
+        # Schemas registered while serving: a slice of their precompute after each step (submit_schema).
+        self.registrations = RegistrationQueue(config.schema_slice_tokens)
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}
         self.tokens_computed = 0
@@ -240,7 +246,28 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests queued or running, or schemas being registered (``step`` advances the
+        requests, ``precompute_slice`` the registrations)."""
+        return self.scheduler.has_work() or self.registrations.has_work()
+
+    def submit_schema(self, pml_text: str, settle: Settle, *, compiled=None) -> None:
+        """Register a schema while serving: compiled and checked against the limits now
+        (``compiled``: ``modules.compile(pml_text)`` done already, off this thread), then
+        precomputed a slice per ``precompute_slice`` call, between the requests' steps;
+        ``settle(SchemaInfo, False)`` once it serves, ``settle(exc, True)`` if it fails.
+        Raises ``PMLError`` (nothing queued) for bad markup or a schema over a limit."""
+        schema = self.modules.compile(pml_text) if compiled is None else compiled
+        self.registrations.submit(self.modules.start(schema, pml_text, settle=settle))
+
+    def precompute_slice(self) -> None:
+        """At most ``--schema-slice-tokens`` tokens of the registrations' module precompute
+        (pml/registration.py); the engine loop calls it after every ``step``, once that
+        step's outputs are delivered, so a token is never held back by a slice and a newly
+        arrived request waits for one slice at most. Never raises. A pool too full for the
+        next module makes that registration wait while requests run (they free blocks);
+        with none running, it fails."""
+        if self.registrations.has_work():
+            self.registrations.run_slice(can_wait=bool(self.scheduler.running))
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -338,17 +365,22 @@ class LLMEngine:
             evictions_by_priority=dict(pool.evictions_by_priority),
             blocks_by_priority=dict(blocks_by_priority),
             num_preemptions=self.scheduler.num_preemptions,
-            tokens_computed=self.tokens_computed,
+            tokens_computed=self.tokens_computed + self.modules.tokens_computed,
             events_dropped=None if self.events is None else self.events.num_dropped,
             prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
             tiers={} if self.host is None else tier_stats(self.host, self.kv_bytes_per_token * self.block_size),
             schema_store_refused={} if self.modules.store is None else dict(self.modules.store.refused),
+            schema_modules_filled={k: v for k, v in self.modules.modules_filled.items() if k != "present"},
+            schema_slices=self.registrations.slices,
+            schemas_registering=len(self.registrations),
+            tokens_computed_modules=self.modules.tokens_computed,
         )
 
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every block's ref count equals the references the
-        live requests hold (own blocks and PML module blocks), so a leaked reference (a block
-        in use that no request owns) is caught. Raises ``RuntimeError``. Call between steps."""
+        live requests (own blocks and PML module blocks) and the registrations hold, so a
+        leaked reference (a block in use that nobody owns) is caught. Raises ``RuntimeError``.
+        Call between steps."""
         self.pool.check_integrity()
         if self.host is not None:
             self.host.check_integrity()
@@ -358,6 +390,8 @@ class LLMEngine:
         for seq in self._requests.values():
             for block in (*seq.blocks, *(() if seq.context is None else seq.context.blocks)):
                 held[block.block_id] = held.get(block.block_id, 0) + 1
+        for block in self.registrations.held():  # the module a registration is filling
+            held[block.block_id] = held.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             if block.ref_count != held.get(block.block_id, 0):
                 raise RuntimeError(

@@ -146,11 +146,18 @@ class ModelRunner:
         """One causal pass over ``token_ids`` at RoPE ``positions``, writing token ``i``'s KV
         to ``slots[i]``; no logits. Runs in chunks of ``chunk_tokens``, each attending to the
         chunks before it (the keys already written), so the result is that of one pass."""
-        ids, pos, slots = list(token_ids), list(positions), list(slots)
-        for start in range(0, len(ids), chunk_tokens):
-            end = start + chunk_tokens
-            self.execute([SeqChunk.from_slots(ids[start:end], pos[start:end], slots[start:end],
-                                              slots[:start], pos[:start], sample=False)])
+        for start in range(0, len(token_ids), chunk_tokens):
+            self.precompute_chunk(token_ids, positions, slots, start, start + chunk_tokens)
+
+    def precompute_chunk(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                         start: int, end: int) -> None:
+        """Tokens ``start..end`` of a ``precompute`` pass (one forward): they attend to the
+        keys of tokens ``..start`` (already written) and causally to each other. Running the
+        chunks of a pass one after another, at any time, gives exactly what ``precompute``
+        with the same chunk size gives (a schema registered in slices between steps)."""
+        ids, pos, slots = list(token_ids[start:end]), list(positions), list(slots)
+        self.execute([SeqChunk.from_slots(ids, pos[start:end], slots[start:end], slots[:start], pos[:start],
+                                          sample=False)])
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
         """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,

@@ -51,3 +51,7 @@ class EngineStats:
     prefix_cache_hits_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # GPU / CPU / DISK / REMOTE
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # per lower tier: its counters and gauges
     schema_store_refused: dict[str, int] = field(default_factory=dict)  # --schema-dir files refused, by reason
+    schema_modules_filled: dict[str, int] = field(default_factory=dict)  # modules put in the pool: computed / loaded
+    schema_slices: int = 0  # engine steps that ran a slice of a schema registration
+    schemas_registering: int = 0  # registrations queued or in progress
+    tokens_computed_modules: int = 0  # of tokens_computed, those of module precompute

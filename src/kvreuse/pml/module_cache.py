@@ -11,9 +11,14 @@ ordinary prompt prefix (same text, other positions) nor another schema's modules
 
 ``ensure`` finds the module's chain in the pool; missing blocks (never computed, or evicted:
 eviction takes chains from the tail) are loaded from the ``SchemaStore`` when one is set and
-holds the schema, else recomputed in one pass at the module's schema positions attending to
-itself and its scaffolds. The KV is read in place: a request's context slots point into the
-module blocks, nothing is copied.
+holds the schema, else recomputed at the module's schema positions attending to itself and
+its scaffolds (``ModuleFill``, pml/module_fill.py). The KV is read in place: a request's
+context slots point into the module blocks, nothing is copied.
+
+``register`` does a whole schema at once (``LLM.register_schema``, the CLI, the schema dir at
+start); a serving engine registers in slices between its steps instead: ``compile`` (any
+thread; cost limits, pml/schema_cost.py) then ``start`` (a ``Registration``,
+pml/registration.py, that the engine advances a budget of tokens per step).
 
 What is here is keys, blocks and the store. The KV itself is the ``KVAccess``'s (the model
 runner, passed in by the engine): it runs the precompute forward and copies KV between the
@@ -25,7 +30,8 @@ Engine thread only (it touches the pool and, through ``KVAccess``, runs the mode
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,23 +49,25 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
+from kvreuse.pml.module_fill import MODULE_PRIORITY, ModuleFill, PoolBusy  # noqa: F401 - re-exported
 from kvreuse.pml.prepared import is_pml_prompt  # noqa: F401 - re-exported (server routes)
 from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, prepare_prompt
-from kvreuse.pml.schema_store import SchemaStore, StoreMismatch
+from kvreuse.pml.registration import Progress, Registration, Settle
+from kvreuse.pml.schema_cost import SchemaCost, SchemaLimits, check_cost
+from kvreuse.pml.schema_store import SchemaStore
 
 log = logging.getLogger(__name__)
 
-MODULE_PRIORITY = 90  # retention priority of module blocks: eviction spares them unless memory requires
-Progress = Callable[[int, int, str], None]  # (modules done, modules total, qualified name)
 ModuleKV = Any  # one module's KV [layers, 2, tokens, kv_heads, head_dim]: the runner's and the store's, opaque here
 
 
 class KVAccess(Protocol):
     """What the module cache needs from the engine's runner (``ModelRunner`` has these methods)."""
 
-    def precompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                   chunk_tokens: int) -> None:
-        """One causal pass writing token ``i``'s KV to ``slots[i]`` (no logits)."""
+    def precompute_chunk(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                         start: int, end: int) -> None:
+        """Tokens ``start..end`` of one causal pass writing token ``i``'s KV to ``slots[i]``
+        (no logits), attending to the keys of tokens ``..start`` already written."""
         ...
 
     def write_kv(self, slots: Sequence[int], kv: ModuleKV, first_token: int = 0) -> None:
@@ -71,10 +79,6 @@ class KVAccess(Protocol):
         ...
 
 
-class PoolBusy(ValueError):
-    """The pool cannot hold a module's KV now (other requests hold the blocks); later it may."""
-
-
 @dataclass(frozen=True)
 class SchemaInfo:
     name: str
@@ -82,6 +86,8 @@ class SchemaInfo:
     length: int  # positions of the schema; prompt text starts here
     modules: tuple[str, ...]  # qualified names of the stored modules
     stored_tokens: int  # KV tokens kept for all its modules
+    precompute_tokens: int  # tokens its modules' precompute passes run (what --schema-max-tokens limits)
+    kv_bytes: int  # bytes its modules' blocks take in the pool (what --schema-max-bytes limits)
     computed: int  # modules computed by this call
     loaded: int  # modules loaded from the schema dir by this call
     present: int  # modules already in the pool
@@ -91,22 +97,15 @@ class SchemaInfo:
         return {
             "name": self.name, "schema_hash": self.schema_hash, "length": self.length,
             "modules": list(self.modules), "stored_tokens": self.stored_tokens,
+            "precompute_tokens": self.precompute_tokens, "kv_bytes": self.kv_bytes,
             "computed": self.computed, "loaded": self.loaded, "present": self.present,
             "persisted": self.persisted,
         }
 
 
-def _module_retention(index: int) -> tuple[int, None]:
-    return (MODULE_PRIORITY, None)  # registration lifts every cached block of the module back
-
-
-def _keep_retention(index: int) -> None:
-    return None  # a request reading a module asks nothing: its blocks keep their priority (and no duration)
-
-
 class ModuleCache:
     """Registered schemas and their module blocks in ``kv``'s pool, which they enter through
-    its admission path. Not thread-safe."""
+    its admission path. Engine thread only, except ``compile`` (any thread)."""
 
     def __init__(
         self,
@@ -120,6 +119,8 @@ class ModuleCache:
         store: SchemaStore | None = None,
         src_dir: str | Path | None = None,
         max_model_len: int | None = None,
+        limits: SchemaLimits = SchemaLimits(),
+        kv_bytes_per_token: int = 0,
     ) -> None:
         self.kv = kv
         self.pool = kv.pool
@@ -128,19 +129,25 @@ class ModuleCache:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.hash_algorithm = hash_algorithm
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens  # the grid module precompute passes run on (module_fill.py)
         self.store = store
         self.src_dir = src_dir  # default folder for <module src=...> (HTTP, restarts)
+        self.limits = limits
+        self.kv_bytes_per_token = kv_bytes_per_token  # for the cost in bytes (0: unknown, counted as 0)
         self.schemas: dict[str, CompiledSchema] = {}
         self._sources: dict[str, str] = {}  # schema name -> PML text, for the store
-        self._counts = {"computed": 0, "loaded": 0, "present": 0}
+        self._costs: dict[str, SchemaCost] = {}  # schema name -> cost of the version registered (info)
+        self.tokens_computed = 0  # module precompute tokens run (registrations and recomputes)
+        self.modules_filled: Counter[str] = Counter()  # modules put into the pool, by FillSource value
 
     # ------------------------------------------------------------------ schemas
-    def register(self, pml_text: str, *, src_dir: str | Path | None = None, progress: Progress | None = None) -> SchemaInfo:
-        """Parse, compile and precompute every module of a schema (replacing one of the same
-        name). ``src_dir`` (default: the cache's own, ``--schema-src-dir``) is where
-        ``<module src=...>`` files are read. Raises ``PMLError`` (a ``ValueError``) for bad
-        markup, ``ValueError`` when the pool cannot hold a module."""
+    def compile(self, pml_text: str, *, src_dir: str | Path | None = None) -> CompiledSchema:
+        """Parse and compile a schema and check what registering it costs, before anything is
+        computed. Reads only fixed settings (tokenizer, limits, pool size): safe on any thread
+        (the server runs it off the engine thread). ``src_dir`` (default: the cache's own,
+        ``--schema-src-dir``) is where ``<module src=...>`` files are read. Raises
+        ``PMLError`` (a ``ValueError``) for bad markup, a schema as long as the context, or
+        one over a limit (``SchemaTooLarge``, naming the setting)."""
         src_dir = self.src_dir if src_dir is None else src_dir
         schema = compile_schema(parse_schema(pml_text, src_dir=src_dir), self.tokenizer, tokenizer_id=self.model_id)
         if self.max_model_len is not None and schema.length >= self.max_model_len:
@@ -148,37 +155,49 @@ class ModuleCache:
                 f"schema {schema.name!r} spans {schema.length} positions but the model's context is "
                 f"{self.max_model_len}: no prompt over it could run (shorten it or raise --max-model-len)"
             )
-        old = self.schemas.get(schema.name)  # keeps serving until the new one is complete
-        replaces = old is not None and old.schema_hash != schema.schema_hash
-        self._counts = {"computed": 0, "loaded": 0, "present": 0}
-        todo = schema.precompute_modules
-        kv: dict[str, ModuleKV] = {}  # for the store, read while the blocks are held
+        check_cost(schema, self.cost(schema), self.limits, self.pool.num_blocks)
+        return schema
+
+    def cost(self, schema: CompiledSchema) -> SchemaCost:
+        return SchemaCost.of(schema, self.pool.block_size, self.kv_bytes_per_token)
+
+    def start(self, schema: CompiledSchema, pml_text: str, *, progress: Progress | None = None,
+              settle: Settle | None = None) -> Registration:
+        """A registration of ``schema`` (from ``compile``; ``pml_text`` is kept for the
+        store), nothing computed yet: ``advance`` it, or hand it to the engine's queue.
+        ``settle(info, False)`` / ``settle(exc, True)`` is called when it ends."""
+        return Registration(self, schema, pml_text, progress=progress, settle=settle)
+
+    def register(self, pml_text: str, *, src_dir: str | Path | None = None, progress: Progress | None = None) -> SchemaInfo:
+        """Compile and precompute every module of a schema now (replacing one of the same
+        name), in one call. Raises ``PMLError`` (a ``ValueError``) for bad markup or a
+        schema over a limit, ``PoolBusy`` (a ``ValueError``) when the pool cannot hold a module."""
+        job = self.start(self.compile(pml_text, src_dir=src_dir), pml_text, progress=progress)
         try:
-            for i, module in enumerate(todo):
-                blocks = self._ensure(schema, module, promote=True)
-                if self.store is not None:
-                    kv[module.qualified_name] = self._read_kv(module, blocks)
-                self.pool.release(reversed(blocks))
-                if progress is not None:
-                    progress(i + 1, len(todo), module.qualified_name)
-        except BaseException:
-            # The schema registered before (if any) stays in service; what this attempt
-            # cached goes back to the default priority.
-            if old is None or replaces:
-                self._demote(schema)
+            job.advance(None)
+        except BaseException as exc:
+            job.fail(exc)  # the schema registered before (if any) stays in service
             raise
-        if replaces:
-            self._demote(old)
-        self.schemas[schema.name] = schema  # swapped in only once every module is in the pool
+        assert job.info is not None
+        return job.info
+
+    def install(self, schema: CompiledSchema, pml_text: str, kv: dict[str, ModuleKV], *, save: bool) -> None:
+        """Put ``schema`` in service (every module is in the pool): it replaces the version of
+        the same name, whose blocks drop to the default priority. With a store, ``kv`` (each
+        module's host KV) is written when ``save`` or when no file holds this version yet."""
+        old = self.schemas.get(schema.name)
+        if old is not None and old.schema_hash != schema.schema_hash:
+            self.demote(old)
+        self.schemas[schema.name] = schema
         self._sources[schema.name] = pml_text
-        if self.store is not None and (self._counts["computed"] or not self.store.path(schema).exists()):
+        self._costs.pop(schema.name, None)
+        if self.store is not None and (save or not self.store.path(schema).exists()):
             try:
                 self.store.save(schema, pml_text, kv)
             except OSError as exc:
                 # The store is a cache: the schema serves from the pool all the same.
                 log.warning("schema dir: cannot save schema %r (%s): it serves now but will not be "
                             "restored after a restart", schema.name, exc)
-        return self.info(schema.name, **self._counts)
 
     def load_store(self) -> list[SchemaInfo]:
         """Register every schema persisted for this model (restart); never raises. A file
@@ -189,9 +208,13 @@ class ModuleCache:
         out = []
         for text in self.store.sources():
             try:
-                out.append(self.register(text))
+                info = self.register(text)
             except Exception as exc:  # noqa: BLE001 - a start must never fail on the cache
                 log.warning("schema dir: skipping a stored schema that cannot be restored: %s", exc)
+                continue
+            log.info("schema dir: restored schema %r (%d modules: %d loaded, %d computed)", info.name,
+                     len(info.modules), info.loaded, info.computed)
+            out.append(info)
         return out
 
     def remove(self, name: str) -> bool:
@@ -200,9 +223,10 @@ class ModuleCache:
         restart. Requests using them keep them until they end. ``False`` if unknown."""
         schema = self.schemas.pop(name, None)
         self._sources.pop(name, None)
+        self._costs.pop(name, None)
         if schema is None:
             return False
-        self._demote(schema)
+        self.demote(schema)
         if self.store is not None:
             self.store.delete(name)
         return True
@@ -211,9 +235,12 @@ class ModuleCache:
         """Raises ``KeyError`` for an unknown schema."""
         schema = self.schemas[name]
         mods = schema.precompute_modules
+        cost = self._costs.get(name)
+        if cost is None:
+            cost = self._costs[name] = self.cost(schema)
         return SchemaInfo(
             schema.name, schema.schema_hash, schema.length, tuple(m.qualified_name for m in mods),
-            sum(len(m.stored_token_ids) for m in mods), computed, loaded, present,
+            sum(len(m.stored_token_ids) for m in mods), cost.tokens, cost.bytes, computed, loaded, present,
             None if self.store is None else self.store.path(schema).exists(),
         )
 
@@ -280,93 +307,24 @@ class ModuleCache:
         hashes = extend_chain([], tokens, bs, root_extra=extra, algorithm=self.hash_algorithm, partial_tail=True)
         return hashes, [tokens[i : i + bs] for i in range(0, len(tokens), bs)]
 
-    def _ensure(self, schema: CompiledSchema, module: CompiledModule, promote: bool = False) -> list[KVBlock]:
+    def _ensure(self, schema: CompiledSchema, module: CompiledModule) -> list[KVBlock]:
         """The module's blocks, each acquired once by the caller; missing ones are loaded or
-        computed. ``promote`` (registration) lifts blocks already cached back to the module
-        priority (a schema deleted and registered again). Raises ``PoolBusy`` (a
-        ``ValueError``) if the pool cannot hold them now; nothing is held then."""
-        hashes, pieces = self.module_hashes(schema, module)
-        admission = self.kv.admit_blocks(hashes, pieces, num_blocks=len(hashes),
-                                         retention=_module_retention if promote else _keep_retention)
-        if admission is None:
-            needed = len(hashes) - len(self.pool.match_prefix(hashes, pieces))
-            raise PoolBusy(
-                f"the KV pool has {self.pool.num_free_blocks} free blocks but module {module.qualified_name!r} "
-                f"needs {needed}: retry later or raise --kv-cache-memory"
-            )
-        blocks, num_hits = list(admission.blocks), admission.num_hits
-        if num_hits == len(hashes):
-            self._counts["present"] += 1
-            return blocks
+        computed now, in one go. Raises ``PoolBusy`` (a ``ValueError``) if the pool cannot
+        hold them now; nothing is held then."""
+        fill = ModuleFill.begin(self, schema, module)
         try:
-            self._fill(schema, module, num_hits, blocks[num_hits:])
+            fill.run()
+            return fill.finish()
         except BaseException:
-            self.pool.release(reversed(blocks))
+            fill.abandon()
             raise
-        self.kv.register_blocks(blocks, hashes, pieces, num_hits, len(blocks), default_priority=MODULE_PRIORITY)
-        return blocks
 
-    def _allocate(self, n: int, what: str) -> list[KVBlock]:
-        if not self.pool.can_allocate(n):
-            raise PoolBusy(
-                f"the KV pool has {self.pool.num_free_blocks} free blocks but {what} needs {n}: "
-                "retry later or raise --kv-cache-memory"
-            )
-        return self.kv.allocate(n)  # through the manager: what it evicts goes to the host tier first
-
-    def _fill(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
-        """Fill blocks ``num_hits..`` of the module (``new``, held) from the store or by a forward pass."""
-        if self.store is not None and self._load(schema, module, num_hits, new):
-            self._counts["loaded"] += 1
-        else:
-            self._compute(schema, module, num_hits, new)
-            self._counts["computed"] += 1
-
-    def _load(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> bool:
-        """Fill ``new`` from the store; False (the caller recomputes) when the file is absent
-        or refused, or its tensor does not fit the module (the runner's ``ValueError``)."""
-        kv = self.store.load_module(schema, module.qualified_name)  # type: ignore[union-attr]
-        if kv is None:
-            return False
-        bs = self.pool.block_size
-        lo = num_hits * bs  # stored tokens below this are already in the pool
-        slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
-        try:
-            self.runner.write_kv(slots, kv, first_token=lo)
-        except ValueError as exc:
-            refused = StoreMismatch(f"module {module.qualified_name!r}: {exc}", "shape")
-            self.store.refuse(schema, refused)  # type: ignore[union-attr]
-            return False
-        return True
-
-    def _compute(self, schema: CompiledSchema, module: CompiledModule, num_hits: int, new: list[KVBlock]) -> None:
-        """One causal pass over ``precompute_input`` (chunked); stored tokens from block
-        ``num_hits`` on land in ``new``, everything else (scaffolds, slots, the part already
-        cached) in scratch blocks released at the end."""
-        bs = self.pool.block_size
-        run = schema.precompute_input(module.qualified_name)
-        lo = num_hits * bs  # stored tokens below this are already in the pool
-        new_slots = block_slots([b.block_id for b in new], 0, len(module.stored_token_ids) - lo, bs)
-        targets: list[int | None] = []
-        j = 0
-        for keep in run.store:
-            targets.append(new_slots[j - lo] if keep and j >= lo else None)
-            j += keep
-        num_scratch = sum(t is None for t in targets)
-        scratch = self._allocate(cdiv(num_scratch, bs), f"precomputing module {module.qualified_name!r}")
-        try:
-            free = iter(block_slots([b.block_id for b in scratch], 0, num_scratch, bs))
-            slots = [t if t is not None else next(free) for t in targets]
-            self.runner.precompute(run.token_ids, run.position_ids, slots, self.chunk_tokens)
-        finally:
-            self.pool.release(reversed(scratch))
-
-    def _read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> ModuleKV:
+    def read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> ModuleKV:
         """The module's stored KV, for the store (a host copy, through the runner)."""
         slots = block_slots([b.block_id for b in blocks], 0, len(module.stored_token_ids), self.pool.block_size)
         return self.runner.read_kv(slots)
 
-    def _demote(self, schema: CompiledSchema) -> None:
+    def demote(self, schema: CompiledSchema) -> None:
         """Drop a schema's cached module blocks to the default priority."""
         for module in schema.precompute_modules:
             for h in self.module_hashes(schema, module)[0]:

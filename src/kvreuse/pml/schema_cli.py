@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB")
     pre.add_argument("--block-size", type=int, default=16)
     pre.add_argument("--max-model-len", type=int, default=None)
+    pre.add_argument("--schema-max-tokens", type=int, default=65536, help="as the server's (default: 65536)")
+    pre.add_argument("--schema-max-bytes", type=int, default=2**30, help="as the server's (default: 1 GiB)")
     for name in ("list", "delete"):
         q = sub.add_parser(name, help=f"{name} schemas on a running server")
         if name == "delete":
@@ -74,7 +76,8 @@ def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict
 
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                           kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
-                          max_model_len=args.max_model_len, schema_dir=args.schema_dir)
+                          max_model_len=args.max_model_len, schema_dir=args.schema_dir,
+                          schema_max_tokens=args.schema_max_tokens, schema_max_bytes=args.schema_max_bytes)
     engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device, config.quantization))
     with tqdm(desc="precomputing modules", unit="module", file=sys.stderr) as bar:
         def progress(done: int, total: int, name: str) -> None:

@@ -96,7 +96,8 @@ class _EngineCollector(Collector):
             yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).",
                           preemptions)
         if (computed := getattr(s, "tokens_computed", None)) is not None:
-            yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill and decode).", computed)
+            yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill, decode and PML module "
+                          "precompute).", computed)
         if self._event_buffer is not None:
             events = self._event_buffer.stats()
             yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
@@ -107,6 +108,15 @@ class _EngineCollector(Collector):
         for reason, n in sorted((getattr(s, "schema_store_refused", None) or {}).items()):
             refused.add_metric([*values, reason], n)
         yield refused
+        filled = CounterMetricFamily("kvreuse:schema_modules_filled", "PML modules put into the pool, by source "
+                                     "(computed, or loaded from --schema-dir).", labels=[*labels, "source"])
+        for source, n in sorted((getattr(s, "schema_modules_filled", None) or {}).items()):
+            filled.add_metric([*values, source], n)
+        yield filled
+        yield counter("kvreuse:schema_precompute_slices", "Engine steps that ran a slice of a schema registration.",
+                      getattr(s, "schema_slices", 0))
+        yield gauge("kvreuse:schemas_registering", "Schema registrations queued or being precomputed.",
+                    getattr(s, "schemas_registering", 0))
         yield from _tier_metrics(s, labels, values)
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)

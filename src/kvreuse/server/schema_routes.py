@@ -6,9 +6,14 @@
     GET    /v1/schemas          -> {"object": "list", "data": [schema info, ...]}
     DELETE /v1/schemas/{name}   -> {"name": ..., "deleted": true}; 404 if unknown
 
-Precompute runs on the engine thread (``AsyncEngine.call``), between steps: requests wait
-while a schema's modules are encoded. Bad markup is a 400 whose message names the line and
-column, or the module / parameter.
+A POST is compiled and priced in a worker thread; a schema over ``--schema-max-tokens`` /
+``--schema-max-bytes`` (or larger than the pool) is a 400 naming the limit before any work.
+Its modules are then precomputed on the engine thread in slices of at most
+``--schema-slice-tokens`` tokens per engine step, between the steps of the requests in flight
+(``AsyncEngine.register_schema``), so streaming clients keep getting tokens; the POST answers
+once the schema serves. Until then prompts see the version registered before (or none);
+``GET`` lists the registrations in progress under ``registering``. Bad markup is a 400 whose
+message names the line and column, or the module / parameter.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from kvreuse.pml import PMLError
+from kvreuse.pml.schema_cost import SchemaTooLarge
 from kvreuse.api.errors import APIError
 from kvreuse.server.context import context_of
 
 router = APIRouter()
+
+
+def _code(exc: PMLError) -> str | None:
+    return "schema_too_large" if isinstance(exc, SchemaTooLarge) else None
 
 
 class SchemaRequest(BaseModel):
@@ -35,17 +45,21 @@ async def create_schema(body: SchemaRequest, request: Request):
     engine = context_of(request).engine
     text = body.schema_
     try:
-        info = await engine.call(lambda e: e.modules.register(text))
+        info = await engine.register_schema(text)
     except PMLError as exc:
-        raise APIError(str(exc), param="schema") from None
+        raise APIError(str(exc), param="schema", code=_code(exc)) from None
     return {"object": "schema", **info.to_json()}
 
 
 @router.get("/v1/schemas")
 async def list_schemas(request: Request):
     engine = context_of(request).engine
-    infos = await engine.call(lambda e: [e.modules.info(name) for name in sorted(e.modules.schemas)])
-    return {"object": "list", "data": [{"object": "schema", **i.to_json()} for i in infos]}
+    infos, pending = await engine.call(lambda e: (
+        [e.modules.info(name) for name in sorted(e.modules.schemas)],
+        [{"name": job.schema.name, "schema_hash": job.schema.schema_hash, "modules_done": job.modules_done,
+          "modules_total": len(job.todo)} for job in e.registrations],
+    ))
+    return {"object": "list", "data": [{"object": "schema", **i.to_json()} for i in infos], "registering": pending}
 
 
 @router.delete("/v1/schemas/{name}")
