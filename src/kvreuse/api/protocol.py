@@ -59,6 +59,9 @@ class _GenerationRequest(BaseModel):
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
     kv_cache_retention_config: dict[str, Any] | None = None
     request_id: StrictStr | None = None
+    # vLLM extra: the prompt's token ids and each choice's generated ids in the response (streamed:
+    # prompt_token_ids on a choice's first chunk, token_ids on every chunk; routes' docstrings)
+    return_token_ids: StrictBool = False
     # OpenAI fields kvreuse does not implement: accepted at their neutral values, else a 400
     # naming them (silently ignoring them would hand the client something it did not ask for)
     presence_penalty: StrictFloat | None = None
@@ -112,6 +115,20 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
+
+
+def default_max_tokens(chat: bool, prompt_tokens: int, max_model_len: int, pool_tokens: int) -> int:
+    """``max_tokens`` for a body that gives none, for a prompt of ``prompt_tokens`` tokens:
+    completions 16 (OpenAI's) or what the context leaves, at least 1; chat what the context and
+    the KV pool of ``pool_tokens`` leave (vLLM fills the context; the last sampled token needs no
+    slot), which may be < 1 (the caller refuses that prompt). One rule for the executor and
+    for a router continuing a stream (``kvreuse.router.stream_request``)."""
+    if not chat:
+        return max(1, min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len - prompt_tokens))
+    return min(max_model_len - prompt_tokens, pool_tokens - prompt_tokens + 1)
 
 
 MAX_PROMPTS = 256  # prompts in one completions request (each times n engine requests)

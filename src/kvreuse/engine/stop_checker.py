@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvreuse.engine.sequence import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only its fields are read: the router replays stops without the engine's imports
+    from kvreuse.engine.sequence import Sequence
 
 
 def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int]) -> tuple[str, str | None]:

@@ -5,6 +5,12 @@ A PML prompt goes in as the content of a single user message starting with ``<pr
 
 ``logprobs: true`` (with ``top_logprobs: k``) adds each choice's token logprobs (shape in
 ``logprobs_format.py``); ``top_logprobs`` without ``logprobs`` is a 400.
+
+``return_token_ids: true`` (vLLM's extension, same field names) adds the rendered prompt's
+ids as a top-level ``prompt_token_ids`` (``null`` for a PML prompt) and each choice's
+generated ids as its ``token_ids``. Streamed, ``prompt_token_ids`` is on the first chunk (the
+first role chunk) and each chunk's ``token_ids`` are the ids sampled since the choice's
+previous chunk (completions_routes.py says why).
 """
 
 from __future__ import annotations
@@ -65,13 +71,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     meter = reserve_tokens(request, requests, [len(prompt.token_ids)], body.n)  # 429: tenant's tokens spent
     if body.stream:
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer, prompt.token_ids),
+                                 media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests, request, meter)
-    choices = _choices(finals, ctx.engine.tokenizer)
+    choices = _choices(finals, ctx.engine.tokenizer, body.return_token_ids)
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens,
                        [first])
-    return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage})
+    response = {**header, "object": "chat.completion", "choices": choices, "usage": usage}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompt.token_ids
+    return JSONResponse(response)
 
 
 def pml_message(messages) -> str | None:
@@ -107,22 +117,31 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
     meter = reserve_tokens(request, requests, [end], body.n)  # 429: tenant's tokens spent
-    if body.stream:
+    if body.stream:  # a PML prompt has no flat token prompt: prompt_token_ids is null
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer), media_type="text/event-stream")
+        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer, None),
+                                 media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests, request, meter)
-    return JSONResponse({**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer),
-                         "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
-                                             finals[0].num_cached_tokens, finals[:1])})
+    response = {**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer,
+                                                                             body.return_token_ids),
+                "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
+                                    finals[0].num_cached_tokens, finals[:1])}
+    if body.return_token_ids:
+        response["prompt_token_ids"] = None
+    return JSONResponse(response)
 
 
-def _choices(finals, tokenizer) -> list[dict[str, Any]]:
-    return [
+def _choices(finals, tokenizer, token_ids: bool) -> list[dict[str, Any]]:
+    choices = [
         {"index": j, "message": {"role": "assistant", "content": out.text},
          "logprobs": None if out.logprobs is None else ChatLogprobs(tokenizer).build(out.logprobs),
          "finish_reason": out.finish_reason}
         for j, out in enumerate(finals)
     ]
+    if token_ids:
+        for choice, out in zip(choices, finals):
+            choice["token_ids"] = list(out.output_token_ids)
+    return choices
 
 
 def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None,
@@ -131,23 +150,32 @@ def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_rea
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer) -> AsyncIterator[str]:
+async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer,
+                  prompt_ids: list[int] | None) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
     logprobs = ChatLogprobs(tokenizer)
     pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
+    pending_ids: dict[int, list[int]] = {}  # return_token_ids: ids sampled since the choice's last chunk
     try:
         for j in range(body.n):  # OpenAI opens every choice with the role
-            yield sse(_chunk(header, j, {"role": "assistant", "content": ""}, None))
+            opening = _chunk(header, j, {"role": "assistant", "content": ""}, None)
+            if body.return_token_ids and j == 0:
+                opening["prompt_token_ids"] = prompt_ids
+            yield sse(opening)
         async for index, out in streams:
             last[index] = out
             if out.new_logprobs is not None:
                 pending.setdefault(index, []).extend(out.new_logprobs)
+            if body.return_token_ids:
+                pending_ids.setdefault(index, []).extend(out.new_token_ids)
             if not out.new_text and not out.finished:
                 continue
             lp = None if out.new_logprobs is None else logprobs.build(pending.pop(index, []))
             chunk = _chunk(header, index, {"content": out.new_text} if out.new_text else {},
                            out.finish_reason if out.finished else None, lp)
+            if body.return_token_ids:
+                chunk["choices"][0]["token_ids"] = pending_ids.pop(index, [])
             if continuous:
                 chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
             yield sse(chunk)

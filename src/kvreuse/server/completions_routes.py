@@ -7,6 +7,13 @@ numbered ``prompt_index * n + sample``, as OpenAI does.
 
 ``logprobs: k`` adds each choice's token logprobs (shape in ``logprobs_format.py``); with
 ``echo`` it is a 400, because prompt logprobs are not computed.
+
+``return_token_ids: true`` (vLLM's extension, same field names) adds to each choice
+``prompt_token_ids`` (its prompt's ids; ``null`` for a PML prompt, which has no flat token
+prompt to send again) and ``token_ids`` (the generated ids, EOS or stop token included).
+Streamed, ``prompt_token_ids`` comes on a choice's first chunk and each chunk's ``token_ids``
+are the ids sampled since the choice's previous chunk, so a reader holding the chunks holds
+exactly the ids behind their text (what a router needs to continue the stream elsewhere).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.pml.prepared import PreparedPrompt
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
-from kvreuse.api.protocol import CompletionRequest, now_s, usage_dict
+from kvreuse.api.protocol import CompletionRequest, default_max_tokens, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
     SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
@@ -33,8 +40,6 @@ from kvreuse.server.serving import (
 )
 
 router = APIRouter()
-
-_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 @router.post("/v1/completions")
@@ -67,17 +72,20 @@ async def create_completion(body: CompletionRequest, request: Request):
     base_id = body.request_id or new_request_id("cmpl")
     requests = []
     for i, ids in enumerate(prompt_ids):
-        default_max = max(1, min(_DEFAULT_MAX_TOKENS, ctx.engine.max_model_len - lengths[i]))
+        default_max = default_max_tokens(False, lengths[i], ctx.engine.max_model_len, ctx.engine.pool_tokens)
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
                                           f"{base_id}-{index}", salt, retention, prepared[i]))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
+    # what return_token_ids reports as each prompt's ids: none for PML (no flat prompt to resend)
+    reported = [None if pml[i] is not None else ids for i, ids in enumerate(prompt_ids)]
     meter = reserve_tokens(request, requests, lengths, body.n)  # a 429 when the tenant's tokens per minute are spent
     if body.stream:
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(ctx, body, header, streams, echo_text), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, body, header, streams, echo_text, reported),
+                                 media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests, request, meter)
     choices = [
         {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
@@ -85,6 +93,10 @@ async def create_completion(body: CompletionRequest, request: Request):
          "finish_reason": out.finish_reason}
         for req, out in zip(requests, finals)
     ]
+    if body.return_token_ids:
+        for choice, out in zip(choices, finals):
+            choice["prompt_token_ids"] = reported[choice["index"] // body.n]
+            choice["token_ids"] = list(out.output_token_ids)
     firsts = finals[:: body.n]  # one per prompt: prompt tokens are counted once per prompt
     usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
                        sum(o.num_cached_tokens for o in firsts), firsts)
@@ -92,11 +104,13 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str, Any], streams,
-                  echo_text: list[str]) -> AsyncIterator[str]:
+                  echo_text: list[str], prompt_ids: list[list[int] | None]) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
     logprobs: dict[int, CompletionLogprobs] = {}  # per choice, when asked for
     pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
+    pending_ids: dict[int, list[int]] = {}  # return_token_ids: ids sampled since the choice's last chunk
+    opened: set[int] = set()  # choices whose first chunk is out (it carries prompt_token_ids)
     try:
         async for index, out in streams:
             text = out.new_text
@@ -105,13 +119,21 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
             last[index] = out
             if out.new_logprobs is not None:
                 pending.setdefault(index, []).extend(out.new_logprobs)
+            if body.return_token_ids:
+                pending_ids.setdefault(index, []).extend(out.new_token_ids)
             if not text and not out.finished:
                 continue
             lp = None
             if out.new_logprobs is not None:
                 lp = logprobs.setdefault(index, CompletionLogprobs(ctx.engine.tokenizer)).build(pending.pop(index, []))
-            chunk = {**header, "choices": [{"index": index, "text": text, "logprobs": lp,
-                                            "finish_reason": out.finish_reason if out.finished else None}]}
+            choice = {"index": index, "text": text, "logprobs": lp,
+                      "finish_reason": out.finish_reason if out.finished else None}
+            if body.return_token_ids:
+                if index not in opened:
+                    opened.add(index)
+                    choice["prompt_token_ids"] = prompt_ids[index // body.n]
+                choice["token_ids"] = pending_ids.pop(index, [])
+            chunk = {**header, "choices": [choice]}
             if continuous:
                 chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
             yield sse(chunk)

@@ -11,6 +11,8 @@ and the process's ``instance_id`` (new at every start, also on ``/health``).
 ``remote_store`` identifies the remote store (Redis URL's location and database, and the
 namespace; no credentials, hashed) when there is one: executors reporting the same one read
 each other's ``REMOTE`` blocks, and a router counts them as reachable from all of them.
+``num_blocks`` and ``eos_token_ids`` let a router continue a stream elsewhere exactly as
+this executor would have finished it (``kvreuse.router.migration``).
 ``tokenizer_probe`` holds the token ids of a fixed text and of a fixed chat, so a router
 can check that its own tokenizer and chat template agree before it trusts its keys.
 """
@@ -69,6 +71,7 @@ async def kvreuse_info(request: Request) -> dict:
         "num_blocks": engine.pool.num_blocks,
         "cache_levels": [pool.cache_level for pool in engine.cache_pools()],
         "remote_store": engine.remote_store_id,
+        "eos_token_ids": sorted(engine.eos_token_ids),  # what ends a request (a router continuing a stream)
         "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},
         "tokenizer_probe": tokenizer_probe(tokenizer),
     }

@@ -17,6 +17,7 @@ from fastapi import Request
 from kvreuse.api.connection import client_disconnected
 from kvreuse.api.errors import APIError
 from kvreuse.api.middleware import lease_of
+from kvreuse.api.protocol import default_max_tokens
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ def reply_room(ctx: ServerContext, n: int, *, param: str) -> int:
     """The longest reply a prompt of ``n`` tokens leaves room for: up to the context and what
     the KV pool holds (the last sampled token needs no slot), the default ``max_tokens`` of
     chat. Raises a 400 naming ``param`` when the pool cannot hold the prompt itself."""
-    room = min(ctx.engine.max_model_len - n, ctx.engine.pool_tokens - n + 1)
+    room = default_max_tokens(True, n, ctx.engine.max_model_len, ctx.engine.pool_tokens)
     if room < 1:
         raise APIError(
             f"{param}: the prompt is {n} tokens but the KV pool holds {ctx.engine.pool_tokens}: shorten it or "
