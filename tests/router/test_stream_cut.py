@@ -1,6 +1,8 @@
-"""A stream whose executor fails mid-response ends with an OpenAI-style error event that the
-official client raises, never as a silent 200 without ``[DONE]``. The executor is an
-in-process transport; the client is ``openai.AsyncOpenAI`` over the router app (ASGI)."""
+"""With migration off (``--migration-limit 0``), a stream whose executor fails mid-response
+ends with an OpenAI-style error event that the official client raises, never as a silent
+200 without ``[DONE]``, and whole streams pass through byte for byte. The executor is an
+in-process transport; the client is ``openai.AsyncOpenAI`` over the router app (ASGI).
+(Migration itself: test_migration.py.)"""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _stream(chunks: list[bytes], *, breaks: bool):
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
             router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
-                            make_policy("kv"), client=upstream, seed=0)
+                            make_policy("kv"), client=upstream, seed=0, migration_limit=0)
             app = build_router_app(router)
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
             raw = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, "stream": True})
@@ -70,7 +72,8 @@ def test_a_stream_cut_mid_response_ends_with_an_error_event_the_client_raises(br
     half = _event("never")[:25]  # an event cut in the middle is dropped, never half-sent
     raw, texts, error, router, marked_down = _stream([_event("Hello"), _event(" wor") + half], breaks=breaks)
     failure = "the connection broke (ReadError)" if breaks else "it closed the stream before [DONE]"
-    message = f"the executor serving this stream (http://a) failed mid-response: {failure}; the output is incomplete"
+    message = (f"the executor serving this stream (http://a) failed mid-response: {failure}; it could not be "
+               "continued on another executor: migration is off (--migration-limit 0); the output is incomplete")
     error_event = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
     assert raw.status_code == 200  # headers went out with the first chunk
     assert raw.content == _event("Hello") + _event(" wor") + f"data: {json.dumps(error_event, separators=(',', ':'))}\n\n".encode()

@@ -1,6 +1,6 @@
 """The router's HTTP app: the OpenAI API of ``kvreuse serve``, in front of its executors.
 
-    POST /v1/completions, /v1/chat/completions   routed, retried, streamed through untouched
+    POST /v1/completions, /v1/chat/completions   routed, retried; a failed stream continued elsewhere
     GET  /v1/models                               from a healthy executor
     GET  /health                                  200 while any executor is healthy (with each one's state)
     GET  /metrics                                 the router's own Prometheus metrics

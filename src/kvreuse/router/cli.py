@@ -4,6 +4,7 @@
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
                   [--executor-api-key KEY] [--api-key KEY[:TENANT] ...] [--max-body-bytes N]
                   [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
+                  [--migration-limit N]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
@@ -29,6 +30,9 @@ before they are read past the limit.
 are the executor's (``kvreuse.api.tenant_limits``), enforced on the router's tenant keys
 before a request is sent anywhere; proxied requests carry the executor key (an admin
 key), so the executors' own tenant limits do not see them.
+
+``--migration-limit`` (default 3, 0: off) bounds the executors a stream is continued on
+when its executor fails mid-response (``kvreuse.router.migration``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from kvreuse.api.tenant_limits import limits_from_args
 from kvreuse.api.tenants import APIKeys
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
+from kvreuse.router.router import DEFAULT_MIGRATION_LIMIT
 
 logger = logging.getLogger("kvreuse.router")
 
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get a 413 (as on the executor)")
     add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
+    p.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
+                   help="executors a stream may be continued on when its executor fails mid-response "
+                        f"(default {DEFAULT_MIGRATION_LIMIT}; 0: off, the stream ends with an error event)")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -121,6 +129,9 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     urls = list(dict.fromkeys(u.rstrip("/") for u in args.executor))
+    if args.migration_limit < 0:
+        print(f"kvreuse route: --migration-limit must be >= 0 (0: off), got {args.migration_limit}", file=sys.stderr)
+        return 2
     if args.max_body_bytes < 1024:
         print(f"kvreuse route: --max-body-bytes must be >= 1024, got {args.max_body_bytes}", file=sys.stderr)
         return 2
@@ -148,7 +159,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
     router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
                     health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key,
-                    tier_weights=tier_weights)
+                    tier_weights=tier_weights, migration_limit=args.migration_limit)
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)

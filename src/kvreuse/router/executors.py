@@ -39,6 +39,8 @@ class ExecutorInfo:
     tokenizer_probe: dict[str, Any]
     instance_id: str | None = None  # one per executor process: a new one means it restarted
     remote_store: str | None = None  # identity of the remote store it shares (None: none, or an older executor)
+    num_blocks: int = 0  # its device KV pool, in blocks (0: not reported)
+    eos_token_ids: tuple[int, ...] | None = None  # what ends its requests (None: not reported)
 
     @classmethod
     def from_json(cls, url: str, d: dict) -> "ExecutorInfo":
@@ -47,9 +49,14 @@ class ExecutorInfo:
             return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),
                        d["hash_algorithm"], d.get("tokenizer_path"), int(d.get("max_model_len") or 0),
                        dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}), d.get("instance_id"),
-                       d.get("remote_store"))
+                       d.get("remote_store"), int(d.get("num_blocks") or 0),
+                       None if d.get("eos_token_ids") is None else tuple(int(t) for t in d["eos_token_ids"]))
         except KeyError as exc:
             raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
     def settings(self) -> HashSettings:

@@ -4,7 +4,8 @@ executors up and index size. Each router has its own registry (several can share
 Names share the executors' ``kvreuse:`` prefix with ``router_`` in front:
 ``kvreuse:router_decisions_total{executor,policy}``, ``kvreuse:router_overlap_blocks_total``
 and ``kvreuse:router_prompt_blocks_total`` (their ratio is the routed prefix-hit rate),
-``kvreuse:router_retries_total``, ``kvreuse:router_executor_up``,
+``kvreuse:router_retries_total``, ``kvreuse:router_streams_cut_total``,
+``kvreuse:router_migrations_total{outcome}``, ``kvreuse:router_executor_up``,
 ``kvreuse:router_executor_load_blocks``, ``kvreuse:router_executor_in_flight``,
 ``kvreuse:router_index_keys``; with tenant limits, ``kvreuse:router_tenant_*``
 (``kvreuse.api.limit_metrics``, registered by ``build_router_app``)."""
@@ -34,6 +35,9 @@ class RouterMetrics:
         self.streams_cut = Counter("kvreuse:router_streams_cut",
                                    "Streams whose executor failed mid-response (ended with an error event).",
                                    registry=self.registry)
+        self.migrations = Counter("kvreuse:router_migrations",
+                                  "Streams whose executor failed mid-response, by what the router did "
+                                  "(kvreuse.router.migration).", ["outcome"], registry=self.registry)
         self.registry.register(_StateCollector(router))
         self._policy = router.policy.name
 
@@ -43,6 +47,9 @@ class RouterMetrics:
         chosen = next(c for c in routed.candidates if c.name == choice)
         self.overlap_blocks.inc(chosen.overlap_blocks)
         self.prompt_blocks.inc(chosen.prompt_blocks)
+
+    def migration(self, outcome: str) -> None:
+        self.migrations.labels(outcome).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,18 +1,24 @@
 """Forward one OpenAI request to the executor the router picks, retrying on another
-executor while the client has received nothing.
+executor while the client has received nothing, and continuing a stream elsewhere when its
+executor fails after that.
 
 A request is retried (on an executor it has not tried) when the connection is refused or
-breaks, or the executor answers 502/503/504, *before the first byte reaches the client*:
-a non-streamed response is read whole before it is returned; a streamed one is returned
-once its first chunk has arrived, and passed through event by event from then on.
+breaks, or the executor answers 502/503/504, *before the first byte reaches the client*
+(``kvreuse.router.upstream.send``): a non-streamed response is read whole before it is
+returned, so an executor dying while it computes one costs a retry, never the request; a
+streamed one is returned once its first chunk has arrived, and relayed event by event from
+then on.
 
-A stream that breaks after that (the connection drops, or it closes without ``data: [DONE]``)
-is never cut silently: the client gets the whole events received so far, then one
-OpenAI-style error event, ``data: {"error": {"message": ..., "code": "executor_failed"}}``,
-which the official client raises as an ``APIError``; the half-received event is dropped,
-so everything the client parses is whole. Tokens already sent cannot be unsent. An
-executor that refuses or drops a connection is marked down at once; the health loop
-brings it back.
+A stream that breaks after that (the connection drops, or it closes without
+``data: [DONE]``) is continued on another executor from what the client has
+(``kvreuse.router.migration``, up to ``Router.migration_limit`` executors). With
+``--migration-limit 0``, or when it cannot be continued, it ends with the whole events
+received so far, then one OpenAI-style error event, ``data: {"error": {"message": ...,
+"code": "executor_failed"}}``, which the official client raises as an ``APIError``; the
+half-received event is dropped, so everything the client parses is whole. A stream the
+router would not continue (the limit at 0, or a request it does not continue, such as
+``n`` > 1) passes through untouched. An executor that refuses or drops a
+connection is marked down at once; the health loop brings it back.
 
 A client that disconnects while the router waits for the executor (the whole response
 of a non-streamed request, the first chunk of a streamed one) is noticed: the upstream
@@ -23,10 +29,9 @@ retried. After the first chunk the streaming response closes the upstream stream
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import httpx
 from fastapi import Request
@@ -35,19 +40,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvreuse.api.connection import client_disconnected  # the executor's own watcher
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response
-from kvreuse.router.executors import Executor
+from kvreuse.router.migration import MIGRATION_OFF, migrating_stream, stream_error_event
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
+from kvreuse.router.sse import EventSplitter, SSE_DONE
+from kvreuse.router.stream_request import StreamRequest
 from kvreuse.router.tenant_usage import UsageTap
+from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
 
 logger = logging.getLogger(__name__)
 
-_RETRY_STATUS = frozenset({502, 503, 504})
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
-EXECUTOR_HEADER = "x-kvreuse-executor"  # which executor served the response
 CLIENT_CLOSED = 499  # the status logged for a request whose client left first (nginx's)
 
-T = TypeVar("T")
+__all__ = ["CLIENT_CLOSED", "EXECUTOR_HEADER", "error", "forward", "stream_error_event"]
 
 
 def error(message: str, status: int, type_: str = "service_unavailable") -> JSONResponse:
@@ -62,8 +68,9 @@ async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str]
     client's (its body already read): if its client disconnects before the response (or a
     stream's first chunk) arrives, the upstream request is closed and a 499 is returned
     (to nobody); without it, disconnects are not watched. ``keys``: the body's, when the
-    caller has them (else ``raw`` is parsed and hashed here). ``usage`` reads the response's
-    usage for the tenant's limits (``kvreuse.router.tenant_usage``)."""
+    caller has them (else ``raw`` is hashed here). ``usage`` reads the response's usage for
+    the tenant's limits (``kvreuse.router.tenant_usage``): of a migrated stream, the whole
+    reply's."""
     gone = asyncio.ensure_future(client_disconnected(request)) if request is not None else None
     try:
         return await _forward(router, path, raw, headers, chat=chat, gone=gone, keys=keys, usage=usage)
@@ -72,38 +79,19 @@ async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str]
             gone.cancel()  # a streamed response watches the client itself from here
 
 
-class _ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-async def _unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
-    """``await aw``, unless ``gone`` completes first: then ``aw`` is cancelled (and waited
-    for, so nothing still reads the upstream response when it is closed) and
-    ``_ClientGone`` raised. A result that is ready wins over a disconnect, so a response
-    returned here is never lost unclosed."""
-    if gone is None:
-        return await aw
-    task = asyncio.ensure_future(aw)
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
-
-
 async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
                    gone: asyncio.Future | None, keys: RequestKeys | None, usage: UsageTap | None) -> Response:
+    try:
+        body = parse_json_body(raw)
+    except APIError as exc:
+        return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
     if keys is None:
-        try:
-            body = parse_json_body(raw)
-        except APIError as exc:
-            return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
+    stream = StreamRequest.of(chat, body)
+    refusal = None if stream is None else _refusal(router, stream)
+    migrating = stream is not None and refusal is None
+    upstream_raw = stream.upstream_body() if migrating else raw  # type: ignore[union-attr]
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
     last_error = "no healthy executor"
@@ -116,12 +104,12 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         executor.begin(blocks)
         router.metrics.decision(routed)
         try:
-            response = await _send(router, executor, path, raw, fwd, blocks, gone, usage)
-        except _ClientGone:
+            result = await send(router.client, executor, path, upstream_raw, fwd, blocks, gone)
+        except ClientGone:
             executor.end(blocks)
             logger.info("client left before %s answered; its request there was closed", executor.url)
             return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
-        except _Retry as exc:
+        except Retry as exc:
             executor.end(blocks)
             executor.failures += 1
             tried.append(executor.name)
@@ -130,92 +118,58 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
             router.metrics.retries.inc()
             logger.info("retrying a request after %s failed before its first byte: %s", executor.url, exc)
             continue
-        return response
+        if not isinstance(result, Upstream):
+            if usage is not None and result.status_code == 200:
+                usage.json_body(bytes(result.body))
+            return result
+        headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
+        if migrating:
+            events = migrating_stream(router, result, stream, keys, path, fwd, tried)  # type: ignore[arg-type]
+        else:
+            events = _relay(router, result, refusal)
+        if usage is not None:
+            events = _tapped(events, usage)
+        return StreamingResponse(events, status_code=result.status_code, headers=headers_out)
 
 
-class _Retry(Exception):
-    """The executor failed before the client got a byte."""
+async def _tapped(events: AsyncIterator[bytes], usage: UsageTap) -> AsyncIterator[bytes]:
+    """``events`` (whole SSE events) as ``usage`` leaves them, having read their usage."""
+    async with aclosing(events) as stream:
+        async for data in stream:
+            data = usage.events(data)
+            if data:
+                yield data
 
 
-async def _send(router: Router, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
-                blocks: int, gone: asyncio.Future | None, usage: UsageTap | None) -> Response:
-    """Raises ``_Retry`` (nothing reached the client; ``executor.end`` is the caller's) or
-    ``_ClientGone`` (the upstream response is closed; ``executor.end`` is the caller's)."""
-    client = router.client
-    request = client.build_request("POST", executor.url + path, content=raw, headers=headers,
-                                   timeout=httpx.Timeout(10.0, read=None))
+def _refusal(router: Router, stream: StreamRequest) -> tuple[str, str] | None:
+    """``(outcome, why)`` when no failure of this stream could be continued (it is then
+    passed through untouched), else ``None``."""
+    if router.migration_limit == 0:
+        return "limit", MIGRATION_OFF
+    why = stream.unsupported()
+    return None if why is None else ("unsupported", why)
+
+
+async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | None) -> AsyncIterator[bytes]:
+    """``upstream``'s bytes in whole events, untouched, then the error event if it fails
+    (saying ``refusal``'s why: the stream is not one the router continues)."""
+    splitter = EventSplitter()
+    done = False
     try:
-        # A non-streamed response's headers come when it is complete: the wait is here.
-        resp = await _unless_gone(client.send(request, stream=True), gone)
+        async for chunk in upstream.chunks():
+            events = splitter.feed(chunk)
+            if events:
+                done = events[-1] == SSE_DONE
+                yield b"".join(events)
+        failure = None if done else "it closed the stream before [DONE]"
     except httpx.TransportError as exc:
-        executor.mark_down(f"connection failed: {exc!r}")
-        raise _Retry(repr(exc)) from None
-    if resp.status_code in _RETRY_STATUS:
-        await resp.aclose()
-        raise _Retry(f"{executor.url} answered {resp.status_code}")
-    out_headers = {"content-type": resp.headers.get("content-type", "application/json"), EXECUTOR_HEADER: executor.url}
-    if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-        try:
-            content = await _unless_gone(resp.aread(), gone)
-        except httpx.TransportError as exc:
-            executor.mark_down(f"connection broke: {exc!r}")
-            raise _Retry(repr(exc)) from None
-        finally:
-            await resp.aclose()
-        executor.end(blocks)
-        if usage is not None and resp.status_code == 200:
-            usage.json_body(content)
-        return Response(content, status_code=resp.status_code, headers=out_headers)
-    chunks = resp.aiter_raw()
-    try:
-        first = await _unless_gone(anext(chunks), gone)
-    except (httpx.TransportError, StopAsyncIteration) as exc:
-        await resp.aclose()
-        executor.mark_down(f"stream broke before its first byte: {exc!r}")
-        raise _Retry(repr(exc)) from None
-    except _ClientGone:
-        await resp.aclose()
-        raise
-
-    async def relay() -> AsyncIterator[bytes]:
-        pending = b""  # the part of the stream after its last whole event
-        done = False
-        try:
-            async for chunk in _prepend(first, chunks):
-                whole, sep, pending = (pending + chunk).rpartition(SSE_SEPARATOR)
-                if sep:
-                    done = (whole + sep).endswith(SSE_DONE)
-                    events = whole + sep if usage is None else usage.events(whole + sep)
-                    if events:
-                        yield events
-            failure = None if done else "it closed the stream before [DONE]"
-        except httpx.TransportError as exc:
-            failure = f"the connection broke ({type(exc).__name__})"
-            executor.mark_down(f"stream broke mid-response: {exc!r}")
-        finally:
-            await resp.aclose()
-            executor.end(blocks)
-        if failure is not None:
-            logger.warning("stream from %s cut mid-response: %s", executor.url, failure)
-            router.metrics.streams_cut.inc()
-            yield stream_error_event(executor.url, failure)
-
-    return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
-
-
-SSE_SEPARATOR = b"\n\n"
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-
-
-def stream_error_event(executor_url: str, failure: str) -> bytes:
-    """The SSE event that ends a stream whose executor failed mid-response."""
-    message = (f"the executor serving this stream ({executor_url}) failed mid-response: {failure}; "
-               "the output is incomplete")
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+        failure = f"the connection broke ({type(exc).__name__})"
+        upstream.executor.mark_down(f"stream broke mid-response: {exc!r}")
+    finally:
+        await upstream.close()
+    if failure is not None:
+        logger.warning("stream from %s cut mid-response: %s", upstream.executor.url, failure)
+        router.metrics.streams_cut.inc()
+        if refusal is not None:
+            router.metrics.migration(refusal[0])
+        yield stream_error_event(upstream.executor.url, failure, None if refusal is None else refusal[1])

@@ -43,6 +43,7 @@ from kvreuse.cache.kv_block import cdiv
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "x-kvreuse-instance-id"  # on an executor's /health: its process's instance id
+DEFAULT_MIGRATION_LIMIT = 3  # --migration-limit
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,11 @@ class RoutedRequest:
 class Router:
     def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
                  client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
-                 executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None) -> None:
+                 executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         self.executors = {e.name: e for e in executors}
+        # executors a stream may be continued on after its executor fails (kvreuse.router.migration)
+        self.migration_limit = migration_limit
         # cache level -> how much a block held there counts in the overlap (--tier-weights)
         self.tier_weights = dict(DEFAULT_TIER_WEIGHTS) if tier_weights is None else tier_weights
         self.hasher = hasher

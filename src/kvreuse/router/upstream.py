@@ -1,0 +1,132 @@
+"""One request sent to one executor, up to its first byte: the whole response of a
+non-streamed request, or a streamed one whose first chunk has arrived (``Upstream``).
+
+``send`` raises ``Retry`` when nothing reached the client yet and another executor may
+take the request (the connection is refused or breaks, the executor answers 502/503/504,
+or a stream ends before its first byte); an executor that refuses or drops a connection is
+marked down at once. It raises ``ClientGone`` when the client disconnects first: the
+upstream request is closed, which makes the executor abort it and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import httpx
+from fastapi.responses import Response
+
+from kvreuse.router.executors import Executor
+from kvreuse.router.sse import EventSplitter
+
+RETRY_STATUS = frozenset({502, 503, 504})
+EXECUTOR_HEADER = "x-kvreuse-executor"  # which executor served the response
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """The executor failed before the client got a byte of its response."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
+    """``await aw``, unless ``gone`` completes first: then ``aw`` is cancelled (and waited
+    for, so nothing still reads the upstream response when it is closed) and
+    ``ClientGone`` raised. A result that is ready wins over a disconnect, so a response
+    returned here is never lost unclosed."""
+    if gone is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class Upstream:
+    """A streamed response whose first chunk has arrived; it holds ``executor.begin``'s
+    place until ``close`` (idempotent), which also closes the connection."""
+
+    def __init__(self, executor: Executor, resp: httpx.Response, first: bytes, rest: AsyncIterator[bytes],
+                 blocks: int) -> None:
+        self.executor, self.resp, self.blocks = executor, resp, blocks
+        self.status_code = resp.status_code
+        self.content_type = resp.headers.get("content-type", "text/event-stream")
+        self._first: bytes | None = first
+        self._rest = rest
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The raw bytes as they come (the first chunk included). Raises
+        ``httpx.TransportError`` when the connection breaks."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        async for chunk in self._rest:
+            yield chunk
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Whole SSE events (``kvreuse.router.sse``); a half-received last one is dropped."""
+        splitter = EventSplitter()
+        async for chunk in self.chunks():
+            for event in splitter.feed(chunk):
+                yield event
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.resp.aclose()
+            self.executor.end(self.blocks)
+
+
+async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
+               blocks: int, gone: asyncio.Future | None) -> Response | Upstream:
+    """``executor``'s response to ``raw`` at ``path``. Raises ``Retry`` or ``ClientGone``
+    (``executor.end`` is then the caller's); a returned ``Response`` has ended its place,
+    an ``Upstream`` ends it when closed."""
+    request = client.build_request("POST", executor.url + path, content=raw, headers=headers,
+                                   timeout=httpx.Timeout(10.0, read=None))
+    try:
+        # A non-streamed response's headers come when it is complete: the wait is here.
+        resp = await unless_gone(client.send(request, stream=True), gone)
+    except httpx.TransportError as exc:
+        executor.mark_down(f"connection failed: {exc!r}")
+        raise Retry(repr(exc)) from None
+    if resp.status_code in RETRY_STATUS:
+        await resp.aclose()
+        raise Retry(f"{executor.url} answered {resp.status_code}")
+    if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            content = await unless_gone(resp.aread(), gone)
+        except httpx.TransportError as exc:
+            executor.mark_down(f"connection broke: {exc!r}")
+            raise Retry(repr(exc)) from None
+        finally:
+            await resp.aclose()
+        executor.end(blocks)
+        return Response(content, status_code=resp.status_code, headers=response_headers(executor, resp))
+    chunks = resp.aiter_raw()
+    try:
+        first = await unless_gone(anext(chunks), gone)
+    except (httpx.TransportError, StopAsyncIteration) as exc:
+        await resp.aclose()
+        executor.mark_down(f"stream broke before its first byte: {exc!r}")
+        raise Retry(repr(exc)) from None
+    except ClientGone:
+        await resp.aclose()
+        raise
+    return Upstream(executor, resp, first, chunks, blocks)
+
+
+def response_headers(executor: Executor, resp: httpx.Response) -> dict[str, str]:
+    return {"content-type": resp.headers.get("content-type", "application/json"), EXECUTOR_HEADER: executor.url}
