@@ -80,9 +80,10 @@ def _tokenizer(info):
     return _TOKENIZERS[info.model_id]
 
 
-def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES):
+def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None):
     """Run ``calls(http, client)`` against a fresh router over ``executors`` whose streams are
-    cut as ``cuts`` says; returns (what calls returned, the transport, the router)."""
+    cut as ``cuts`` says (``api_key``, ``limiter``: the router app's); returns (what calls
+    returned, the transport, the router)."""
     async def run():
         transport = _Executors(app)
         transport.cuts = list(cuts)
@@ -91,7 +92,8 @@ def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES):
         router = Router([Executor(i.url, i, healthy=True) for i in infos],
                         PromptHasher(_tokenizer(infos[0]), infos[0].settings), make_policy("round_robin"),
                         client=upstream, seed=0, migration_limit=limit)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_router_app(router)), base_url="http://r")
+        app_ = build_router_app(router, api_key=api_key, limiter=limiter)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app_), base_url="http://r")
         client = openai.AsyncOpenAI(base_url="http://r/v1", api_key="none", http_client=http, max_retries=0)
         try:
             return await calls(http, client), transport, router
@@ -304,3 +306,28 @@ def test_a_pml_prompt_is_not_continued_and_says_why(executor_app):
     assert "it could not be continued on another executor: the executor sent no prompt_token_ids (a PML prompt" \
         in error.message
     assert _counts(router) == {"unsupported": 1.0}
+
+
+def test_a_tenant_is_charged_the_whole_migrated_reply(executor_app):
+    from kvreuse.api.limiter import TenantLimiter
+    from kvreuse.api.tenant_limits import Limits, TenantLimits
+
+    text = _reply(_events(_scenario(executor_app, _post(COMPLETION, "/v1/completions"))[0]), False)["text"]
+    body = {**{k: v for k, v in COMPLETION.items() if k != "stream_options"},  # the client asks for no usage
+            "stop": [text[len(text) // 2: len(text) // 2 + 6]]}  # ends early: usage < the reservation
+    whole = _events(_scenario(executor_app, _post({**body, "stream_options": {"include_usage": True}},
+                                                  "/v1/completions"))[0])
+    usage = _reply(whole, False)["usage"]
+    total = usage["total_tokens"]
+    assert usage["completion_tokens"] < 24
+    limiter = TenantLimiter(TenantLimits(tenants={"acme": Limits(tokens_per_minute=100_000)}))
+
+    async def call(http, _client):
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer acme-key"})
+        assert r.status_code == 200, r.text
+        return r.content
+
+    raw, _, router = _scenario(executor_app, call, cuts=[7], api_key=["admin-key", "acme-key:acme"], limiter=limiter)
+    assert b'"usage"' not in raw and raw.endswith(b"data: [DONE]\n\n")  # read by the router, not sent
+    assert _counts(router) == {"continued": 1.0}
+    assert limiter.tokens_charged("acme") == total  # the reply's usage, across both executors (not the reservation)

@@ -19,9 +19,8 @@ import json
 from typing import Any
 
 from kvreuse.api.limiter import Lease
+from kvreuse.api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # the executor's (OpenAI's) default
 from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the executor's (OpenAI's) default for completions
 
 
 def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys,
