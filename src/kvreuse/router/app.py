@@ -107,7 +107,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
         if tap is not None:
-            cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.max_model_len)
+            cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
         return await forward(router, path, raw, upstream_headers(request), chat=chat, request=request, keys=keys,

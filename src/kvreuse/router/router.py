@@ -85,10 +85,15 @@ class Router:
     def block_size(self) -> int:
         return self.settings.block_size
 
-    @property
-    def max_model_len(self) -> int:
-        """The longest context among the executors known (0 before any answered)."""
-        return max((e.info.max_model_len for e in self.executors.values() if e.info is not None), default=0)
+    def default_max_tokens(self, chat: bool, prompt_tokens: int) -> int:
+        """The largest ``max_tokens`` any known executor would give a body without one
+        (``kvreuse.api.protocol.default_max_tokens``; a pool not reported does not bound it),
+        at least 1: what a tenant's reservation counts before the executor is chosen."""
+        from kvreuse.api.protocol import default_max_tokens
+
+        infos = [e.info for e in self.executors.values() if e.info is not None]
+        return max([1] + [default_max_tokens(chat, prompt_tokens, i.max_model_len, i.pool_tokens or i.max_model_len)
+                          for i in infos])
 
     # ------------------------------------------------------------------ decisions
     def candidates(self, keys: RequestKeys, exclude: Collection[str] = ()) -> list[Candidate]:

@@ -3,8 +3,9 @@ what it may cost before it is sent (``request_cost``), what it used after (``Usa
 
 ``request_cost`` is the executor's own reservation: every prompt's tokens (tokenized as the
 executor does, ``PromptHasher``) plus ``n`` times each prompt's ``max_tokens``; without
-``max_tokens`` a completion reserves the executor's default (16, or what the context leaves)
-and a chat what the context leaves (the executor may reserve less: it also knows its pool).
+``max_tokens``, the executors' default (``kvreuse.api.protocol.default_max_tokens``: 16 or
+what the context leaves for a completion, what the context and the pool leave for a chat),
+the largest any executor would give, since none is chosen yet (``Router.default_max_tokens``).
 
 ``UsageTap`` reads the ``usage`` the executor answers with into the lease: the JSON body of
 a non-streamed response, the usage event of a stream. A stream whose client did not ask for
@@ -16,6 +17,7 @@ for. A response without usage (an error, a stream cut short) leaves the reservat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kvreuse.api.limiter import Lease
@@ -24,10 +26,11 @@ from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
 
 
 def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys,
-                 max_model_len: int) -> tuple[int, int] | None:
+                 default_max_tokens: Callable[[bool, int], int]) -> tuple[int, int] | None:
     """``(prompt tokens, completion tokens)`` the request may use at most, or ``None`` when
     the body is not one the executor would run (it answers that itself, and nothing is
-    reserved). ``keys`` are the request's (their ``num_tokens`` is the first prompt's)."""
+    reserved). ``keys`` are the request's (their ``num_tokens`` is the first prompt's);
+    ``default_max_tokens(chat, prompt_tokens)`` is ``Router.default_max_tokens``."""
     from kvreuse.api.errors import APIError
     from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -36,16 +39,14 @@ def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys
     try:
         if chat:
             req = ChatCompletionRequest.model_validate(body)
-            room = max(1, max_model_len - keys.num_tokens)
-            return keys.num_tokens, req.n * (req.max_tokens or room)
+            return keys.num_tokens, req.n * (req.max_tokens or default_max_tokens(True, keys.num_tokens))
         creq = CompletionRequest.model_validate(body)
         prompts = creq.prompts()
         lengths = [keys.num_tokens] + [len(hasher.tokenizer.encode(p)) if isinstance(p, str) else len(p)
                                        for p in prompts[1:]]
     except (ValueError, APIError):
         return None
-    completion = sum(creq.n * (creq.max_tokens or max(1, min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len - n)))
-                     for n in lengths)
+    completion = sum(creq.n * (creq.max_tokens or default_max_tokens(False, n)) for n in lengths)
     return sum(lengths), completion
 
 
