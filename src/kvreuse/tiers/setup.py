@@ -1,7 +1,8 @@
 """Building the tiers below the device pool from the engine's settings, and reading their stats.
 
 The engine calls ``build_host_tier`` at start (``--host-cache-memory``, ``--disk-cache-dir``,
-``--remote-cache``) and ``tier_stats`` for ``EngineStats.tiers``; nothing here runs per step.
+``--remote-cache``) and ``tier_stats`` for ``EngineStats.tiers``; ``AsyncEngine.stats`` reads
+``store_stats`` live (the stores move on between steps). Nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
         "offload_seconds": s.offload_seconds, "onboard_seconds": s.onboard_seconds,
         **{f"blocks_priority_{p}": n for p, n in pool.blocks_by_priority().items()},
     }}
-    below = host.below
-    if below is not None:
-        for level, store in ((DISK_LEVEL, below.disk), (REMOTE_LEVEL, below.remote)):
-            if store is not None:
-                out[level] = {k: float(v) for k, v in store.stats().items()}
-        out[HOST_LEVEL]["tier_writes_dropped"] = below.stats.dropped_writes
+    if host.below is not None:
+        out |= store_stats(host.below)
+        out[HOST_LEVEL]["tier_writes_dropped"] = host.below.stats.dropped_writes
     return out
+
+
+def store_stats(stores: "PersistentTiers") -> dict[str, dict[str, float]]:
+    """The disk / remote stores' counters and gauges, per level (``DISK``, ``REMOTE``). Safe
+    from any thread (the stores count under their own locks): they change on the writer
+    thread and on the breaker's clock, between engine steps too, so readers take them live."""
+    return {level: {k: float(v) for k, v in store.stats().items()}
+            for level, store in ((DISK_LEVEL, stores.disk), (REMOTE_LEVEL, stores.remote)) if store is not None}
