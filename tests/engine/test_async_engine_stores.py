@@ -48,3 +48,20 @@ def test_stats_read_the_stores_live_while_the_engine_sleeps(tiny_llama, tmp_path
     finally:
         engine.shutdown()
     engine.engine.check_integrity()
+
+
+def test_shutdown_finishes_the_queued_writes(tiny_llama, tmp_path):
+    engine = engine_with_disk(tiny_llama, tmp_path)
+    disk = engine.engine.host.below.disk
+    put = disk.put
+
+    def slow_put(key, payload):  # a slow disk: the writes are still queued when the request ends
+        time.sleep(0.02)
+        return put(key, payload)
+
+    disk.put = slow_put
+    engine.start()
+    asyncio.run(run(engine))
+    engine.shutdown()
+    assert disk.stats()["puts"] == 15
+    assert len(list(tmp_path.rglob("*.kvb"))) == 15

@@ -126,13 +126,15 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; in-flight requests get ``EngineDeadError``."""
+        """Stop the engine thread; in-flight requests get ``EngineDeadError``. Then the
+        queued disk / remote writes are finished (``LLMEngine.close``)."""
         if self._thread is None:
             return
         self._inbox.put(_Stop())
         self._wake.set()
         self._thread.join(timeout)
         self._thread = None
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
