@@ -33,8 +33,9 @@ class Completion:
 
 def complete(url: str, prompt: list[int] | str, *, max_tokens: int = 1, salt: str | None = None,
              model: str | None = None, timeout_s: float = 600, client: httpx.Client | None = None) -> Completion:
-    """A greedy completion of ``prompt``; raises ``AssertionError`` with the body on a non-200."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    """A greedy completion of ``prompt``, exactly ``max_tokens`` long (``ignore_eos``); raises
+    ``AssertionError`` with the body on a non-200."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     if model is not None:
         body["model"] = model
     if salt is not None:

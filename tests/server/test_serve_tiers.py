@@ -117,7 +117,7 @@ def test_redis_killed_mid_load_fails_no_request_and_sharing_resumes(pair, redis,
     system = prompt(48, 3)  # a shared system prompt: device hits on each executor
     prompts = [system + prompt(40 + i, 100 + i) for i in range(40)]
     reference = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.002, enable_prefix_caching=False)
-    expected = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    expected = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
     killed = threading.Event()
     finished = []
     lock = threading.Lock()
