@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.serve_process, tests.serve_client, ...
 
 import httpx  # noqa: E402
+import redis as redis_client  # noqa: E402
 
 from tests.serve_client import (block_file, block_keys, complete, flip_byte, metric, store_events,  # noqa: E402
                                 wait_for_puts)
@@ -170,8 +171,6 @@ def main() -> None:
             b_shared = complete(b, p, max_tokens=NEW)
             wait_for_puts(b, "remote", blocks, timeout_s=120)
             a_salted = complete(a, p, max_tokens=NEW, salt="tenant-b")
-            import redis as redis_client
-
             keys_in_redis = redis_client.Redis.from_url(redis.url).dbsize()
             result["sharing"] = {
                 "computed_on_a": outcome(on_a), "b_computes_it_salted": outcome(b_own), "b_after_a": outcome(b_shared),
