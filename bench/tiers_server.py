@@ -10,7 +10,8 @@ The workload is derived from the shipped trace ``data/traces/mooncake_conversati
 1. Conversations: the trace's requests grouped by their first two hash ids (every request
    starts with block 0, a shared system prompt; the second id starts a conversation, whose
    later turns extend it). Whole conversations are drawn with ``random.Random(--seed)``
-   until ``--requests`` requests, then replayed in trace order: the shared system block,
+   until ``--requests`` requests (seed 1: of seeds 0-3 the sample whose infinite-cache hit
+   rate is closest to the whole trace's), then replayed in trace order: the shared system block,
    multi-turn growth and the interleaving of conversations (reuse distances: many other
    blocks between two turns of one conversation) are the trace's.
 2. Scale: each hash id becomes ``--tokens-per-id`` (16, one block) token ids drawn from
