@@ -55,7 +55,7 @@ from kvreuse.cache.hashing import hash_token_blocks  # noqa: E402
 from kvreuse.models.loader import shape_from_config  # noqa: E402
 from kvreuse.simulator.replay import replay  # noqa: E402
 from kvreuse.simulator.traces import Trace, TraceRequest  # noqa: E402
-from tests.serve_client import complete  # noqa: E402
+from tests.serve_client import complete, metric  # noqa: E402
 from tests.serve_process import free_port, running_servers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +221,10 @@ def main() -> None:
             for c in CONFIGS:  # every repetition starts cold: device pool and host tier emptied
                 assert client.post(f"{url[c]}/reset_prefix_cache", timeout=60).status_code == 200
             reps.append(replay_once(url, prompts, client, rep))
+        moved = {direction: {"blocks": metric(url["host_tier"], "kvreuse:kv_tier_blocks_moved_total", direction=direction),
+                             "seconds": round(metric(url["host_tier"], "kvreuse:kv_tier_transfer_seconds_total",
+                                                     direction=direction.replace("host_to_device", "to_device")), 3)}
+                 for direction in ("device_to_host", "host_to_device")}
     wall = time.monotonic() - started
     for other in reps[1:]:  # the cache is deterministic: every repetition hits the same tokens
         assert [[r[c]["cached"] for c in CONFIGS] for r in other] == [[r[c]["cached"] for c in CONFIGS] for r in reps[0]]
@@ -243,6 +247,7 @@ def main() -> None:
         "hit_rate_ratio_host_vs_device_only": round(hit["host_tier"] / hit["device_only"], 2) if hit["device_only"] else None,
         "simulated_hit_rate": {k: round(v, 4) for k, v in sim.items()},
         "cached_tokens_by_tier_host_tier": dict(by_tier),
+        "host_tier_copies": moved,  # from its /metrics, all repetitions: what the tier cost in copies
         "median_ttft_s": {c: round(statistics.median(ttft[c]), 4) for c in CONFIGS},
         "mean_ttft_s": {c: round(statistics.fmean(ttft[c]), 4) for c in CONFIGS},
         "p90_ttft_s": {c: round(statistics.quantiles(ttft[c], n=10)[-1], 4) for c in CONFIGS},
