@@ -24,10 +24,11 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.tiers.setup import store_stats
 
 if TYPE_CHECKING:
     from kvreuse.cache.retention import KvCacheRetentionConfig
@@ -133,6 +134,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stats_lock = threading.Lock()
         self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
+        # the disk / remote stores count on their writer thread and breaker clock, between
+        # steps too: stats() reads their (thread-safe) counters live, not from the snapshot
+        self._stores = None if engine.host is None else engine.host.below
         self._integrity_error: str | None = None
         self._thread: threading.Thread | None = None
         self._running = False
@@ -147,13 +151,15 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; in-flight requests get ``EngineDeadError``."""
+        """Stop the engine thread; in-flight requests get ``EngineDeadError``. Then the
+        queued disk / remote writes are finished (``LLMEngine.close``)."""
         if self._thread is None:
             return
         self._inbox.put(_Stop())
         self._wake.set()
         self._thread.join(timeout)
         self._thread = None
+        self.engine.close()
 
     @property
     def is_running(self) -> bool:
@@ -199,9 +205,14 @@ class AsyncEngine:
                 self._send(_Abort(request_id, stream))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken by the engine thread after its latest step (never blocks on it)."""
+        """The snapshot taken by the engine thread after its latest step (never blocks on it),
+        with the disk / remote stores' counters read now."""
         with self._stats_lock:
-            return self._stats
+            snapshot = self._stats
+        if self._stores is None:
+            return snapshot
+        live = store_stats(self._stores)  # per level: the stores' counters now, over the step's ledger counts
+        return replace(snapshot, tiers=snapshot.tiers | {lv: snapshot.tiers.get(lv, {}) | c for lv, c in live.items()})
 
     @property
     def integrity_error(self) -> str | None:

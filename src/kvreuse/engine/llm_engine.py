@@ -399,6 +399,13 @@ class LLMEngine:
                     f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
                 )
 
+    def close(self) -> None:
+        """Finish the disk / remote writes already queued (at most 5 s: what is left is a
+        recompute later) and close the remote connections, so a restarted executor finds
+        what this one computed. Call when no step runs any more (a graceful stop)."""
+        if self.host is not None and self.host.below is not None:
+            self.host.below.close()
+
     def cache_pools(self) -> tuple:
         """The device pool, then the tiers below it: the host pool and the stores' ledgers
         (snapshots list every level)."""

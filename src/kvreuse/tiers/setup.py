@@ -1,7 +1,8 @@
 """Building the tiers below the device pool from the engine's settings, and reading their stats.
 
 The engine calls ``build_host_tier`` at start (``--host-cache-memory``, ``--disk-cache-dir``,
-``--remote-cache``) and ``tier_stats`` for ``EngineStats.tiers``; nothing here runs per step.
+``--remote-cache``) and ``tier_stats`` for ``EngineStats.tiers``; ``AsyncEngine.stats`` reads
+``store_stats`` live (the stores move on between steps). Nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -81,3 +82,11 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
         out[HOST_LEVEL]["tier_writes_dropped"] = below.stats.dropped_writes
         out[HOST_LEVEL]["tier_writes_pending"] = below.pending_writes
     return out
+
+
+def store_stats(stores: "PersistentTiers") -> dict[str, dict[str, float]]:
+    """The disk / remote stores' counters and gauges, per level (``DISK``, ``REMOTE``). Safe
+    from any thread (the stores count under their own locks): they change on the writer
+    thread and on the breaker's clock, between engine steps too, so readers take them live."""
+    return {level: {k: float(v) for k, v in store.stats().items()}
+            for level, store in ((DISK_LEVEL, stores.disk), (REMOTE_LEVEL, stores.remote)) if store is not None}
