@@ -61,9 +61,9 @@ def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, r
 
     loaded = request.getfixturevalue(arch)
     in_place_decodes = []
-    grouped = attention._grouped_attention
-    monkeypatch.setattr(attention, "_grouped_attention",
-                        lambda q, *a: in_place_decodes.append(q.shape[1] == 1) or grouped(q, *a))
+    attend_item = attention._attend_item
+    monkeypatch.setattr(attention, "_attend_item",
+                        lambda item, *a: in_place_decodes.append(item.num_new == 1) or attend_item(item, *a))
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 2000, (n,), generator=gen).tolist() for n in (21, 6, 14)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)

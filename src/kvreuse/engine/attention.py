@@ -92,6 +92,23 @@ class PrefillItem:
         """``[L]`` slots of every key (context + new), in attention order."""
         return torch.from_numpy(self.keys.slots()).to(self.device)  # [L]
 
+    @cached_property
+    def context_runs(self) -> tuple[tuple[int, int], ...]:
+        """``kv_runs`` without the new tokens (the last ``num_new`` keys read): the context
+        keys' runs; ``()`` when ``kv_runs`` is."""
+        runs, drop = list(self.kv_runs), self.num_new
+        while runs and drop:
+            first, length = runs.pop()
+            if length > drop:
+                runs.append((first, length - drop))
+            drop = max(drop - length, 0)
+        return tuple(runs)
+
+    @cached_property
+    def context_slots_tensor(self) -> torch.Tensor:
+        """``[L - num_new]`` slots of the context keys, in attention order."""
+        return self.kv_slots[: self.keys.num_keys - self.num_new]
+
 
 @dataclass
 class DecodeBatch:
@@ -123,7 +140,8 @@ def paged_attention(
     kv_context: ForwardContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the pool. Returns ``[1, T, heads, head_dim]`` as transformers expects."""
+    """Attention over the pool, as transformers' ``AttentionInterface`` calls it. Returns
+    ``[1, T, heads, head_dim]`` as transformers expects."""
     if kv_context is None:
         # A plain forward of the same model object (a reference run, a baseline): behave
         # exactly like transformers' SDPA attention so sharing the model is harmless. No
@@ -136,71 +154,192 @@ def paged_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
             sliding_window=sliding_window, **kwargs,
         )
-    ctx = kv_context
-    layer_cache = ctx.kv_cache[module.layer_idx]  # [2, kv_heads, num_slots, head_dim]
-    k_cache, v_cache = layer_cache[0], layer_cache[1]
-    k_cache.index_copy_(1, ctx.slot_mapping, key[0])  # key[0]: [kv_heads, T, head_dim]
-    v_cache.index_copy_(1, ctx.slot_mapping, value[0])
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 kv_context, scaling, sliding_window)  # [T, heads, d]
+    return out.unsqueeze(0), None
 
-    out = torch.empty_like(query.transpose(1, 2))  # [1, T, heads, head_dim]
+
+def attend(
+    layer_idx: int,
+    query: torch.Tensor,  # [T, heads, head_dim], RoPE applied
+    key: torch.Tensor,  # [T, kv_heads, head_dim], RoPE applied
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    ctx: ForwardContext,
+    scale: float | None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into their pool slots, then attend every item of ``ctx`` over
+    its keys. Returns ``[T, heads, head_dim]``.
+
+    One call per layer: the per-item work is a kernel call or two (``_flash_over_pool``);
+    score rows are never materialised except on sliding-window layers, which keep the masked
+    path (their windows cut the context, which the fused path does not model)."""
+    layer_cache = ctx.kv_cache[layer_idx]  # [2, kv_heads, num_slots, head_dim]
+    k_cache, v_cache = layer_cache[0], layer_cache[1]
+    k_cache.index_copy_(1, ctx.slot_mapping, key.transpose(0, 1))  # [kv_heads, T, d]
+    v_cache.index_copy_(1, ctx.slot_mapping, value.transpose(0, 1))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    t = query.shape[0]
+    if len(ctx.prefills) == 1 and ctx.decodes is None and ctx.prefills[0].num_new == t:
+        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window)
+    out = torch.empty_like(query)  # [T, heads, d]
     for item in ctx.prefills:
-        q = query[:, :, item.start : item.start + item.num_new]  # [1, heads, n, d]
-        mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
-        if item.mask_full is None and mask is None:
-            # Fresh prompt, no context: the same causal SDPA call plain transformers makes.
-            k = key[:, :, item.start : item.start + item.num_new]
-            v = value[:, :, item.start : item.start + item.num_new]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-        elif item.num_new <= SMALL_QUERY and item.kv_runs:
-            # the keys lie in a few runs of consecutive slots: read them in place, no gather
-            ks = [k_cache[:, a : a + n] for a, n in item.kv_runs]  # views [kv_heads, n_i, d]
-            vs = [v_cache[:, a : a + n] for a, n in item.kv_runs]
-            o = _grouped_attention(q[0], ks, vs, mask if sliding_window else None, scaling).unsqueeze(0)
-        else:
-            k = k_cache.index_select(1, item.kv_slots)  # [kv_heads, L, d]
-            v = v_cache.index_select(1, item.kv_slots)
-            if item.num_new <= SMALL_QUERY:
-                # full-attention layers: every context key is visible, only the new tokens are causal
-                o = _grouped_attention(q[0], [k], [v], mask if sliding_window else None, scaling).unsqueeze(0)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scaling, enable_gqa=True
-                )
-        out[:, item.start : item.start + item.num_new] = o.transpose(1, 2)
+        span = slice(item.start, item.start + item.num_new)
+        out[span] = _attend_item(item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window)
     if ctx.decodes is not None:
         d = ctx.decodes
         b, lmax = d.kv_slots.shape
-        q = query[0, :, d.token_index].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, d]
+        q = query[d.token_index].unsqueeze(2)  # [B, heads, 1, d]
         flat = d.kv_slots.reshape(-1)
         kv_heads, head_dim = k_cache.shape[0], k_cache.shape[2]
         k = k_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)  # [B, kv_heads, Lmax, d]
         v = v_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)
         mask = d.mask_sliding[sliding_window] if sliding_window else d.mask_full
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-        out[0, d.token_index] = o.squeeze(2)  # [B, heads, d]
-    return out, None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[d.token_index] = o.squeeze(2)  # [B, heads, d]
+    return out
 
 
-SMALL_QUERY = 128  # below this many new tokens, plain matmuls beat the flash kernel on CPU
+def _attend_item(
+    item: "PrefillItem",
+    q: torch.Tensor,  # [n, heads, d]
+    k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys
+    v: torch.Tensor,  # [n, kv_heads, d]
+    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One sequence's new tokens over its keys: ``[n, heads, d]``."""
+    mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
+    if item.mask_full is None and mask is None:
+        # Fresh prompt, no context: the same causal SDPA call plain transformers makes.
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                           scale=scale, enable_gqa=True)  # [heads, n, d]
+        return o.transpose(0, 1)
+    if not sliding_window:
+        return _flash_over_pool(item, q, k, v, k_cache, v_cache, scale)
+    # Sliding-window layer: the window masks context keys too (attention order, bool mask).
+    qh = q.transpose(0, 1)  # [heads, n, d]
+    if item.num_new <= SMALL_QUERY and item.kv_runs:
+        # the keys lie in a few runs of consecutive slots: read them in place, no gather
+        ks = [k_cache[:, a : a + n] for a, n in item.kv_runs]  # views [kv_heads, n_i, d]
+        vs = [v_cache[:, a : a + n] for a, n in item.kv_runs]
+        return _grouped_attention(qh, ks, vs, mask, scale).transpose(0, 1)
+    kk = k_cache.index_select(1, item.kv_slots)  # [kv_heads, L, d]
+    vv = v_cache.index_select(1, item.kv_slots)
+    if item.num_new <= SMALL_QUERY:
+        return _grouped_attention(qh, [kk], [vv], mask, scale).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qh.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), attn_mask=mask, scale=scale,
+                                       enable_gqa=True)  # [1, heads, n, d]
+    return o[0].transpose(0, 1)
+
+
+RUN_TOKENS_IN_PLACE = 512  # a decode reads its runs in place when they average this many keys, else gathers
+SMALL_QUERY = 128  # below this many new tokens, plain matmuls beat SDPA's kernel on CPU (sliding-window layers)
+
+
+def _flash_over_pool(
+    item: "PrefillItem",
+    q: torch.Tensor,  # [n, heads, d]
+    k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys (already in the pool too)
+    v: torch.Tensor,  # [n, kv_heads, d]
+    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Full attention of ``n`` new tokens over the context (read in place from the pool) and
+    causally over themselves, by a flash kernel that also returns each row's log-sum-exp;
+    pieces are merged by their log-sum-exp. Returns ``[n, heads, d]``.
+
+    - ``n == 1`` (a decode): every key is visible, the new one included (written above), so
+      each run of the keys is one unmasked call; one run (a sequence's blocks side by side)
+      is one call and no merge; short or many runs are gathered into one call. The query heads of a KV head are stacked as
+      rows (``[kv_heads, groups, d]``, a view), so the kernel reads each key once per KV head.
+    - ``n > 1`` (a suffix after a cached prefix, a chunk): the context in one unmasked call
+      (in place when it is one run, else gathered once), the new tokens in one causal call
+      over their own K/V (square, so causal is unambiguous), merged.
+    """
+    n, heads, d = q.shape
+    kv_heads = k_cache.shape[0]
+    if n == 1:
+        qg = q.view(1, kv_heads, heads // kv_heads, d)  # [1, kv, groups, d]: head h uses kv head h // groups
+        runs = item.kv_runs
+        if len(runs) == 1:
+            (a, length), = runs
+            o, _ = _flash(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
+            return o.view(1, heads, d)
+        if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
+            # long runs: read each in place (a gather would copy the whole context per layer)
+            pieces = [_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale) for a, m in runs]
+            return _merge(pieces).view(1, heads, d)
+        slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
+        o, _ = _flash(qg, k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None], scale)
+        return o.view(1, heads, d)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d] (a view; the kernel takes strides)
+    runs = item.context_runs
+    if len(runs) == 1:
+        (a, length), = runs
+        kc, vc = k_cache[None, :, a : a + length], v_cache[None, :, a : a + length]  # views [1, kv, c, d]
+    else:
+        slots = item.context_slots_tensor
+        kc, vc = k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None]  # [1, kv, c, d]
+    context = _flash(qh, kc, vc, scale)
+    own = _flash(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
+    return _merge([context, own])[0].transpose(0, 1)  # [n, heads, d]
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention ``softmax(q k^T * scale) v`` and each row's log-sum-exp of the scaled scores:
+    ``([B, H, n, d], [B, H, n] fp32)`` for ``q [B, H, n, d]``, ``k, v [B, kv, L, d]``
+    (``H`` a multiple of ``kv``, head ``h`` using kv head ``h // (H / kv)``); ``causal``
+    needs ``n == L``. On CPU: PyTorch's flash kernel (strided inputs read in place). Elsewhere:
+    matmuls (cuBLAS on CUDA), the same contract."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    return _math_attention(q, k, v, scale, causal)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_flash``'s contract with plain matmuls (any device): fp32 scores ``[B, kv, g*n, L]``."""
+    b, heads, n, d = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, heads // kv * n, d).float()  # head h = (kv head, group): rows (group, token)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, kv, g*n, L]
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # [n, n] True = not yet
+        scores.view(b, kv, heads // kv, n, -1).masked_fill_(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, kv, g*n]
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())  # [B, kv, g*n, d]
+    return out.view(b, heads, n, d).to(q.dtype), lse.view(b, heads, n)
+
+
+def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention over the union of disjoint key sets from each set's ``(out [..., n, d],
+    lse [..., n])``: ``sum_i out_i * exp(lse_i - logsumexp_i lse_i)``, in the outputs' dtype."""
+    if len(pieces) == 1:
+        return pieces[0][0]
+    weights = torch.softmax(torch.stack([p[1] for p in pieces]), dim=0).unsqueeze(-1)  # [r, ..., n, 1] fp32
+    outs = torch.stack([p[0] for p in pieces]).float()  # [r, ..., n, d]
+    return (outs * weights).sum(0).to(pieces[0][0].dtype)
 
 
 def _grouped_attention(
     q: torch.Tensor,  # [heads, n, d]
     ks: list[torch.Tensor],  # pieces of the keys in attention order, each [kv_heads, L_i, d]
     vs: list[torch.Tensor],  # matching values, each [kv_heads, L_i, d]
-    mask: torch.Tensor | None,  # [n, L] bool (True = attend); None = context all visible, new tokens causal
-    scale: float | None,
+    mask: torch.Tensor,  # [n, L] bool (True = attend)
+    scale: float,
 ) -> torch.Tensor:
-    """Attention of a few queries over a long context, as batched matmuls per KV head group
-    (no K/V repetition for GQA); the keys may come in pieces (views into the pool).
-    Returns ``[heads, n, d]``.
-
-    For a short query (a 32-token suffix after a cached 4k prefix) this avoids the flash
-    kernel, which is tuned for long queries, and the copy of the whole context."""
+    """Masked attention of a few queries over a long context (sliding-window layers), as
+    batched matmuls per KV head group (no K/V repetition for GQA); the keys may come in
+    pieces (views into the pool). Returns ``[heads, n, d]``."""
     heads, n, d = q.shape
     kv_heads = ks[0].shape[0]
     groups = heads // kv_heads
-    scale = d**-0.5 if scale is None else scale
     # Scale the few queries, not the long score rows: one pass over [kv, g*n, L] saved.
     qg = (q * scale).reshape(kv_heads, groups * n, d)  # head h uses kv head h // groups, as repeat_kv does
     length = sum(k.shape[1] for k in ks)
@@ -210,12 +349,7 @@ def _grouped_attention(
     for k in ks:
         torch.bmm(qg, k.transpose(1, 2), out=scores[..., offset : offset + k.shape[1]])
         offset += k.shape[1]
-    grouped = scores.view(kv_heads, groups, n, length)  # [kv, g, n, L]
-    if mask is None:
-        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # [n, n] True = not yet
-        grouped[..., length - n :].masked_fill_(future, float("-inf"))
-    else:
-        grouped.masked_fill_(~mask, float("-inf"))
+    scores.view(kv_heads, groups, n, length).masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [kv, g*n, L]
     out = None
     offset = 0

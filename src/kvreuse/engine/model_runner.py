@@ -124,6 +124,8 @@ class ModelRunner:
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
+        if len(decode_rows) == 1:  # a lone decode reads in place: no padded batch to share a gather with
+            prefills.append(self._prefill_item(*decode_rows.pop()))
         ctx = ForwardContext(
             kv_cache=self.kv_cache,
             slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(dev),  # [T]

@@ -3,11 +3,11 @@
 Why: a transformers forward spends much of a short step in Python and in small ops
 (module calls, an RMSNorm of five passes, mask plumbing). For a decode step or the
 32-token suffix of a cached prompt, that is a large share of the time. This forward
-runs the same computation in the same order with fewer calls: ``F.rms_norm`` (one fused
-op), the model's own rotary module for cos/sin, transformers' own RoPE function, and
-``paged_attention`` for attention over the pool. Projections are called as modules, so
-weight-only quantized layers (:mod:`kvreuse.models.quant`) plug in unchanged. On SmolLM2 it gives bit-identical
-logits to the transformers forward (tests/models/test_llama_forward.py).
+runs the same computation with fewer calls: fused q/k/v and gate/up projections,
+``F.rms_norm``, the model's own rotary module for cos/sin with RoPE applied to q and k in
+one pass, and ``attend`` for attention over the pool. Projections are called as modules, so
+weight-only quantized layers (:mod:`kvreuse.models.quant`) plug in unchanged. Its logits
+match the transformers forward's to float rounding (tests/models/test_llama_forward.py).
 
 Only plain Llama checkpoints qualify (``supports``): ``model_type == "llama"``, SiLU MLP,
 no attention or MLP biases, ``pretraining_tp == 1``. Anything else (Gemma 3, other
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvreuse.engine.attention import ForwardContext, paged_attention
+from kvreuse.engine.attention import ForwardContext, attend
+from kvreuse.models.quant import fused_projection
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -40,7 +40,13 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 class LlamaForward:
-    """Callable forward for a Llama ``*ForCausalLM``; holds references, copies no weight.
+    """Callable forward for a Llama ``*ForCausalLM``.
+
+    At construction each decoder layer's q/k/v projections are fused into one matmul and its
+    gate/up projections into another (:func:`kvreuse.models.quant.fuse_linears`: the parts
+    become row views of the fused weight, so memory does not grow and the model's own forward
+    still works). The step then runs on ``[T, hidden]`` rows: per layer two RMSNorms, three
+    matmuls plus ``down_proj``, RoPE on q and k together, one ``attend`` call.
 
     The caller must hold ``torch.inference_mode()`` and check ``supports(model)`` first.
     """
@@ -55,6 +61,10 @@ class LlamaForward:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        self.layers = [_Layer(layer) for layer in model.model.layers]
+        half = self.head_dim // 2
+        # rotate_half(x) = cat(-x2, x1) = roll(x, half) * sign: the sign folds into sin once per step
+        self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])  # [head_dim]
 
     def __call__(
         self,
@@ -64,23 +74,50 @@ class LlamaForward:
         kv_context: ForwardContext,
     ) -> torch.Tensor:
         """Logits ``[n, vocab]`` (model dtype) for the ``logits_index`` positions; writes
-        every layer's new K/V into the pool through ``paged_attention``."""
+        every layer's new K/V into the pool through ``attend``."""
         inner = self.model.model
         t = input_ids.shape[1]
-        x = inner.embed_tokens(input_ids)  # [1, T, hidden]
+        heads, kv, d, hidden, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.hidden, self.eps
+        x = inner.embed_tokens(input_ids[0])  # [T, hidden]
         cos, sin = inner.rotary_emb(x, position_ids)  # each [1, T, head_dim]
-        q_shape, kv_shape = (1, t, self.num_heads, self.head_dim), (1, t, self.num_kv_heads, self.head_dim)
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            h = F.rms_norm(x, (self.hidden,), layer.input_layernorm.weight, self.eps)
-            q = attn.q_proj(h).view(q_shape).transpose(1, 2)  # [1, heads, T, d]
-            k = attn.k_proj(h).view(kv_shape).transpose(1, 2)  # [1, kv_heads, T, d]
-            v = attn.v_proj(h).view(kv_shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own RoPE
-            o, _ = paged_attention(attn, q, k, v, None, scaling=attn.scaling, kv_context=kv_context)  # [1, T, heads, d]
-            x = x + attn.o_proj(o.reshape(1, t, -1))
-            h = F.rms_norm(x, (self.hidden,), layer.post_attention_layernorm.weight, self.eps)
-            gate = F.silu(mlp.gate_proj(h))
-            x = x + mlp.down_proj(gate.mul_(mlp.up_proj(h)))
-        x = F.rms_norm(x[:, logits_index], (self.hidden,), inner.norm.weight, self.eps)  # [1, n, hidden]
-        return self.model.lm_head(x)[0]  # [n, vocab]
+        cos = cos[0].unsqueeze(1)  # [T, 1, d]: broadcast over the q and k heads
+        sin = (sin[0] * self._sign.to(sin.device, sin.dtype)).unsqueeze(1)  # [T, 1, d]
+        qk_heads = heads + kv
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (hidden,), layer.input_norm, eps)
+            qkv = layer.qkv(h).view(t, qk_heads + kv, d)  # [T, heads + 2 kv, d]: q, k, v heads
+            qk = qkv[:, :qk_heads]
+            # RoPE on q and k at once; transformers' apply_rotary_pos_emb computes the same
+            qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin)  # [T, heads + kv, d]
+            o = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], kv_context, layer.scaling)  # [T, heads, d]
+            x = x + layer.o_proj(o.reshape(t, heads * d))
+            h = F.rms_norm(x, (hidden,), layer.post_norm, eps)
+            gu = layer.gate_up(h)  # [T, 2 * intermediate]
+            x = x + layer.down_proj(F.silu(gu[:, : layer.inter]).mul_(gu[:, layer.inter :]))
+        x = F.rms_norm(x[logits_index], (hidden,), inner.norm.weight, eps)  # [n, hidden]
+        return self.model.lm_head(x)  # [n, vocab]
+
+
+class _Layer:
+    """One decoder layer's weights as the step uses them (fused where the weights allow)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.scaling = attn.scaling
+        self.qkv = fused_projection(attn, ("q_proj", "k_proj", "v_proj")) or _Concat(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.inter = mlp.gate_proj.out_features
+        self.gate_up = fused_projection(mlp, ("gate_proj", "up_proj")) or _Concat(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+
+
+class _Concat:
+    """Projections that could not be fused, called one by one: outputs concatenated."""
+
+    def __init__(self, *parts: torch.nn.Module) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
