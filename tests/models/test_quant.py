@@ -206,3 +206,43 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
              for t in reference_logits(loaded.model, shared + tail)[len(shared):].argmax(-1)]
     agree = sum(a == b for a, b in zip(cached, fresh)) / len(fresh)
     assert agree >= 0.99, f"{dtype}/{mode}: reuse agrees with no reuse on {agree:.1%}"
+
+
+# --------------------------------------------------------------------------- fused projections
+
+@pytest.mark.parametrize("kind", ["none", "int8", "int4", "int4-unpacked"])
+def test_fused_projection_computes_its_parts_and_holds_no_weight_twice(kind):
+    """q/k/v fused into one matmul: the same outputs as the parts (exact: row-local codes);
+    the parts become views of the fused storage (same outputs as before, no extra bytes)."""
+    out_sizes = (56, 24, 24) if kind == "int4-unpacked" else (128, 64, 64)  # out % 16 != 0: the kernel refuses
+    ws = [_weight(n, 96, seed=i) for i, n in enumerate(out_sizes)]
+    if kind == "none":
+        parts = [torch.nn.Linear(96, n, bias=False) for n in out_sizes]
+        for p, w in zip(parts, ws):
+            p.weight.data.copy_(w)
+    else:
+        cls = Int8Linear if kind == "int8" else Int4Linear
+        parts = [cls(w, None, torch.float32) for w in ws]
+    assert all(getattr(p, "use_kernel", False) for p in parts) == (kind in ("int8", "int4"))
+    owner = torch.nn.Module()
+    for name, p in zip(("q", "k", "v"), parts):
+        setattr(owner, name, p)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(9))  # [T, in]
+    before = [p(x) for p in parts]
+    bytes_before = quant.weight_bytes(owner)
+    fused = quant.fused_projection(owner, ("q", "k", "v"))
+    assert fused is not None
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(p(x), b) for p, b in zip(parts, before))  # the parts still work, as views
+    assert quant.weight_bytes(owner) == bytes_before  # the codes / weights are stored once
+    assert quant.fused_projection(owner, ("q", "k", "v")) is fused  # a second runner reuses it
+    assert "_kvreuse_fused_q_k_v" not in dict(owner.named_modules())  # not a registered sub-module
+
+
+def test_projections_that_cannot_share_a_matmul_are_not_fused():
+    assert quant.fuse_linears([Int8Linear(_weight(32, 64), None, torch.float32),
+                               Int4Linear(_weight(32, 64), None, torch.float32)]) is None  # two schemes
+    assert quant.fuse_linears([torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)]) is None  # biases
+    # int4 packs rows in blocks of 64: a 32-row part would not be a row slice of the fused pack
+    assert quant.fuse_linears([Int4Linear(_weight(32, 64), None, torch.float32),
+                               Int4Linear(_weight(64, 64), None, torch.float32)]) is None
