@@ -16,6 +16,14 @@ random tokens each time; figures are medians over ``--reps``:
 - cached ``--prefix`` + 32 new tokens: the prefix was computed just before (llama.cpp reuses its
   own KV for a common prefix, kvreuse its prefix cache): seconds to the first token.
 
+Beside them, measured in the same run (each rep, interleaved with the contenders): the GEMM
+peak of each dtype (a 1,024 x ``hidden`` x 4,096 matmul, bf16 and fp32), which with the
+suffix's FLOPs (projections, MLP and attention of 32 tokens over ``--prefix`` keys, one
+``lm_head`` row) gives the cached request's compute floor; and the memory read bandwidth (a
+256 MiB copy), which with the bytes of weights a decode step reads gives each contender's
+decode ceiling (the GGUF's size for llama.cpp, the resident weights for kvreuse). Resident
+weights vs the GGUF file size are reported too.
+
 Writes bench/results/peer_llamacpp.json and bench/results/peer_llamacpp.png.
 """
 
@@ -94,6 +102,41 @@ class Kvreuse:
         return (len(out.token_ids) - 1) / (time.perf_counter() - start - out.ttft_s)
 
 
+def gemm_gflops(dtype, k: int) -> float:
+    """GFLOP/s of a ``[1024, k] @ [k, 4096]`` matmul in ``dtype`` (best of 3 after a warm-up)."""
+    import torch
+
+    a, b = torch.randn(1024, k, dtype=dtype), torch.randn(k, 4096, dtype=dtype)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(3))
+    return 2 * 1024 * k * 4096 / best / 1e9
+
+
+def read_gb_s() -> float:
+    """GB/s of one 256 MiB copy (read + write counted once each: bytes moved / 2 per direction)."""
+    import torch
+
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
+    return src.numel() / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def suffix_gflop(shape, linear_params: int, prefix: int, suffix: int = 32) -> float:
+    """FLOPs of a ``suffix``-token request over ``prefix`` cached keys: every linear layer for
+    each new token, attention (QK and PV) over ``prefix + i`` keys, one lm_head row."""
+    keys = sum(prefix + i + 1 for i in range(suffix))  # keys each new token attends to
+    attn = 4 * shape.num_layers * shape.num_attention_heads * shape.head_dim * keys
+    return (2 * linear_params * suffix + attn + 2 * shape.hidden_size * shape.vocab_size) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
@@ -115,6 +158,12 @@ def main() -> None:
         Kvreuse("kvreuse fp32", load_model("default", dtype="float32", device="cpu"), n_ctx),
         Kvreuse("kvreuse int4", load_model("default", dtype="auto", device="cpu", quantization="int4"), n_ctx),
     ]
+    from kvreuse.models.quant import weight_bytes
+
+    shape = contenders[1].llm.engine.loaded.shape
+    linear_params = sum(m.weight.numel() for name, m in contenders[1].llm.engine.loaded.model.named_modules()
+                        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+    floors: dict[str, list[float]] = {"gemm_gflops_bf16": [], "gemm_gflops_fp32": [], "read_gb_s": []}
     rng = random.Random(0)
     vocab = 49152
 
@@ -126,6 +175,10 @@ def main() -> None:
     for rep in range(-1, args.reps):  # rep -1: an untimed warm-up round
         order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
         short, prefix = tokens(16), tokens(args.prefix)
+        if rep >= 0:
+            floors["gemm_gflops_bf16"].append(gemm_gflops(torch.bfloat16, shape.hidden_size))
+            floors["gemm_gflops_fp32"].append(gemm_gflops(torch.float32, shape.hidden_size))
+            floors["read_gb_s"].append(read_gb_s())
         for c in order:
             r = results[c.name]
             decode = c.decode(short, args.decode)
@@ -139,19 +192,32 @@ def main() -> None:
                   file=sys.stderr)
     med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
     peer = med["llama.cpp"]
+    floor = {k: statistics.median(v) for k, v in floors.items()}
+    gflop = suffix_gflop(shape, linear_params, args.prefix)
+    gguf_bytes = path.stat().st_size
+    limits = {"suffix_gflop": round(gflop, 2), "gguf_bytes": gguf_bytes, **{k: round(v, 2) for k, v in floor.items()},
+              "decode_ceiling_tok_s": {"llama.cpp": round(floor["read_gb_s"] * 1e9 / gguf_bytes, 1)}}
+    for c in contenders[1:]:
+        loaded = c.llm.engine.loaded
+        wb = weight_bytes(loaded.model)
+        peak = floor["gemm_gflops_bf16" if loaded.dtype == torch.bfloat16 else "gemm_gflops_fp32"]
+        limits[c.name] = {"resident_weight_bytes": wb, "weights_vs_gguf": round(wb / gguf_bytes, 2),
+                          "cached_ttft_floor_s": round(gflop / peak, 4),
+                          "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2)}
+        limits["decode_ceiling_tok_s"][c.name] = round(floor["read_gb_s"] * 1e9 / wb, 1)
     doc = {
         "gguf": path.name, "threads": args.threads, "reps": args.reps, "prefix_tokens": args.prefix,
-        "decode_tokens": args.decode, "median": med,
+        "decode_tokens": args.decode, "median": med, "limits": limits,
         "vs_llamacpp": {name: {"decode": round(m["decode_tok_s"] / peer["decode_tok_s"], 3),
                                "cold_prefill_speedup": round(peer["cold_prefill_s"] / m["cold_prefill_s"], 3),
                                "cached_ttft_ratio": round(m["cached_ttft_s"] / peer["cached_ttft_s"], 3)}
                         for name, m in med.items()},
-        "raw": results, "command": "python bench/peer_llamacpp.py " + " ".join(sys.argv[1:]),
+        "raw": results, "raw_limits": floors, "command": "python bench/peer_llamacpp.py " + " ".join(sys.argv[1:]),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps({k: doc[k] for k in ("median", "vs_llamacpp")}, indent=2))
+    print(json.dumps({k: doc[k] for k in ("median", "vs_llamacpp", "limits")}, indent=2))
 
     import matplotlib
 
