@@ -55,9 +55,9 @@ def test_shutdown_finishes_the_queued_writes(tiny_llama, tmp_path):
     disk = engine.engine.host.below.disk
     put = disk.put
 
-    def slow_put(key, payload):  # a slow disk: the writes are still queued when the request ends
+    def slow_put(key, payload, **kw):  # a slow disk: the writes are still queued when the request ends
         time.sleep(0.02)
-        return put(key, payload)
+        return put(key, payload, **kw)
 
     disk.put = slow_put
     engine.start()

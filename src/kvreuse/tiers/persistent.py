@@ -195,20 +195,27 @@ class PersistentTiers:
                     self._flushed.set()
                 continue
             (key, parent, tokens, depth), payload = item
-            if self.disk is not None:
-                # reported under the disk's lock, so before any removal of the entry is
-                stored = StoreChange(DISK_LEVEL, key, True, parent, tuple(tokens), depth)
-                if self.disk.put(key, payload, on_stored=lambda: self._note(stored)):  # never raises
-                    self.stats.written_blocks += 1
-            if self.remote is not None and self.remote.put(key, payload):
-                self.stats.written_blocks += 1
-                self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+            try:  # the stores' put never raises by contract; a bug there must not stop every later write
+                self._write(key, parent, tokens, depth, payload)
+            except Exception:  # noqa: BLE001 - logged; the block is a recompute later
+                self.stats.dropped_writes += 1
+                log.exception("KV tier: writing block %s failed", bytes(key).hex()[:16])
             with self._pending_lock:
                 self._pending -= 1
                 idle = self._pending == 0
             finished += 1
             if (idle or finished % WAKE_EVERY == 0) and self.on_change is not None:
                 self.on_change()
+
+    def _write(self, key: BlockHash, parent: BlockHash | None, tokens, depth: int, payload: bytes) -> None:
+        if self.disk is not None:
+            # reported under the disk's lock, so before any removal of the entry is
+            stored = StoreChange(DISK_LEVEL, key, True, parent, tuple(tokens), depth)
+            if self.disk.put(key, payload, on_stored=lambda: self._note(stored)):  # never raises
+                self.stats.written_blocks += 1
+        if self.remote is not None and self.remote.put(key, payload):
+            self.stats.written_blocks += 1
+            self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
