@@ -36,9 +36,10 @@ def shared(tmp_path_factory):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     execs = [tiered_executor(p, str(logs), redis_server.url).start() for p in ports]
     route_port = free_port()
-    procs = [*execs, router(route_port, urls, str(logs), "--seed", "0").start()]
+    # a loaded machine may take minutes to start two executors: the router waits for them
+    procs = [*execs, router(route_port, urls, str(logs), "--seed", "0", "--startup-timeout", "300").start()]
     try:
-        wait_healthy(f"http://127.0.0.1:{route_port}", procs, all_of=2)
+        wait_healthy(f"http://127.0.0.1:{route_port}", procs, timeout=300, all_of=2)
         yield urls, f"http://127.0.0.1:{route_port}"
     finally:
         for p in procs:
