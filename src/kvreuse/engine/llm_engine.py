@@ -21,7 +21,7 @@ from kvreuse.cache.eviction import make_policy
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.host_tier import HostTier
 from kvreuse.engine.kv_transfer import HostKVTransfer
-from kvreuse.tiers.setup import build_host_tier, tier_stats
+from kvreuse.tiers.setup import build_host_tier
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
 from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
 from kvreuse.engine.attention import KeyTable
@@ -29,6 +29,7 @@ from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.context import PromptContext
+from kvreuse.engine.introspection import check_engine_integrity, engine_stats
 from kvreuse.pml.module_cache import ModuleCache
 from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
 from kvreuse.pml.registration import RegistrationQueue, Settle
@@ -245,6 +246,10 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.finish(seq)
 
+    def requests(self):
+        """The live requests' sequences (a view: do not change the engine while iterating)."""
+        return self._requests.values()
+
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or schemas being registered (``step`` advances the
         requests, ``precompute_slice`` the registrations)."""
@@ -351,53 +356,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
-        pool = self.pool
-        blocks_by_priority = pool.blocks_by_priority() if hasattr(pool, "blocks_by_priority") else {}
-        return EngineStats(
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks - pool.num_cached_blocks,
-            num_cached_blocks=pool.num_cached_blocks,
-            num_used_blocks=pool.num_used_blocks,
-            prefix_cache_queries_tokens=self.kv.queries_tokens,
-            prefix_cache_hits_tokens=self.kv.hits_tokens,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            evictions_by_priority=dict(pool.evictions_by_priority),
-            blocks_by_priority=dict(blocks_by_priority),
-            num_preemptions=self.scheduler.num_preemptions,
-            tokens_computed=self.tokens_computed + self.modules.tokens_computed,
-            events_dropped=None if self.events is None else self.events.num_dropped,
-            prefix_cache_hits_tokens_by_tier=dict(self.kv.hits_tokens_by_level),
-            tiers={} if self.host is None else tier_stats(self.host, self.kv_bytes_per_token * self.block_size),
-            schema_store_refused={} if self.modules.store is None else dict(self.modules.store.refused),
-            schema_modules_filled={k: v for k, v in self.modules.modules_filled.items() if k != "present"},
-            schema_slices=self.registrations.slices,
-            schemas_registering=len(self.registrations),
-            tokens_computed_modules=self.modules.tokens_computed,
-        )
+        """Counters and gauges of this engine now (``engine/introspection.py``)."""
+        return engine_stats(self)
 
     def check_integrity(self) -> None:
-        """The pool's own checks, plus: every block's ref count equals the references the
-        live requests (own blocks and PML module blocks) and the registrations hold, so a
-        leaked reference (a block in use that nobody owns) is caught. Raises ``RuntimeError``.
-        Call between steps."""
-        self.pool.check_integrity()
-        if self.host is not None:
-            self.host.check_integrity()
-            if self.host.pool.num_used_blocks:
-                raise RuntimeError(f"{self.host.pool.num_used_blocks} host blocks are held between steps")
-        held: dict[int, int] = {}
-        for seq in self._requests.values():
-            for block in (*seq.blocks, *(() if seq.context is None else seq.context.blocks)):
-                held[block.block_id] = held.get(block.block_id, 0) + 1
-        for block in self.registrations.held():  # the module a registration is filling
-            held[block.block_id] = held.get(block.block_id, 0) + 1
-        for block in self.pool.blocks:
-            if block.ref_count != held.get(block.block_id, 0):
-                raise RuntimeError(
-                    f"block {block.block_id} has ref_count {block.ref_count} but live requests hold "
-                    f"{held.get(block.block_id, 0)} references to it (a leaked or lost reference)"
-                )
+        """Pool, host tier and reference-count checks (``engine/introspection.py``); raises
+        ``RuntimeError``. Call between steps."""
+        check_engine_integrity(self)
 
     def close(self) -> None:
         """Finish the disk / remote writes already queued (at most 5 s: what is left is a
