@@ -165,3 +165,36 @@ def catch_up():
         if seq == expected:
             apply(payload); expected += 1
 """
+
+
+_DUMPING_HEAD = r"""
+import json, sys, msgpack, zmq
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
+replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
+poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
+expected = 0
+"""
+
+_DUMPING_LOOP = r"""
+print("ready", flush=True)
+while True:
+    ready = dict(poller.poll())
+    if sub in ready:
+        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
+        if seq == expected: apply(payload); expected += 1
+        elif seq > expected: catch_up()
+    elif ready:
+        if not sys.stdin.readline(): break
+        catch_up()  # anything missed at the start (slow joiner)
+        print(json.dumps(DUMP), flush=True)
+"""
+
+
+def dumping_subscriber(apply_source: str, dump: str) -> str:
+    """Source of a subscriber process (plain pyzmq + msgpack, no kvreuse): SUB on
+    ``argv[1]``, the replay DEALER on ``argv[2]``; prints ``ready``, then applies every
+    batch in order (catching up from the replay socket on a gap); each line on its stdin
+    makes it catch up and print ``json.dumps(<dump>)``; stdin closed ends it.
+    ``apply_source`` defines its state and ``apply(payload)``."""
+    return _DUMPING_HEAD + apply_source + CATCH_UP + _DUMPING_LOOP.replace("DUMP", dump)

@@ -12,18 +12,13 @@ import httpx
 import pytest
 
 from kvreuse.events.records import event_from_json
-from tests.events.event_helpers import CATCH_UP, CacheMirror
+from tests.events.event_helpers import CacheMirror, dumping_subscriber
 from tests.serve_process import free_port, running_server
 from tests.events.test_event_engine import wire_blocks
 from tests.events.test_event_routes import read_sse
 
-DUMPING_SUBSCRIBER = r"""
-import json, sys, msgpack, zmq
-ctx = zmq.Context()
-sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
-replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
-poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
-blocks, expected = {}, 0
+DUMPING_SUBSCRIBER = dumping_subscriber(r"""
+blocks = {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
         if e[0] == "BlockStored":
@@ -34,19 +29,7 @@ def apply(payload):
             for h in e[1]: blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-""" + CATCH_UP + r"""
-print("ready", flush=True)
-while True:
-    ready = dict(poller.poll())
-    if sub in ready:
-        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
-        if seq == expected: apply(payload); expected += 1
-        elif seq > expected: catch_up()
-    elif ready:
-        if not sys.stdin.readline(): break
-        catch_up()  # anything missed at the start (slow joiner)
-        print(json.dumps({str(h): p for h, p in blocks.items()}), flush=True)
-"""
+""", '{str(h): p for h, p in blocks.items()}')
 
 
 @pytest.fixture(scope="module")

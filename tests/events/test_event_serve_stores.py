@@ -17,17 +17,12 @@ import httpx
 import pytest
 import redis
 
-from tests.events.event_helpers import CATCH_UP
+from tests.events.event_helpers import dumping_subscriber
 from tests.serve_process import free_port, running_server
 from tests.tiers.redis_server import RedisServer
 
-LEVEL_SUBSCRIBER = r"""
-import json, sys, msgpack, zmq
-ctx = zmq.Context()
-sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
-replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
-poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
-levels, stored, removed, expected = {}, {}, {}, 0
+LEVEL_SUBSCRIBER = dumping_subscriber(r"""
+levels, stored, removed = {}, {}, {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
         if e[0] == "BlockStored":  # [tag, hashes, parent, tokens, block_size, lora_id, medium, ...]
@@ -42,20 +37,7 @@ def apply(payload):
             removed[e[2]] = removed.get(e[2], 0) + len(e[1])
         elif e[0] == "AllBlocksCleared":
             levels.clear()
-""" + CATCH_UP + r"""
-print("ready", flush=True)
-while True:
-    ready = dict(poller.poll())
-    if sub in ready:
-        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
-        if seq == expected: apply(payload); expected += 1
-        elif seq > expected: catch_up()
-    elif ready:
-        if not sys.stdin.readline(): break
-        catch_up()
-        print(json.dumps({"levels": {m: h for m, h in levels.items() if h}, "stored": stored, "removed": removed}),
-              flush=True)
-"""
+""", '{"levels": {m: h for m, h in levels.items() if h}, "stored": stored, "removed": removed}')
 
 U64 = 2**64 - 1
 DOCS = ["Document %d: " % i + f"the quick brown fox {i} jumps over the lazy dog {i}. " * 10 for i in range(8)]

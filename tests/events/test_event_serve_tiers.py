@@ -12,16 +12,11 @@ import time
 import httpx
 import pytest
 
-from tests.events.event_helpers import CATCH_UP
+from tests.events.event_helpers import dumping_subscriber
 from tests.serve_process import free_port, running_server
 
-PER_MEDIUM_SUBSCRIBER = r"""
-import json, sys, msgpack, zmq
-ctx = zmq.Context()
-sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
-replay = ctx.socket(zmq.DEALER); replay.connect(sys.argv[2])
-poller = zmq.Poller(); poller.register(sub, zmq.POLLIN); poller.register(sys.stdin, zmq.POLLIN)
-blocks, expected = {}, 0
+PER_MEDIUM_SUBSCRIBER = dumping_subscriber(r"""
+blocks = {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
         if e[0] == "BlockStored":  # [tag, hashes, parent, tokens, block_size, lora_id, medium, ...]
@@ -32,19 +27,7 @@ def apply(payload):
             for h in e[1]: blocks.pop(f"{e[2]}:{h}", None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-""" + CATCH_UP + r"""
-print("ready", flush=True)
-while True:
-    ready = dict(poller.poll())
-    if sub in ready:
-        _, seq, payload = sub.recv_multipart(); seq = int.from_bytes(seq, "big")
-        if seq == expected: apply(payload); expected += 1
-        elif seq > expected: catch_up()
-    elif ready:
-        if not sys.stdin.readline(): break
-        catch_up()
-        print(json.dumps(blocks), flush=True)
-"""
+""", 'blocks')
 
 U64 = 2**64 - 1
 
