@@ -31,21 +31,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from router_guards import post_raw, rss_kib  # noqa: E402
 
+from tests.pml.test_module_cache import SCHEMA  # noqa: E402
 from tests.router.cluster import Proc, free_port, wait_healthy  # noqa: E402
 
 ADMIN, ALICE, BOB = "campaign-admin", "campaign-alice", "campaign-bob"
 KEYS = [ADMIN, f"{ALICE}:alice", f"{BOB}:bob"]
 SECRET = "The vault code of Aldermere Holdings is seven four nine two, kept by the night clerk."
-SCHEMA = """<schema name="camp">
-  Intro text of the root.
-  <union>
-    <module name="a">Alpha.</module>
-    <module name="b">Beta is the longer member of this union.</module>
-  </union>
-  <module name="r">The reader is <param name="who" len="4"/> today.</module>
-  Closing words.
-</schema>"""
-PML_PROMPT = '<prompt schema="camp"><b/><r who="Cy"/>Why?</prompt>'
+PML_PROMPT = '<prompt schema="s"><b/><r who="Cy"/>Why?</prompt>'  # over tests.pml.test_module_cache.SCHEMA
 
 
 def auth(key: str) -> dict[str, str]:
@@ -287,7 +279,7 @@ def corrupt_store(model: str, logs: str) -> list[dict]:
             refused = metric(url, "kvreuse:schema_store_refused_total")
             rows.append(row("7", f"{mode}: server starts, schema kept, output right, refusal counted",
                             f"started, schemas={names}, same={text == ref}, refused={refused:g}", "all",
-                            names == ["camp"] and text == ref and refused >= 1))
+                            names == ["s"] and text == ref and refused >= 1))
         except Exception as exc:  # noqa: BLE001 - the server not starting is the finding
             rows.append(row("7", f"{mode}: server starts", f"failed: {exc!s:.120}", "starts", False))
         finally:

@@ -42,15 +42,7 @@ def test_only_admin_keys_learn_the_zmq_event_socket(tiny_llama):
         engine.shutdown()
 
 
-PML_SCHEMA = """<schema name="httpdocs">
-  <system>Answer from the documents.</system>
-  <union>
-    <module name="d1">Document one: the mill on Tarn creek grinds barley every Tuesday.</module>
-    <module name="d2">Document two: the ferry to Osk leaves at seven and returns at nine.</module>
-  </union>
-  <module name="who">Asker: <param name="name" len="4"/>.</module>
-</schema>"""
-PML_PROMPT = '<prompt schema="httpdocs"><d2/><who name="Ana"/><user>When does the ferry leave?</user></prompt>'
+from tests.server.test_pml_routes import PROMPT as PML_PROMPT, SCHEMA as PML_SCHEMA  # noqa: E402
 
 
 def test_pml_chat_without_max_tokens_on_a_small_pool_fills_what_fits(tiny_llama):
