@@ -229,10 +229,14 @@ class PersistentTiers:
         tokens = list(token_blocks)  # one entry per key
         if self.disk is not None:
             for key, want in zip(keys, tokens):
-                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype)
+                # held is reported under the disk's lock, if the entry is still indexed: never
+                # after a removal the writer thread made while this read verified the block
+                at = depth + len(out)
+                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype,
+                                       on_hit=lambda r, at=at: self._note(self._held(r, DISK_LEVEL, at)))
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
-                out.append(self._used(record, DISK_LEVEL, depth + len(out)))
+                out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
         if self.remote is not None and len(out) < len(keys):
             rest = list(keys[len(out):])
             found = self.remote.fetch_many(rest, shape=self.block_shape, dtype=self.dtype)
@@ -248,8 +252,12 @@ class PersistentTiers:
         return out
 
     def _used(self, record: BlockRecord, level: str, depth: int) -> StoredKV:
-        self._note(StoreChange(level, record.key, True, record.parent_key, record.token_ids, depth))
+        self._note(self._held(record, level, depth))
         return StoredKV(record.key, record.parent_key, record.token_ids, record.kv, level)
+
+    @staticmethod
+    def _held(record: BlockRecord, level: str, depth: int) -> StoreChange:
+        return StoreChange(level, record.key, True, record.parent_key, record.token_ids, depth)
 
     @staticmethod
     def _continues(record: BlockRecord, token_ids, parent: BlockHash | None) -> bool:
