@@ -2,14 +2,16 @@
 the changes ``PersistentTiers`` reports must still leave the ledger equal to the store. The
 interleaving is forced through the real stores' own steps (the disk's block decoding, the
 remote store's Redis round trip), with the real writer thread doing the write in between.
-Real disk."""
+Real disk, real redis-server."""
 
+import redis
 import torch
 
 from kvreuse.cache.store_ledger import StoreLedger
 from kvreuse.tiers import disk_store
 from kvreuse.tiers.disk_store import DiskStore
 from kvreuse.tiers.persistent import PersistentTiers
+from kvreuse.tiers.remote_store import RemoteStore
 
 from .conftest import BLOCK_SIZE, NS, SHAPE, make_record
 from .test_disk_store import BLOCK_BYTES
@@ -46,3 +48,23 @@ def test_a_disk_block_evicted_while_a_read_verifies_it_leaves_the_disk_ledger(tm
     assert (ledger.num_stored, ledger.num_removed) == (2, 1)
     t.close()
 
+
+def test_a_remote_write_acknowledged_while_a_read_misses_it_stays_in_the_remote_ledger(redis_server, monkeypatch):
+    t = PersistentTiers(NS, SHAPE, torch.float32, remote=RemoteStore(redis_server.url, namespace=NS))
+    ledger = StoreLedger("REMOTE", BLOCK_SIZE)
+    real_fetch = t.remote._fetch
+
+    def fetch_then_the_writer_lands_it(keys):
+        values = real_fetch(keys)  # Redis answers: block 0 absent
+        t.spill(*spilled(0))  # then the writer thread's put of block 0 is acknowledged
+        assert t.flush(30)
+        return values
+
+    monkeypatch.setattr(t.remote, "_fetch", fetch_then_the_writer_lands_it)
+    assert t.match([RECORDS[0].key], [RECORDS[0].token_ids], None) == []
+    ledger.apply(t.take_changes())
+    ledger.check_integrity()
+    assert redis.Redis.from_url(redis_server.url).exists(t.remote.redis_key(RECORDS[0].key)) == 1
+    assert [b.block_hash for b in ledger.cached_hashes()] == [RECORDS[0].key]  # written by us, not seen missing since
+    assert (ledger.num_stored, ledger.num_removed) == (1, 0)
+    t.close()

@@ -92,6 +92,10 @@ class PersistentTiers:
         self._pending = 0  # writes queued and not finished (both stores tried)
         self._pending_lock = threading.Lock()
         self._flushed: threading.Event | None = None  # set by the writer when it reaches flush()'s marker
+        # remote reads in flight, each with the keys the writer had acknowledged since it began
+        # (under the lock): a miss of one of those predates the write and must not remove it
+        self._remote_lock = threading.Lock()
+        self._remote_reads: list[set[BlockHash]] = []
         if disk is not None:
             disk.listen(lambda key: self._note(StoreChange(DISK_LEVEL, key, False)))
             self._announce_disk()
@@ -215,7 +219,10 @@ class PersistentTiers:
                 self.stats.written_blocks += 1
         if self.remote is not None and self.remote.put(key, payload):
             self.stats.written_blocks += 1
-            self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+            with self._remote_lock:
+                self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+                for acked in self._remote_reads:
+                    acked.add(key)
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
@@ -239,10 +246,7 @@ class PersistentTiers:
                 out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
         if self.remote is not None and len(out) < len(keys):
             rest = list(keys[len(out):])
-            found = self.remote.fetch_many(rest, shape=self.block_shape, dtype=self.dtype)
-            for key, record in zip(rest, found or ()):  # None: the store did not answer, nothing learnt
-                if record is None:
-                    self._note(StoreChange(REMOTE_LEVEL, key, False))
+            found = self._fetch_remote(rest)
             for record, want in zip(found or (), tokens[len(out):]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
@@ -250,6 +254,24 @@ class PersistentTiers:
         self.stats.disk_hits += sum(1 for s in out if s.level == DISK_LEVEL)
         self.stats.remote_hits += sum(1 for s in out if s.level == REMOTE_LEVEL)
         return out
+
+    def _fetch_remote(self, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
+        """``RemoteStore.fetch_many``, reporting each key Redis answered without as not held,
+        unless the writer had its write of that key acknowledged meanwhile (the miss may
+        predate it: the key is held now). None: the store did not answer, nothing learnt."""
+        acked: set[BlockHash] = set()
+        with self._remote_lock:
+            self._remote_reads.append(acked)
+        found = None
+        try:
+            found = self.remote.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)  # type: ignore[union-attr]
+        finally:
+            with self._remote_lock:
+                self._remote_reads.remove(acked)
+                for key, record in zip(keys, found or ()):
+                    if record is None and key not in acked:
+                        self._note(StoreChange(REMOTE_LEVEL, key, False))
+        return found
 
     def _used(self, record: BlockRecord, level: str, depth: int) -> StoredKV:
         self._note(self._held(record, level, depth))
