@@ -138,9 +138,14 @@ class DiskStore:
         return found if found.key == key else None
 
     def get(
-        self, key: BlockHash, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+        self, key: BlockHash, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+        on_hit: Callable[[BlockRecord], None] | None = None,
     ) -> BlockRecord | None:
-        """The verified block stored under ``key``, or None (absent, expired, unreadable, refused)."""
+        """The verified block stored under ``key``, or None (absent, expired, unreadable, refused).
+        ``on_hit(record)`` runs under the lock once the block is verified, if its entry is still in
+        the index then (same rules as ``listen``'s callback): a hit whose entry another thread
+        removed while this one read it returns the block it read, and reports no hold after
+        that removal was reported."""
         now = self._clock()
         with self._lock:
             entry = self._live_entry(key, now)
@@ -171,6 +176,9 @@ class DiskStore:
             logger.warning("disk cache: refused %s block file %s (%s); deleted", kind, path, exc)
             self.delete(key)
             return None
+        with self._lock:
+            if on_hit is not None and self._index.get(key) is not None:
+                on_hit(record)
         try:
             os.utime(path, (now, now))  # last use survives a restart
         except OSError:

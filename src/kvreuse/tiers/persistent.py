@@ -92,6 +92,10 @@ class PersistentTiers:
         self._pending = 0  # writes queued and not finished (both stores tried)
         self._pending_lock = threading.Lock()
         self._flushed: threading.Event | None = None  # set by the writer when it reaches flush()'s marker
+        # remote reads in flight, each with the keys the writer had acknowledged since it began
+        # (under the lock): a miss of one of those predates the write and must not remove it
+        self._remote_lock = threading.Lock()
+        self._remote_reads: list[set[BlockHash]] = []
         if disk is not None:
             disk.listen(lambda key: self._note(StoreChange(DISK_LEVEL, key, False)))
             self._announce_disk()
@@ -215,7 +219,10 @@ class PersistentTiers:
                 self.stats.written_blocks += 1
         if self.remote is not None and self.remote.put(key, payload):
             self.stats.written_blocks += 1
-            self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+            with self._remote_lock:
+                self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
+                for acked in self._remote_reads:
+                    acked.add(key)
 
     # ------------------------------------------------------------------ reads
     def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
@@ -229,16 +236,17 @@ class PersistentTiers:
         tokens = list(token_blocks)  # one entry per key
         if self.disk is not None:
             for key, want in zip(keys, tokens):
-                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype)
+                # held is reported under the disk's lock, if the entry is still indexed: never
+                # after a removal the writer thread made while this read verified the block
+                at = depth + len(out)
+                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype,
+                                       on_hit=lambda r, at=at: self._note(self._held(r, DISK_LEVEL, at)))
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
-                out.append(self._used(record, DISK_LEVEL, depth + len(out)))
+                out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
         if self.remote is not None and len(out) < len(keys):
             rest = list(keys[len(out):])
-            found = self.remote.fetch_many(rest, shape=self.block_shape, dtype=self.dtype)
-            for key, record in zip(rest, found or ()):  # None: the store did not answer, nothing learnt
-                if record is None:
-                    self._note(StoreChange(REMOTE_LEVEL, key, False))
+            found = self._fetch_remote(rest)
             for record, want in zip(found or (), tokens[len(out):]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
@@ -247,9 +255,31 @@ class PersistentTiers:
         self.stats.remote_hits += sum(1 for s in out if s.level == REMOTE_LEVEL)
         return out
 
+    def _fetch_remote(self, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
+        """``RemoteStore.fetch_many``, reporting each key Redis answered without as not held,
+        unless the writer had its write of that key acknowledged meanwhile (the miss may
+        predate it: the key is held now). None: the store did not answer, nothing learnt."""
+        acked: set[BlockHash] = set()
+        with self._remote_lock:
+            self._remote_reads.append(acked)
+        found = None
+        try:
+            found = self.remote.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)  # type: ignore[union-attr]
+        finally:
+            with self._remote_lock:
+                self._remote_reads.remove(acked)
+                for key, record in zip(keys, found or ()):
+                    if record is None and key not in acked:
+                        self._note(StoreChange(REMOTE_LEVEL, key, False))
+        return found
+
     def _used(self, record: BlockRecord, level: str, depth: int) -> StoredKV:
-        self._note(StoreChange(level, record.key, True, record.parent_key, record.token_ids, depth))
+        self._note(self._held(record, level, depth))
         return StoredKV(record.key, record.parent_key, record.token_ids, record.kv, level)
+
+    @staticmethod
+    def _held(record: BlockRecord, level: str, depth: int) -> StoreChange:
+        return StoreChange(level, record.key, True, record.parent_key, record.token_ids, depth)
 
     @staticmethod
     def _continues(record: BlockRecord, token_ids, parent: BlockHash | None) -> bool:
