@@ -204,3 +204,34 @@ def test_fail_all_releases_what_a_registration_holds(tiny_llama):
     assert engine.pool.num_used_blocks == 0 and "facts" not in engine.modules.schemas
     assert 90 not in engine.pool.blocks_by_priority()  # what it cached is not kept at the module priority
     engine.check_integrity()
+
+
+def module_priorities(engine: LLMEngine, name: str) -> list[int | None]:
+    """The priority of every block of the schema's modules (``None``: not cached)."""
+    cache = engine.modules
+    schema = cache.schemas[name]
+    return [None if (b := engine.pool.get_cached(h)) is None else b.priority
+            for m in schema.precompute_modules for h in cache.module_hashes(schema, m)[0]]
+
+
+def test_a_delete_during_the_registration_of_the_same_version_leaves_it_serving_at_the_module_priority(tiny_llama):
+    """DELETE (``ModuleCache.remove``) acts on the registered version; the same version still
+    registering completes and serves (docs/pml.md), with every module block at priority 90,
+    not the ones finished before the DELETE at the default 35."""
+    text = union("facts", 6)
+    engine = make(tiny_llama)
+    engine.modules.register(text)
+    engine.reset_prefix_cache()  # every module evicted: the registration below recomputes them all
+    settled = Settled()
+    engine.submit_schema(text, settled)
+    for _ in range(8):
+        tick(engine)
+    (job,) = engine.registrations
+    assert job.modules_done == 3
+    assert engine.modules.remove("facts")  # the route's DELETE
+    while engine.registrations.has_work():
+        tick(engine)
+        engine.check_integrity()
+    ((info, failed),) = settled.calls
+    assert not failed and info.computed == 7 and sorted(engine.modules.schemas) == ["facts"]
+    assert module_priorities(engine, "facts") == [90] * 21

@@ -188,6 +188,9 @@ class ModuleCache:
         old = self.schemas.get(schema.name)
         if old is not None and old.schema_hash != schema.schema_hash:
             self.demote(old)
+        # Every module it put in the pool is at the module priority now, even one a DELETE of
+        # this same version dropped to the default while the rest were still being computed.
+        self._set_priority(schema, MODULE_PRIORITY, only_changed=True)
         self.schemas[schema.name] = schema
         self._sources[schema.name] = pml_text
         self._costs.pop(schema.name, None)
@@ -326,11 +329,17 @@ class ModuleCache:
 
     def demote(self, schema: CompiledSchema) -> None:
         """Drop a schema's cached module blocks to the default priority."""
+        self._set_priority(schema, DEFAULT_PRIORITY)
+
+    def _set_priority(self, schema: CompiledSchema, priority: int, *, only_changed: bool = False) -> None:
+        """Every cached block of the schema's modules at ``priority`` (no duration);
+        ``only_changed``: blocks already there are not touched (their place in the eviction
+        order stays)."""
         for module in schema.precompute_modules:
             for h in self.module_hashes(schema, module)[0]:
                 block = self.pool.get_cached(h)
-                if block is not None:
-                    self.pool.set_retention(block, DEFAULT_PRIORITY, None)
+                if block is not None and not (only_changed and block.priority == priority):
+                    self.pool.set_retention(block, priority, None)
 
 
 @dataclass(frozen=True)
