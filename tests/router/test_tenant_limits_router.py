@@ -239,3 +239,27 @@ def test_route_refuses_bad_limits_before_waiting_for_executors(tmp_path, capsys)
     assert route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme",
                        "--tenant-tokens-per-minute", "0"]) == 2
     assert "--tenant-tokens-per-minute: expected a whole number >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_request_the_executor_refuses_costs_the_tenant_nothing_on_the_router(engine):
+    """docs/router.md#tenant-limits: a request refused by validation (400, 404) costs nothing,
+    through the router as straight to the executor, streamed or not."""
+    clock = Clock()
+    cluster = Cluster(engine, clock)
+
+    async def scenario():
+        await cluster.start()
+        charged = {}
+        for direct in (True, False):
+            acme = cluster.client("acme-key", direct=direct)
+            with pytest.raises(openai.NotFoundError):  # unknown model: the executor's 404
+                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, extra_body=EXACT)
+            with pytest.raises(openai.NotFoundError):
+                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, stream=True,
+                                              extra_body=EXACT)
+            limiter = cluster.executor_limiter if direct else cluster.router_limiter
+            charged[direct] = (limiter.tokens_charged("acme"), limiter.tokens_available("acme"), limiter.in_flight("acme"))
+        return charged
+
+    charged = asyncio.run(scenario())
+    assert charged == {True: (0, 120.0, 0), False: (0, 120.0, 0)}
