@@ -96,7 +96,8 @@ class UsageTap:
             self.lease.record(used)
 
     def events(self, data: bytes) -> bytes:
-        """Whole SSE events (``data: ...\\n\\n`` each) -> what the client gets of them."""
+        """Whole SSE events (``data: ...\\n\\n`` each) -> what the client gets of them. The
+        usage is read from the usage chunk (``choices: []``) alone."""
         if b'"usage"' not in data:
             return data
         out = []
@@ -106,10 +107,12 @@ class UsageTap:
                     chunk = json.loads(event[6:])
                 except ValueError:
                     chunk = {}
-                used = _used(chunk.get("usage"))
+                # only the usage chunk counts the whole reply: a chunk's own usage
+                # (continuous_usage_stats) is one choice's so far
+                used = _used(chunk.get("usage")) if chunk.get("choices") == [] else None
                 if used is not None:
                     self.lease.record(used)
-                    if self.hide_usage and chunk.get("choices") == []:
+                    if self.hide_usage:
                         continue
             out.append(event + b"\n\n")
         return b"".join(out)
