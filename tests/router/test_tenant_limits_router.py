@@ -239,3 +239,74 @@ def test_route_refuses_bad_limits_before_waiting_for_executors(tmp_path, capsys)
     assert route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme",
                        "--tenant-tokens-per-minute", "0"]) == 2
     assert "--tenant-tokens-per-minute: expected a whole number >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_request_the_executor_refuses_costs_the_tenant_nothing_on_the_router(engine):
+    """docs/router.md#tenant-limits: a request refused by validation (400, 404) costs nothing,
+    through the router as straight to the executor, streamed or not."""
+    clock = Clock()
+    cluster = Cluster(engine, clock)
+
+    async def scenario():
+        await cluster.start()
+        charged = {}
+        for direct in (True, False):
+            acme = cluster.client("acme-key", direct=direct)
+            with pytest.raises(openai.NotFoundError):  # unknown model: the executor's 404
+                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, extra_body=EXACT)
+            with pytest.raises(openai.NotFoundError):
+                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, stream=True,
+                                              extra_body=EXACT)
+            limiter = cluster.executor_limiter if direct else cluster.router_limiter
+            charged[direct] = (limiter.tokens_charged("acme"), limiter.tokens_available("acme"), limiter.in_flight("acme"))
+        return charged
+
+    charged = asyncio.run(scenario())
+    assert charged == {True: (0, 120.0, 0), False: (0, 120.0, 0)}
+
+
+
+class _Breaks(httpx.AsyncByteStream):
+    """``chunks``, then the connection breaks (the executor died mid-stream)."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+        raise httpx.ReadError("connection reset by peer")
+
+
+def test_a_routed_stream_cut_short_keeps_its_reservation_charged_whatever_usage_its_chunks_carry():
+    """Per-chunk usage (``continuous_usage_stats``) counts one choice's tokens so far: a stream
+    cut before its usage chunk keeps its reservation charged (docs/router.md#tenant-limits),
+    here n = 2, where each chunk's usage is one choice's."""
+    import json
+
+    from kvreuse.router.prompt_keys import HashSettings
+
+    def chunk(index: int, completion: int) -> bytes:
+        body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+                "choices": [{"index": index, "text": "x", "logprobs": None, "finish_reason": None}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": completion, "total_tokens": 3 + completion}}
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        events = [chunk(0, 1), chunk(1, 1), chunk(0, 2), chunk(1, 2)]  # 4 tokens out when it died
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Breaks(events))
+
+    limiter = TenantLimiter(TenantLimits(tenants={"acme": Limits(tokens_per_minute=120)}), Clock())
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
+            router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
+                            make_policy("kv"), client=upstream, seed=0, executor_api_key=ADMIN)
+            app = build_router_app(router, api_key=KEYS, limiter=limiter)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
+                sent = await http.post("/v1/completions", headers={"authorization": "Bearer acme-key"}, json={
+                    "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "n": 2, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        return sent.text.count('"usage"'), '"executor_failed"' in sent.text, limiter.tokens_charged("acme")
+
+    assert asyncio.run(scenario()) == (4, True, 19)  # prompt 3 + 2 x 8 reserved; 4 chunks' usage relayed

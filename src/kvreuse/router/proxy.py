@@ -119,8 +119,8 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
             logger.info("retrying a request after %s failed before its first byte: %s", executor.url, exc)
             continue
         if not isinstance(result, Upstream):
-            if usage is not None and result.status_code == 200:
-                usage.json_body(bytes(result.body))
+            if usage is not None:
+                usage.response(result.status_code, bytes(result.body))
             return result
         headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
         if migrating:

@@ -11,7 +11,9 @@ the largest any executor would give, since none is chosen yet (``Router.default_
 a non-streamed response, the usage event of a stream. A stream whose client did not ask for
 usage is sent upstream with ``stream_options.include_usage`` (``ask_for_usage``) and the
 usage event is taken out of what the client gets, so the client sees the stream it asked
-for. A response without usage (an error, a stream cut short) leaves the reservation charged.
+for. A 4xx of the executor (it refused the request before running it: a bad field, an
+unknown model) costs nothing, as on the executor; any other response without usage (a 5xx,
+a stream cut short) leaves the reservation charged.
 """
 
 from __future__ import annotations
@@ -76,6 +78,14 @@ class UsageTap:
     def __init__(self, lease: Lease, hide_usage: bool) -> None:
         self.lease, self.hide_usage = lease, hide_usage
 
+    def response(self, status: int, content: bytes) -> None:
+        """A non-streamed response (or a stream refused before it started): a 200's usage;
+        nothing used for a 4xx, which the executor answers before running anything."""
+        if status == 200:
+            self.json_body(content)
+        elif 400 <= status < 500:
+            self.lease.record(0)
+
     def json_body(self, content: bytes) -> None:
         """A non-streamed response body."""
         try:
@@ -86,7 +96,8 @@ class UsageTap:
             self.lease.record(used)
 
     def events(self, data: bytes) -> bytes:
-        """Whole SSE events (``data: ...\\n\\n`` each) -> what the client gets of them."""
+        """Whole SSE events (``data: ...\\n\\n`` each) -> what the client gets of them. The
+        usage is read from the usage chunk (``choices: []``) alone."""
         if b'"usage"' not in data:
             return data
         out = []
@@ -96,10 +107,12 @@ class UsageTap:
                     chunk = json.loads(event[6:])
                 except ValueError:
                     chunk = {}
-                used = _used(chunk.get("usage"))
+                # only the usage chunk counts the whole reply: a chunk's own usage
+                # (continuous_usage_stats) is one choice's so far
+                used = _used(chunk.get("usage")) if chunk.get("choices") == [] else None
                 if used is not None:
                     self.lease.record(used)
-                    if self.hide_usage and chunk.get("choices") == []:
+                    if self.hide_usage:
                         continue
             out.append(event + b"\n\n")
         return b"".join(out)
