@@ -33,6 +33,7 @@ from router_guards import post_raw, rss_kib  # noqa: E402
 
 from tests.pml.test_module_cache import SCHEMA  # noqa: E402
 from tests.router.cluster import Proc, free_port, wait_healthy  # noqa: E402
+from tests.serve_client import metric  # noqa: E402
 
 ADMIN, ALICE, BOB = "campaign-admin", "campaign-alice", "campaign-bob"
 KEYS = [ADMIN, f"{ALICE}:alice", f"{BOB}:bob"]
@@ -42,12 +43,6 @@ PML_PROMPT = '<prompt schema="s"><b/><r who="Cy"/>Why?</prompt>'  # over tests.p
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def metric(url: str, name: str) -> float:
-    """The sum of a Prometheus sample's values over its labels, from ``url/metrics``."""
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([-+\deE.]+)$", text, re.M))
 
 
 def row(finding: str, check: str, value, target: str, ok: bool) -> dict:

@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.router.cluster import Proc, free_port, router, wait_healthy  # noqa: E402
+from tests.serve_client import metric  # noqa: E402
 
 EXECUTOR_HEADER = "x-kvreuse-executor"
 
@@ -83,13 +84,6 @@ def outcome(result: dict, chat: bool) -> tuple[str, str]:
     if events and events[-1] == "[DONE]":
         return "whole", text
     return "silent_cut", text
-
-
-def metric(url: str, name: str, label: str = "") -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + label + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 def one_run(url: str, requests: list[tuple[str, dict]], kill) -> tuple[list[dict], str]:
@@ -202,7 +196,7 @@ def main() -> None:
 
         for run in range(args.runs):
             for name in routers:
-                before = {o: metric(rurl[name], "kvreuse:router_migrations_total", f'{{outcome="{o}"}}')
+                before = {o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o)
                           for o in ("continued", "limit", "no_executor", "unsupported", "failed", "finished")}
                 results, victim = one_run(rurl[name], requests, kill)
                 counts = {"whole_identical": 0, "whole_differing": 0, "error_event": 0, "silent_cut": 0, "refused": 0}
@@ -214,7 +208,7 @@ def main() -> None:
                         if len(r["times"]) > 2]
                 runs.append({
                     "config": name, "run": run, "victim": victim, "streams_on_victim": len(on_victim), **counts,
-                    "migrations": {o: metric(rurl[name], "kvreuse:router_migrations_total", f'{{outcome="{o}"}}')
+                    "migrations": {o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o)
                                    - before[o] for o in before},
                     "stalls_on_victim_s": [round(stall(r), 4) for r in on_victim],
                     "stalls_elsewhere_s": [round(stall(r), 4) for r in results if r["executor"] != victim],

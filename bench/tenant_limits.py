@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.router.cluster import executor, free_port, router, wait_healthy  # noqa: E402
+from tests.serve_client import metric  # noqa: E402
 
 ADMIN, ALICE, BOB = "bench-admin", "bench-alice", "bench-bob"
 KEYS = ["--api-key", ADMIN, "--api-key", f"{ALICE}:alice", "--api-key", f"{BOB}:bob"]
@@ -87,12 +87,6 @@ def _bob(url: str, n: int) -> list[float]:
     return out
 
 
-def _in_flight(url: str, tenant: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    found = re.search(rf'^kvreuse:router_tenant_requests_in_flight{{tenant="{tenant}"}} ([\d.]+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def one_run(mode: str, limited: str, unlimited: str, bob_requests: int) -> dict:
     url = unlimited if mode == "flood_unlimited" else limited
     counts, lock, stop = {"served": 0, "refused": 0, "other": 0}, threading.Lock(), threading.Event()
@@ -106,7 +100,8 @@ def one_run(mode: str, limited: str, unlimited: str, bob_requests: int) -> dict:
     for t in threads if mode != "alone" else ():
         t.join()
     return {"mode": mode, "bob_latency_s": latencies, "bob_median_s": statistics.median(latencies),
-            "alice": dict(counts), "alice_in_flight_after": _in_flight(limited, "alice")}
+            "alice": dict(counts),
+            "alice_in_flight_after": metric(limited, "kvreuse:router_tenant_requests_in_flight", tenant="alice")}
 
 
 def main() -> None:

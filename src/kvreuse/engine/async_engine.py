@@ -136,7 +136,7 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
         # the disk / remote stores count on their writer thread and breaker clock, between
         # steps too: stats() reads their (thread-safe) counters live, not from the snapshot
-        self._stores = None if engine.host is None else engine.host.below
+        self._stores = engine.stores
         self._integrity_error: str | None = None
         self._thread: threading.Thread | None = None
         self._running = False

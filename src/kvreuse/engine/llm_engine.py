@@ -368,8 +368,8 @@ class LLMEngine:
         """Finish the disk / remote writes already queued (at most 5 s: what is left is a
         recompute later) and close the remote connections, so a restarted executor finds
         what this one computed. Call when no step runs any more (a graceful stop)."""
-        if self.host is not None and self.host.below is not None:
-            self.host.below.close()
+        if self.stores is not None:
+            self.stores.close()
 
     def cache_pools(self) -> tuple:
         """The device pool, then the tiers below it: the host pool and the stores' ledgers

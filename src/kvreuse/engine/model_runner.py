@@ -157,9 +157,9 @@ class ModelRunner:
         keys of tokens ``..start`` (already written) and causally to each other. Running the
         chunks of a pass one after another, at any time, gives exactly what ``precompute``
         with the same chunk size gives (a schema registered in slices between steps)."""
-        ids, pos, slots = list(token_ids[start:end]), list(positions), list(slots)
-        self.execute([SeqChunk.from_slots(ids, pos[start:end], slots[start:end], slots[:start], pos[:start],
-                                          sample=False)])
+        # slices only: from_slots copies them into its own lists / arrays (no full-pass copy per chunk)
+        self.execute([SeqChunk.from_slots(token_ids[start:end], positions[start:end], slots[start:end], slots[:start],
+                                          positions[:start], sample=False)])
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
         """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,

@@ -73,12 +73,10 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
     }}
     below = host.below
     if below is not None:
-        for level, store in ((DISK_LEVEL, below.disk), (REMOTE_LEVEL, below.remote)):
-            if store is not None:
-                ledger = host.ledgers[level]
-                out[level] = {k: float(v) for k, v in store.stats().items()} | {
-                    "blocks_stored": ledger.num_stored, "blocks_removed": ledger.num_removed,
-                    "blocks_held": len(ledger)}
+        for level, counters in store_stats(below).items():
+            ledger = host.ledgers[level]
+            out[level] = counters | {"blocks_stored": ledger.num_stored, "blocks_removed": ledger.num_removed,
+                                     "blocks_held": len(ledger)}
         out[HOST_LEVEL]["tier_writes_dropped"] = below.stats.dropped_writes
         out[HOST_LEVEL]["tier_writes_pending"] = below.pending_writes
     return out
