@@ -25,6 +25,7 @@ from typing import Any
 from kvreuse.api.limiter import Lease
 from kvreuse.api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # the executor's (OpenAI's) default
 from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
+from kvreuse.router.sse import SSE_SEPARATOR, payload
 
 
 def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys,
@@ -101,18 +102,15 @@ class UsageTap:
         if b'"usage"' not in data:
             return data
         out = []
-        for event in data.split(b"\n\n")[:-1]:
-            if event.startswith(b"data: {") and b'"usage"' in event:
-                try:
-                    chunk = json.loads(event[6:])
-                except ValueError:
-                    chunk = {}
-                # only the usage chunk counts the whole reply: a chunk's own usage
-                # (continuous_usage_stats) is one choice's so far
-                used = _used(chunk.get("usage")) if chunk.get("choices") == [] else None
-                if used is not None:
-                    self.lease.record(used)
-                    if self.hide_usage:
-                        continue
-            out.append(event + b"\n\n")
+        for event in data.split(SSE_SEPARATOR)[:-1]:
+            event += SSE_SEPARATOR
+            chunk = payload(event) if b'"usage"' in event else None
+            # only the usage chunk counts the whole reply: a chunk's own usage
+            # (continuous_usage_stats) is one choice's so far
+            used = _used(chunk.get("usage")) if chunk is not None and chunk.get("choices") == [] else None
+            if used is not None:
+                self.lease.record(used)
+                if self.hide_usage:
+                    continue
+            out.append(event)
         return b"".join(out)
