@@ -358,3 +358,38 @@ def test_a_reply_cut_after_its_usage_chunk_gets_one_usage_chunk(executor_app, ch
     assert sum(1 for e in events[:-1] if e["choices"] == []) == 1  # the usage chunk, once (not again at the end)
     assert len(events) == len(whole)
     assert len(transport.streams) == 1 and _counts(router) == {"finished": 1.0}
+
+
+@pytest.mark.parametrize("salt", [None, "mine"])
+def test_a_continuation_carries_the_tenants_salt(executor_app, salt):
+    """A tenant key's continuation has the salt its first request had (isolation)."""
+    from kvreuse.api.tenants import tenant_salt
+    body = {**COMPLETION, **({"cache_salt": salt} if salt else {})}
+
+    async def call(http, _client):
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer acme-key"})
+        assert r.status_code == 200, r.text
+        return r.content
+
+    _, transport, _ = _scenario(executor_app, call, cuts=[5], api_key=["admin-key", "acme-key:acme"])
+    (_, _, first), (_, p2, second) = transport.streams
+    assert p2 == "/v1/completions"
+    assert first["cache_salt"] == second["cache_salt"] == tenant_salt("acme", salt)
+
+
+def test_a_continuation_carries_the_clients_authorization(executor_app):
+    """Without router keys the executors check the client's key: the continuation sends it too."""
+    seen = []
+
+    class _Rec(_Executors):
+        async def handle_async_request(self, request):
+            seen.append(request.headers.get("authorization"))
+            return await super().handle_async_request(request)
+
+    async def call(http, _client):
+        r = await http.post("/v1/completions", json=COMPLETION, headers={"authorization": "Bearer acme-key"})
+        return r.content
+
+    _, transport, _ = _scenario(executor_app, call, cuts=[5], transport_type=_Rec)
+    assert transport.streams[1][1] == "/v1/completions"
+    assert seen[-2:] == ["Bearer acme-key", "Bearer acme-key"], seen
