@@ -80,12 +80,12 @@ def _tokenizer(info):
     return _TOKENIZERS[info.model_id]
 
 
-def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None):
+def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None, transport_type=None):
     """Run ``calls(http, client)`` against a fresh router over ``executors`` whose streams are
-    cut as ``cuts`` says (``api_key``, ``limiter``: the router app's); returns (what calls
-    returned, the transport, the router)."""
+    cut as ``cuts`` says (``api_key``, ``limiter``: the router app's; ``transport_type``: an
+    ``_Executors`` that cuts otherwise); returns (what calls returned, the transport, the router)."""
     async def run():
-        transport = _Executors(app)
+        transport = (transport_type or _Executors)(app)
         transport.cuts = list(cuts)
         upstream = httpx.AsyncClient(transport=transport)
         infos = [await fetch_info(upstream, name) for name in executors]
@@ -331,3 +331,65 @@ def test_a_tenant_is_charged_the_whole_migrated_reply(executor_app):
     assert b'"usage"' not in raw and raw.endswith(b"data: [DONE]\n\n")  # read by the router, not sent
     assert _counts(router) == {"continued": 1.0}
     assert limiter.tokens_charged("acme") == total  # the reply's usage, across both executors (not the reservation)
+
+
+class _CutBeforeDone(_Executors):
+    """Streams lose only their ``[DONE]`` (the executor dies right after its usage chunk)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            return response
+        self.streams.append((f"http://{request.url.host}", request.url.path, json.loads(request.content)))
+        data = await response.aread()
+        assert data.endswith(b"data: [DONE]\n\n")
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=_Breaking(data[: -len(b"data: [DONE]\n\n")]))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_reply_cut_after_its_usage_chunk_gets_one_usage_chunk(executor_app, chat):
+    body, path = (CHAT, "/v1/chat/completions") if chat else (COMPLETION, "/v1/completions")
+    _scenario(executor_app, _post(body, path))  # cached from here on
+    whole = _events(_scenario(executor_app, _post(body, path))[0])
+    raw, transport, router = _scenario(executor_app, _post(body, path), transport_type=_CutBeforeDone)
+    events = _events(raw)
+    assert _reply(events, chat) == _reply(whole, chat)
+    assert sum(1 for e in events[:-1] if e["choices"] == []) == 1  # the usage chunk, once (not again at the end)
+    assert len(events) == len(whole)
+    assert len(transport.streams) == 1 and _counts(router) == {"finished": 1.0}
+
+
+@pytest.mark.parametrize("salt", [None, "mine"])
+def test_a_continuation_carries_the_tenants_salt(executor_app, salt):
+    """A tenant key's continuation has the salt its first request had (isolation)."""
+    from kvreuse.api.tenants import tenant_salt
+    body = {**COMPLETION, **({"cache_salt": salt} if salt else {})}
+
+    async def call(http, _client):
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer acme-key"})
+        assert r.status_code == 200, r.text
+        return r.content
+
+    _, transport, _ = _scenario(executor_app, call, cuts=[5], api_key=["admin-key", "acme-key:acme"])
+    (_, _, first), (_, p2, second) = transport.streams
+    assert p2 == "/v1/completions"
+    assert first["cache_salt"] == second["cache_salt"] == tenant_salt("acme", salt)
+
+
+def test_a_continuation_carries_the_clients_authorization(executor_app):
+    """Without router keys the executors check the client's key: the continuation sends it too."""
+    seen = []
+
+    class _Rec(_Executors):
+        async def handle_async_request(self, request):
+            seen.append(request.headers.get("authorization"))
+            return await super().handle_async_request(request)
+
+    async def call(http, _client):
+        r = await http.post("/v1/completions", json=COMPLETION, headers={"authorization": "Bearer acme-key"})
+        return r.content
+
+    _, transport, _ = _scenario(executor_app, call, cuts=[5], transport_type=_Rec)
+    assert transport.streams[1][1] == "/v1/completions"
+    assert seen[-2:] == ["Bearer acme-key", "Bearer acme-key"], seen

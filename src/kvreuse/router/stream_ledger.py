@@ -53,6 +53,7 @@ class StreamLedger:
         self.several_choices = False
         self.failed = False  # an executor's own error event was sent: the stream has ended
         self.done = False  # [DONE] was sent
+        self.usage_sent = False  # the usage chunk was sent (an executor died before its [DONE] only)
         self._replay: _Replay | None = None
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
@@ -102,6 +103,7 @@ class StreamLedger:
             if not self.request.include_usage:
                 return None
             body["usage"] = usage
+            self.usage_sent = True
         elif self.request.continuous_usage and usage is not None:
             body["usage"] = usage
         return self._sent(encode(body))
@@ -172,9 +174,10 @@ class StreamLedger:
 
     # ------------------------------------------------------------------ the end
     def end(self) -> bytes:
-        """The events that end a finished reply: the usage chunk (when asked for), ``[DONE]``."""
+        """The events that end a finished reply: the usage chunk (when asked for and not sent
+        yet), ``[DONE]``."""
         out = b""
-        if self.request.include_usage:
+        if self.request.include_usage and not self.usage_sent:
             out += self._sent(encode({**(self.header or {}), "choices": [], "usage": self.usage()}))
         self.done = True
         return out + SSE_DONE
