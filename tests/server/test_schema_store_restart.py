@@ -7,6 +7,7 @@ is loaded and the restore logged and counted."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -66,7 +67,14 @@ def test_a_restart_over_a_bad_store_file_starts_recomputes_and_answers_the_same(
         listed = c.get("/v1/schemas").json()["data"]
         assert [s["name"] for s in listed] == ["docs"]
         assert c.post("/v1/completions", json=PROMPT).json()["choices"][0]["text"] == ref
-        metrics = c.get("/metrics").text
+        # The engine thread may still be finishing its last step when the response arrives:
+        # read /metrics once the engine's own count has stopped moving, so the two agree.
+        for _ in range(100):
+            before = engine.stats().tokens_computed
+            metrics = c.get("/metrics").text
+            if engine.stats().tokens_computed == before:
+                break
+            time.sleep(0.05)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     restored = [r.getMessage() for r in caplog.records if r.getMessage().startswith("schema dir: restored")]
     refused = _metric(metrics, "kvreuse:schema_store_refused_total")
