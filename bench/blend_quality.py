@@ -48,6 +48,7 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     about other people, in random slot order."""
     rng = random.Random(seed)
     people = [f"{f} {l}" for l in LAST for f in FIRST]
+    people += [f"{f} {m}. {l}" for m in "ABCDEFGH" for l in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
     rng.shuffle(people)
     pairs = [(people[2 * i], people[2 * i + 1], rng.choice(CITIES)) for i in range(num_questions)]
     docs = []
