@@ -19,6 +19,7 @@ from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo
 from kvreuse.pml.prepared import is_pml_prompt
 from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.engine.seam_repair import SeamRepair
 
 PromptType = str | list[int]
 
@@ -42,13 +43,17 @@ class LLM:
         *,
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | Mapping[str, Any] | None = None,
+        blend: "SeamRepair | Mapping[str, Any] | None" = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
         ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
-        (a mapping, converted here once).
+        (a mapping, converted here once). ``blend`` is the seam repair of PML prompts' assembled
+        modules (``SeamRepair(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``;
+        ``None``: the engine's ``blend_first_tokens`` / ``blend_ratio``); each output's
+        ``num_recomputed_tokens`` says how many it recomputed.
         Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
         retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling
         params whose length differs from the prompts'."""
@@ -68,7 +73,8 @@ class LLM:
             try:
                 if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
                     prepared = self.engine.prepare_prompt(prompt)  # compiled once, here (the engine thread)
-                    self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config)
+                    self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config,
+                                                     blend=blend)
                 else:
                     token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                     self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=config)

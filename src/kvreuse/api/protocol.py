@@ -58,6 +58,9 @@ class _GenerationRequest(BaseModel):
     # kvreuse / vLLM extras
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
     kv_cache_retention_config: dict[str, Any] | None = None
+    # seam repair of a PML prompt's assembled modules: {"first_tokens": k, "ratio": r}
+    # (engine/seam_repair.py; absent: the server's --blend-*; both 0: off)
+    blend: Any = None
     request_id: StrictStr | None = None
     # vLLM extra: the prompt's token ids and each choice's generated ids in the response (streamed:
     # prompt_token_ids on a choice's first chunk, token_ids on every chunk; routes' docstrings)
@@ -239,6 +242,9 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     extension; other clients ignore it) says where ``outputs``' cached tokens came from
     (``device``, ``host``, ``disk``, ``remote``)."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    recomputed = sum(getattr(out, "num_recomputed_tokens", 0) for out in outputs)
+    if recomputed:  # seam repair recomputed some assembled (cached) tokens: an extension
+        details["recomputed_tokens"] = recomputed
     tiered = [out.cached_tokens_by_tier for out in outputs if getattr(out, "cached_tokens_by_tier", None) is not None]
     if tiered:  # the engine has tiers below the device pool
         by_tier = {name: 0 for name in TIER_NAMES.values()}

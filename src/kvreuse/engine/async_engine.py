@@ -70,6 +70,7 @@ class _Add:
     retention: KvCacheRetentionConfig | None
     stream: _Stream
     prepared: PreparedPrompt | None = None  # a PML prompt (compiled at the edge); its KV is assembled here
+    blend: dict | None = None  # its seam repair (LLMEngine.add_prepared_request); None: the engine's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +176,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | None = None,
         prepared: PreparedPrompt | None = None,
+        blend: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one
         has ``finished``. With ``prepared`` (a PML prompt from ``call(lambda e:
@@ -188,7 +190,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, prepared))
+        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, prepared, blend))
         finished = False
         try:
             while True:
@@ -331,7 +333,8 @@ class AsyncEngine:
         try:
             if cmd.prepared is not None:
                 self.engine.add_prepared_request(
-                    cmd.request_id, cmd.prepared, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
+                    cmd.request_id, cmd.prepared, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention,
+                    blend=cmd.blend,
                 )
             else:
                 self.engine.add_request(

@@ -86,6 +86,10 @@ class PrefillItem:
     mask_sliding: dict[int, torch.Tensor | None]  # window -> [num_new, L] bool
     kv_runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs covering the keys, if few
     device: torch.device | str = "cpu"  # where kv_slots is wanted (the pool's device)
+    # True: the masks are the whole truth on every layer (keys visible by position, seam
+    # repair); the keys are gathered and attended with the mask, never the implicit
+    # "context all visible, new tokens causal" of the fused path.
+    masked: bool = False
 
     @cached_property
     def kv_slots(self) -> torch.Tensor:
@@ -212,6 +216,12 @@ def _attend_item(
 ) -> torch.Tensor:
     """One sequence's new tokens over its keys: ``[n, heads, d]``."""
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
+    if item.masked:  # keys by position (seam repair): gather, then the mask decides alone
+        kk = k_cache.index_select(1, item.kv_slots)[None]  # [1, kv_heads, L, d]
+        vv = v_cache.index_select(1, item.kv_slots)[None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)  # [1, heads, n, d]
+        return o[0].transpose(0, 1)
     if item.mask_full is None and mask is None:
         # Fresh prompt, no context: the same causal SDPA call plain transformers makes.
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
 
@@ -37,8 +38,20 @@ class EngineConfig:
     disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
     remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
     tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
+    blend_first_tokens: int = 0  # seam repair: leading tokens of each assembled module recomputed (0: none)
+    blend_ratio: float = 0.0  # seam repair: share of assembled tokens recomputed by KV deviation, in [0, 1]
+
+    @property
+    def blend(self) -> SeamRepair:
+        """The seam repair a request gets when it asks for none (``--blend-*``)."""
+        return SeamRepair(self.blend_first_tokens, self.blend_ratio)
 
     def __post_init__(self) -> None:
+        try:
+            self.blend
+        except ValueError as exc:  # name the flags, not the request field
+            raise ValueError(str(exc).replace("blend.first_tokens", "--blend-first-tokens")
+                             .replace("blend.ratio", "--blend-ratio")) from None
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.block_size < 1 or self.block_size > 1024:

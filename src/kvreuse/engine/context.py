@@ -72,13 +72,14 @@ class PromptContext:
     recomputed elsewhere) and empty while ``RELEASED``.
     """
 
-    __slots__ = ("_source", "_held", "_num_tokens", "_arrays")
+    __slots__ = ("_source", "_held", "_num_tokens", "_arrays", "_num_recomputed")
 
     def __init__(self, source: ContextSource, held: HeldKV | None = None) -> None:
         self._source = source
         self._held = held
         self._num_tokens = source.num_tokens  # asked once: it is read per output
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (slots, positions) of this acquisition
+        self._num_recomputed = getattr(held, "num_recomputed", 0)  # seam repair of the last acquisition
 
     @property
     def state(self) -> ContextState:
@@ -139,7 +140,15 @@ class PromptContext:
         if self._held is None:
             self._held = self._source.acquire()
             self._arrays = None
+            if self._held is not None:
+                self._num_recomputed = getattr(self._held, "num_recomputed", 0)
         return self._held is not None
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Context tokens seam repair recomputed at the last acquisition (0: no repair);
+        kept after the release, for the request's usage."""
+        return self._num_recomputed
 
     def release(self) -> None:
         """Let the KV go (``RELEASED``): at the request's end, or while it waits under pool

@@ -40,6 +40,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         schema_slices=registrations.slices,
         schemas_registering=len(registrations),
         tokens_computed_modules=modules.tokens_computed,
+        seam_repair_tokens=engine.seam_repair_tokens,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +29,8 @@ from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.context import PromptContext
+from kvreuse.engine.repaired_context import RepairedSource
+from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.engine.introspection import check_engine_integrity, engine_stats
 from kvreuse.pml.module_cache import ModuleCache
 from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
@@ -119,6 +121,7 @@ class LLMEngine:
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
         self._requests: dict[str, Sequence] = {}
         self.tokens_computed = 0
+        self.seam_repair_tokens = 0  # assembled tokens recomputed by seam repair
         torch.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ requests
@@ -178,16 +181,27 @@ class LLMEngine:
 
     def add_prepared_request(
         self, request_id: str, prompt: PreparedPrompt, params: SamplingParams, *, cache_salt: str | None = None,
-        retention=None,
+        retention=None, blend: "SeamRepair | Mapping | None" = None,
     ) -> None:
         """Queue a PML prompt (``prepare_prompt``): its new tokens at their positions, after the
         KV of the modules it selects. That KV is acquired now (recomputing evicted modules) or,
         when the pool cannot hold it now, when the request reaches the head of the queue.
-        Raises ``ValueError`` if the request can never run."""
-        context = PromptContext(self.modules.source(prompt.plan), None)
+        ``blend``: the seam repair of the assembled modules (``SeamRepair`` or its JSON form;
+        ``None``: the server's ``--blend-*``), done at each acquisition into private copies
+        of the blocks it changes (engine/repaired_context.py).
+        Raises ``ValueError`` if the request can never run or ``blend`` is invalid (naming it)."""
+        repair = SeamRepair.from_json(blend, self.config.blend)
+        source = self.modules.source(prompt.plan)
+        if repair.enabled:
+            source = RepairedSource(source, repair, self.runner, self.kv, on_repair=self._count_repair)
+        context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
                          prompt_positions=list(prompt.position_ids), context=context)  # own copy: shared prompt
+
+    def _count_repair(self, num_tokens: int) -> None:
+        self.seam_repair_tokens += num_tokens
+        self.tokens_computed += num_tokens
 
     def _restore_context(self) -> None:
         """The first waiting request, if its context KV was let go, acquires it again
@@ -349,6 +363,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens + seq.num_context_tokens,  # PML modules are prompt too
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=None if self.host is None else dict(seq.cached_tokens_by_tier),
+            num_recomputed_tokens=0 if seq.context is None else seq.context.num_recomputed_tokens,
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
             new_logprobs=new_logprobs,

@@ -19,6 +19,7 @@ from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.models import llama
 
+DEVIATION_LAYER = 1  # seam repair compares this layer's recomputed K/V with the cached one (CacheBlend)
 
 @dataclass(frozen=True)
 class SeqChunk:
@@ -36,6 +37,9 @@ class SeqChunk:
     keys: KeyTable
     context_positions: np.ndarray | None  # [num_context] int64
     sample: bool
+    # True: a key is visible to a new token iff its position <= the token's (not by order;
+    # seam repair recomputes scattered tokens among keys on both sides of them)
+    by_position: bool = False
 
     @classmethod
     def from_slots(
@@ -120,7 +124,9 @@ class ModelRunner:
             new_slots.append(chunk.new_slots)
             if chunk.sample:
                 sample_index.append(len(token_ids) - 1)
-            if len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min:
+            if chunk.by_position:
+                prefills.append(self._positional_item(start, chunk))
+            elif len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min:
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
@@ -177,6 +183,79 @@ class ModelRunner:
         """A CPU copy of the KV in ``slots``: ``[layers, 2, tokens, kv_heads, head_dim]``."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
         return self.kv_cache[:, :, :, index].transpose(2, 3).contiguous().cpu()  # [layers, 2, n, kv_heads, head_dim]
+
+    # ------------------------------------------------------------------ seam repair
+    @torch.inference_mode()
+    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                       layer: int = DEVIATION_LAYER) -> np.ndarray:
+        """How far each assembled token's cached KV (in ``slots``) is from its KV recomputed
+        against the whole assembled context: layers ``0..layer`` are run over every token
+        at its RoPE position, each attending to the keys at or before its position, into a
+        scratch tensor (the pool is only read), and the score is the squared L2 distance of
+        layer ``layer``'s K and V. Returns ``[n]`` float64 (CacheBlend's selection signal).
+        A plain Llama runs only those layers; other families run their whole forward."""
+        n = len(token_ids)
+        layer = min(layer, self.layout.num_layers - 1)
+        depth = layer + 1 if self._llama is not None else self.layout.num_layers
+        lay = self.layout
+        scratch = torch.zeros(depth, 2, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype, device=self.device)
+        own = np.arange(n, dtype=np.int64)  # [n] scratch slot i holds token i
+        chunk = SeqChunk(list(token_ids), list(positions), KeyTable(own[:0], own, 1, n), None, False, by_position=True)
+        ctx = ForwardContext(scratch, torch.from_numpy(own).to(self.device), [self._positional_item(0, chunk)], None)
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        position_ids = torch.tensor([list(positions)], dtype=torch.long, device=self.device)  # [1, n]
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        if self._llama is not None:
+            self._llama(input_ids, position_ids, none, ctx, num_layers=depth)
+        else:
+            self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none,
+                       kv_context=ctx)
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
+        cached = self.kv_cache[layer][:, :, index].float()  # [2, kv_heads, n, d]
+        fresh = scratch[layer].float()  # [2, kv_heads, n, d]
+        return ((fresh - cached) ** 2).sum(dim=(0, 1, 3)).cpu().numpy().astype(np.float64)  # [n]
+
+    def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                  selected: np.ndarray, chunk_tokens: int = 1024) -> None:
+        """Recompute the assembled tokens ``selected`` (``[m]`` ascending indices) through
+        every layer, writing their new KV over their ``slots`` (which the caller owns: seam
+        repair copies shared blocks first). Each attends to every assembled key at or
+        before its position, the other tokens' cached KV and the selected ones' new KV.
+        Runs in chunks of ``chunk_tokens`` in position order, so a chunk sees the new KV of
+        the chunks before it and nothing later; the result is that of one pass when
+        positions are distinct."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
+        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # [n]
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [n]
+        sel = np.asarray(selected, dtype=np.int64).reshape(-1)  # [m]
+        sel = sel[np.argsort(pos[sel], kind="stable")]  # position order
+        for start in range(0, len(sel), chunk_tokens):
+            part = sel[start : start + chunk_tokens]  # [k]
+            others = np.ones(len(pos), dtype=bool)  # [n] every assembled key but this chunk's
+            others[part] = False
+            keys = np.flatnonzero(others)  # [n - k]
+            chunk = SeqChunk(ids[part].tolist(), pos[part].tolist(),
+                             KeyTable(slot_arr[keys], slot_arr[part], 1, len(part)), pos[keys], False,
+                             by_position=True)
+            self.execute([chunk])
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the KV of blocks ``src[i]`` into blocks ``dst[i]`` (every layer, whole blocks)."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)  # [bs]
+        src_slots = (torch.tensor(list(src), dtype=torch.long, device=self.device)[:, None] * bs + offsets).reshape(-1)
+        dst_slots = (torch.tensor(list(dst), dtype=torch.long, device=self.device)[:, None] * bs + offsets).reshape(-1)
+        self.kv_cache[:, :, :, dst_slots] = self.kv_cache[:, :, :, src_slots]  # [layers, 2, kv_heads, m * bs, d]
+
+    def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
+        """A prefill item whose keys are visible by position: key ``j`` to new token ``i``
+        iff ``pos[j] <= pos[i]`` (and inside the window on sliding layers)."""
+        dev = self.device
+        k_pos = torch.from_numpy(_key_positions(chunk)).to(dev)[None, :]  # [1, L]
+        q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
+        visible = k_pos <= q_pos  # [n, L]
+        sliding = {w: visible & (k_pos > q_pos - w) for w in self.layout.sliding_windows}
+        return PrefillItem(start, len(chunk.token_ids), chunk.keys, visible, sliding, (), dev, masked=True)
 
     # ------------------------------------------------------------------ masks
     def _prefill_item(self, start: int, chunk: SeqChunk) -> PrefillItem:

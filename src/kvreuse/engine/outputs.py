@@ -27,6 +27,8 @@ class RequestOutput:
     # num_cached_tokens per tier it came from (GPU = device pool, CPU = host, DISK, REMOTE);
     # None when the engine has no tier below the device pool
     cached_tokens_by_tier: dict[str, int] | None = None
+    # assembled (PML module) tokens seam repair recomputed for this request (0: no repair)
+    num_recomputed_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,3 +57,4 @@ class EngineStats:
     schema_slices: int = 0  # engine steps that ran a slice of a schema registration
     schemas_registering: int = 0  # registrations queued or in progress
     tokens_computed_modules: int = 0  # of tokens_computed, those of module precompute
+    seam_repair_tokens: int = 0  # assembled tokens recomputed by seam repair (every acquisition)

@@ -72,9 +72,12 @@ class LlamaForward:
         position_ids: torch.Tensor,  # [1, T]
         logits_index: torch.Tensor,  # [n] positions in T whose logits are wanted
         kv_context: ForwardContext,
-    ) -> torch.Tensor:
+        num_layers: int | None = None,
+    ) -> torch.Tensor | None:
         """Logits ``[n, vocab]`` (model dtype) for the ``logits_index`` positions; writes
-        every layer's new K/V into the pool through ``attend``."""
+        every layer's new K/V into the pool through ``attend``. ``num_layers``: run only the
+        first layers (their K/V written, nothing else) and return ``None`` (seam repair's
+        deviation pass)."""
         inner = self.model.model
         t = input_ids.shape[1]
         heads, kv, d, hidden, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.hidden, self.eps
@@ -83,7 +86,7 @@ class LlamaForward:
         cos = cos[0].unsqueeze(1)  # [T, 1, d]: broadcast over the q and k heads
         sin = (sin[0] * self._sign.to(sin.device, sin.dtype)).unsqueeze(1)  # [T, 1, d]
         qk_heads = heads + kv
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             h = F.rms_norm(x, (hidden,), layer.input_norm, eps)
             qkv = layer.qkv(h).view(t, qk_heads + kv, d)  # [T, heads + 2 kv, d]: q, k, v heads
             qk = qkv[:, :qk_heads]
@@ -94,6 +97,8 @@ class LlamaForward:
             h = F.rms_norm(x, (hidden,), layer.post_norm, eps)
             gu = layer.gate_up(h)  # [T, 2 * intermediate]
             x = x + layer.down_proj(F.silu(gu[:, : layer.inter]).mul_(gu[:, layer.inter :]))
+        if num_layers is not None:
+            return None
         x = F.rms_norm(x[logits_index], (hidden,), inner.norm.weight, eps)  # [n, hidden]
         return self.model.lm_head(x)  # [n, vocab]
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain
 from kvreuse.cache.kv_block import block_slots, cdiv
@@ -358,6 +359,20 @@ class ModuleSource:
         schema = self.plan.schema
         stored = sum(len(schema.module(name).stored_token_ids) for name in self.plan.modules)
         return stored - (self.plan.dropped is not None)
+
+    def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([num_tokens] int64 token ids of the context keys in attention order, [s] int64
+        first key index of each module)`` (``engine.repaired_context.SegmentedSource``; the
+        dropped key, computed with the new tokens, is not a key)."""
+        schema = self.plan.schema
+        stored = [schema.module(name).stored_token_ids for name in self.plan.modules]
+        tokens = np.asarray([t for ids in stored for t in ids], dtype=np.int64)  # [n + dropped]
+        lengths = np.asarray([len(ids) for ids in stored], dtype=np.int64)  # [modules]
+        starts = np.cumsum(lengths) - lengths  # [modules]
+        if self.plan.dropped is not None:
+            tokens = np.delete(tokens, self.plan.dropped)
+            starts = starts - (starts > self.plan.dropped)
+        return tokens, np.unique(starts[starts < len(tokens)])
 
     def acquire(self) -> ModuleContext | None:
         """``ModuleCache.acquire``; ``None`` when the pool is busy (nothing held then)."""

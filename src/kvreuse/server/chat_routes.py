@@ -112,7 +112,7 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", salt,
-                      retention, prepared)
+                      retention, prepared, blend=parse_blend(body.blend))
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}

@@ -76,7 +76,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
-                                          f"{base_id}-{index}", salt, retention, prepared[i]))
+                                          f"{base_id}-{index}", salt, retention, prepared[i],
+                                          blend=parse_blend(body.blend)))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     # what return_token_ids reports as each prompt's ids: none for PML (no flat prompt to resend)

@@ -20,6 +20,7 @@ from kvreuse.api.middleware import lease_of
 from kvreuse.api.protocol import default_max_tokens
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
+from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server.context import ServerContext
 from kvreuse.server.errors import ClientDisconnected, from_value_error
@@ -90,6 +91,18 @@ def parse_retention(raw: dict[str, Any] | None) -> KvCacheRetentionConfig | None
         raise APIError(str(exc), param=RETENTION_FIELD) from None
 
 
+def parse_blend(raw: Any) -> dict[str, Any] | None:
+    """Validate a request's ``blend`` (seam repair); the engine fills what it omits from
+    ``--blend-*``. A 400 names the field."""
+    if raw is None:
+        return None
+    try:
+        SeamRepair.from_json(raw, SeamRepair())
+    except ValueError as exc:
+        raise APIError(str(exc), param="blend") from None
+    return dict(raw)
+
+
 def sampling_params(body: Any, default_max_tokens: int, *, seed_offset: int = 0) -> SamplingParams:
     """``body.sampling_params(...)`` with its ``ValueError`` turned into a 400."""
     try:
@@ -113,6 +126,7 @@ class EngineRequest:
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
     prepared: PreparedPrompt | None = None  # a PML prompt, compiled once (docs/pml.md); prompt_token_ids is then empty
+    blend: dict[str, Any] | None = None  # seam repair of the prepared prompt's modules (parse_blend); None: the server's
 
 
 class TokenMeter:
@@ -151,7 +165,7 @@ async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | N
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
-        cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared,
+        cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared, blend=req.blend,
     ):
         tracker.observe(output)
         if meter is not None:

@@ -1,0 +1,169 @@
+"""Seam repair (selective recompute) vs answer quality and TTFT: the Pareto curve.
+
+Two question sets, each through PML modules (``--mode pml``; ``--mode documents`` is the
+schema-free documents path of branch docs14, added here once it lands) and through full
+prefill of the same token ids:
+
+- ``single``: bench/pml_quality.py's set (100 one-fact documents, 5 union slots, each
+  question needs one document);
+- ``pair``: a new set whose questions need two documents at once: ``X's sister is Y.`` in
+  one module and ``Y lives in <city>.`` in another, plus distractors (other people's
+  sisters and cities), asked ``Where does X's sister live?``. A seam sits between the two
+  facts, so an unrepaired prompt cannot link them inside the KV.
+
+For each repair setting (``first_tokens`` x ``ratio``) every question runs greedy, 4 tokens,
+batched; then ``--ttft-questions`` of them run one at a time (max_tokens=1) for TTFT.
+Reported per set and setting: answer agreement with full prefill (first word), accuracy
+(the fact's value in the answer), recomputed fraction of module tokens, median TTFT.
+
+    PYTHONPATH=src .venv/bin/python bench/blend_quality.py --model default [--dtype float32]
+    -> bench/results/blend_quality_<dtype>.json, bench/results/blend_quality_<dtype>.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pml_quality import FIRST, LAST, make_dataset, normalise, plain_token_ids  # noqa: E402
+
+from kvreuse import LLM, SamplingParams  # noqa: E402
+from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+CITIES = "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()
+# (first_tokens, ratio); documents here are ~8 tokens, so first_tokens 4 is half of each
+SETTINGS = [(0, 0.0), (0, 0.1), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.1), (4, 0.1)]
+
+
+def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, list[dict]]:
+    """Two kinds of one-sentence documents (``A's sister is B.``, ``B lives in C.``) as
+    union members; each question selects its two documents plus distractors of both kinds
+    about other people, in random slot order."""
+    rng = random.Random(seed)
+    people = [f"{f} {l}" for l in LAST for f in FIRST]
+    people += [f"{f} {m}. {l}" for m in "ABCDEFGH" for l in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
+    rng.shuffle(people)
+    pairs = [(people[2 * i], people[2 * i + 1], rng.choice(CITIES)) for i in range(num_questions)]
+    docs = []
+    for a, b, city in pairs:
+        docs.append(f"{a}'s sister is {b}.\n")
+        docs.append(f"{b} lives in {city}.\n")
+    unions = "".join(
+        "<union>" + "".join(f'<module name="s{k}d{i:03d}">{d}</module>' for i, d in enumerate(docs)) + "</union>"
+        for k in range(slots))
+    schema = '<schema name="pairs">Documents:\n' + unions + "</schema>"
+    items = []
+    for q, (a, b, city) in enumerate(pairs):
+        others = [j for j in range(len(pairs)) if j != q and pairs[j][2] != city]
+        d1, d2 = rng.sample(others, 2)
+        refs = [2 * q, 2 * q + 1, 2 * d1, 2 * d2 + 1][:slots]
+        rng.shuffle(refs)
+        prompt = ('<prompt schema="pairs">' + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
+                  + f"Question: Where does {a}'s sister live?\nAnswer: {a}'s sister lives in</prompt>")
+        items.append({"doc": q, "refs": refs, "prompt": prompt, "answer": city})
+    return schema, items
+
+
+def run_set(llm: LLM, name: str, items: list[dict], args) -> dict:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    first = SamplingParams(max_tokens=1, temperature=0)
+    plain = [plain_token_ids(llm, it["prompt"]) for it in items]
+    full = llm.generate(plain, params)
+    timed = items[: args.ttft_questions]
+    ttft_full = [llm.generate(ids, first)[0].ttft_s for ids in plain[: len(timed)]]
+    module_tokens = []
+    out = {"full": {"accuracy": _acc(items, full), "ttft_median_s": statistics.median(ttft_full)}, "settings": []}
+    for k, r in SETTINGS:
+        blend = SeamRepair(k, r)
+        t0 = time.perf_counter()
+        mod = llm.generate([it["prompt"] for it in items], params, blend=blend)
+        wall = time.perf_counter() - t0
+        if not module_tokens:
+            module_tokens = [llm.engine.modules.source(llm.engine.prepare_prompt(it["prompt"]).plan).num_tokens
+                             for it in items]
+        ttft = [llm.generate(it["prompt"], first, blend=blend)[0].ttft_s for it in timed]
+        agree = [normalise(m.text) == normalise(f.text) for m, f in zip(mod, full)]
+        row = {
+            "first_tokens": k, "ratio": r,
+            "answer_agreement": sum(agree) / len(items),
+            "token_agreement": sum(m.token_ids == f.token_ids for m, f in zip(mod, full)) / len(items),
+            "accuracy": _acc(items, mod),
+            "recomputed_fraction": sum(m.num_recomputed_tokens for m in mod) / sum(module_tokens),
+            "ttft_median_s": statistics.median(ttft), "batch_wall_s": wall,
+            "disagreements": [i for i, a in enumerate(agree) if not a],
+        }
+        print(name, json.dumps({k2: v for k2, v in row.items() if k2 != "disagreements"}), flush=True)
+        out["settings"].append(row)
+    out["questions"] = len(items)
+    out["mean_module_tokens"] = sum(module_tokens) / len(items)
+    out["mean_prompt_tokens"] = sum(len(p) for p in plain) / len(items)
+    return out
+
+
+def _acc(items: list[dict], outs) -> float:
+    return sum(it["answer"].lower() in o.text.lower() for it, o in zip(items, outs)) / len(items)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mode", default="pml", choices=["pml", "documents"],
+                    help="pml: union-slot modules; documents: schema-free documents (branch docs14)")
+    ap.add_argument("--questions", type=int, default=100, help="per set")
+    ap.add_argument("--ttft-questions", type=int, default=10)
+    ap.add_argument("--slots", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.mode == "documents":
+        raise SystemExit("--mode documents needs the schema-free documents of branch docs14, not merged yet")
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gib=2.0)
+    result = {"model": llm.engine.model_id, "dtype": args.dtype, "mode": args.mode, "sets": {}}
+    for name, (schema, items) in {
+        "single": make_dataset(args.questions, args.slots, args.seed),
+        "pair": make_pair_dataset(args.questions, 4, args.seed),
+    }.items():
+        llm.register_schema(schema)
+        result["sets"][name] = run_set(llm, name, items, args)
+        llm.engine.check_integrity()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"blend_quality_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / f"{stem}.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(result["sets"]), figsize=(12, 4.5))
+    for ax, (name, s) in zip(axes, result["sets"].items()):
+        for k, marker in ((0, "o"), (1, "s"), (2, "^"), (4, "D")):
+            rows = [r for r in s["settings"] if r["first_tokens"] == k]
+            ax.plot([1000 * r["ttft_median_s"] for r in rows], [100 * r["answer_agreement"] for r in rows],
+                    marker=marker, label=f"first_tokens={k}")
+            for r in rows:
+                ax.annotate(f"{r['ratio']:g}", (1000 * r["ttft_median_s"], 100 * r["answer_agreement"]),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(1000 * s["full"]["ttft_median_s"], ls="--", c="gray", lw=1, label="full prefill TTFT")
+        ax.set_xlabel("median TTFT (ms)")
+        ax.set_ylabel("answer agreement with full prefill (%)")
+        ax.set_title(f"{name} ({s['questions']} questions); labels: ratio")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"seam repair: quality vs TTFT, {result['model'].split('@')[0]} {result['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

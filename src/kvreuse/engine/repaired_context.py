@@ -1,0 +1,149 @@
+"""``RepairedSource``: a context source whose KV is seam-repaired for one request.
+
+Wraps the ``ContextSource`` of an assembled context (PML modules; documents later) and,
+on every acquisition, repairs the seams between its segments before the request's own
+tokens run::
+
+    inner.acquire() ── shared segment blocks, one reference each
+       │  runner.seam_deviation (only with a ratio: layers 0..1 into scratch, pool read-only)
+       │  SeamRepair.select ── indices to recompute
+       │  copy-on-write: each block holding a chosen token is copied into a fresh private
+       │                 block (pool.allocate); the shared block's reference is dropped
+       │  runner.recompute ── chosen tokens through every layer, by position, into the copies
+       ▼
+    RepairedKV(blocks, slots, positions, num_recomputed)
+
+The shared blocks are never written (other requests read them). Private copies carry no
+key, so releasing them frees them. An acquisition the pool cannot hold (the copies do
+not fit) holds nothing and returns ``None``, like any ``ContextSource``. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvreuse.cache.kv_block import KVBlock
+from kvreuse.engine.context import ContextSource, HeldKV
+from kvreuse.engine.seam_repair import SeamRepair
+
+
+class SegmentedSource(ContextSource, Protocol):
+    """A context source that can say what its keys are: tokens and segment boundaries."""
+
+    def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([num_tokens] int64 token ids of the keys in attention order, [s] int64 first
+        key index of each segment, ascending)``."""
+        ...
+
+
+class RepairMechanics(Protocol):
+    """What repair needs from the model runner (``ModelRunner`` has these methods)."""
+
+    block_size: int
+
+    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> np.ndarray: ...
+    def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                  selected: np.ndarray) -> None: ...
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+
+
+class BlockSource(Protocol):
+    """Private blocks (``KVCacheManager``): ``pool.can_allocate``, ``allocate``, ``pool.release``."""
+
+    pool: object
+
+    def allocate(self, n: int) -> list[KVBlock]: ...
+
+
+@dataclass(frozen=True)
+class RepairedKV:
+    """Held repaired context (an ``engine.context.HeldKV``): ``blocks`` each carry one
+    reference the holder owns (shared segment blocks and private copies);
+    ``num_recomputed`` tokens were recomputed for this acquisition."""
+
+    blocks: tuple[KVBlock, ...]
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+    num_recomputed: int
+
+
+class RepairedSource:
+    """``inner``'s context, seam-repaired by ``repair`` on each acquisition (see the module
+    docstring). ``on_repair(n)`` is told each acquisition's recomputed count (metrics)."""
+
+    def __init__(self, inner: SegmentedSource, repair: SeamRepair, runner: RepairMechanics, kv: BlockSource,
+                 on_repair: Callable[[int], None] | None = None) -> None:
+        self.inner = inner
+        self.repair = repair
+        self.runner = runner
+        self.kv = kv
+        self.on_repair = on_repair
+
+    @property
+    def num_blocks(self) -> int:
+        """At most every segment block plus a private copy of each."""
+        return 2 * self.inner.num_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    def acquire(self) -> RepairedKV | None:
+        held = self.inner.acquire()
+        if held is None:
+            return None
+        try:
+            repaired = self._repair(held)
+        except BaseException:
+            self.inner.release(held)
+            raise
+        if repaired is None:
+            self.inner.release(held)
+            return None
+        if self.on_repair is not None:
+            self.on_repair(repaired.num_recomputed)
+        return repaired
+
+    def release(self, held: HeldKV) -> None:
+        self.kv.pool.release(reversed(tuple(held.blocks)))  # type: ignore[attr-defined]
+
+    def _repair(self, held: HeldKV) -> RepairedKV | None:
+        """The repaired KV holding what ``held`` held (minus the shared blocks copied), or
+        ``None`` (nothing changed) when the copies do not fit in the pool now."""
+        slots = np.asarray(held.slots, dtype=np.int64).reshape(-1)  # [n]
+        positions = np.asarray(held.positions, dtype=np.int64).reshape(-1)  # [n]
+        token_ids, starts = self.inner.assembled_tokens()
+        if len(token_ids) != len(slots):
+            raise RuntimeError(f"seam repair: {len(token_ids)} assembled tokens for {len(slots)} context keys")
+        deviation = None
+        if self.repair.needs_deviation and len(slots):
+            deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
+        chosen = self.repair.select(starts, len(slots), deviation)  # [m]
+        blocks = tuple(held.blocks)
+        if not len(chosen):
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0)
+        bs = self.runner.block_size
+        touched = np.unique(slots[chosen] // bs)  # [b] shared block ids holding a chosen token
+        pool = self.kv.pool
+        if not pool.can_allocate(len(touched)):  # type: ignore[attr-defined]
+            return None
+        copies = self.kv.allocate(len(touched))
+        copy_ids = np.asarray([b.block_id for b in copies], dtype=np.int64)  # [b]
+        self.runner.copy_blocks(touched.tolist(), copy_ids.tolist())
+        block_of = slots // bs  # [n]
+        where = np.searchsorted(touched, block_of)  # [n]
+        hit = (where < len(touched)) & (touched[np.minimum(where, len(touched) - 1)] == block_of)  # [n]
+        slots = np.where(hit, copy_ids[np.minimum(where, len(touched) - 1)] * bs + slots % bs, slots)  # [n]
+        by_id = {int(b): c for b, c in zip(touched, copies)}
+        kept = tuple(by_id.get(b.block_id, b) for b in blocks)
+        try:
+            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
+        except BaseException:
+            pool.release(reversed(copies))  # type: ignore[attr-defined]
+            raise
+        pool.release([b for b in reversed(blocks) if b.block_id in by_id])  # type: ignore[attr-defined]
+        return RepairedKV(kept, tuple(slots.tolist()), tuple(held.positions), len(chosen))

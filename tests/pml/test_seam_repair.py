@@ -1,0 +1,130 @@
+"""Seam repair (engine/seam_repair.py, engine/repaired_context.py, ModelRunner.recompute) on
+tiny random models: everything recomputed equals full prefill of the concatenated prompt;
+nothing recomputed equals no repair exactly; shared module blocks are never written."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.pml import compile_prompt, parse_prompt
+from tests.engine_helpers import LogitsSpy
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+SCHEMA = """<schema name="s">Notes:
+<module name="a">The lighthouse keeper on Varn island logs ships in a green ledger.</module>
+<module name="b">Every ledger on the island is kept in the harbour office at dusk.</module>
+</schema>"""
+PROMPT = '<prompt schema="s"><a/><b/>Where is the ledger kept?</prompt>'
+ALL = SeamRepair(first_tokens=10**6, ratio=1.0)
+
+
+def make(loaded, **kw) -> LLM:
+    return LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, **kw)
+
+
+def plain_ids(llm: LLM, pml: str) -> list[int]:
+    schemas = llm.engine.modules.schemas
+    prompt = compile_prompt(parse_prompt(pml), schemas, llm.tokenizer)
+    by_pos = {p: t for _, ts, ps in schemas[prompt.schema_name].assembled(prompt) for t, p in zip(ts, ps)}
+    by_pos.update(zip(prompt.new_position_ids, prompt.new_token_ids))
+    assert sorted(by_pos) == list(range(len(by_pos)))  # contiguous: the plain prompt has the same positions
+    return [by_pos[p] for p in sorted(by_pos)]
+
+
+def module_kv(llm: LLM) -> torch.Tensor:
+    """Every cached module block's KV: ``[layers, 2, kv_heads, slots, d]``."""
+    bs = llm.engine.block_size
+    ids = sorted(b.block_id for b in llm.engine.pool.cached_hashes())
+    slots = torch.tensor([i * bs + o for i in ids for o in range(bs)])
+    return llm.engine.runner.kv_cache[:, :, :, slots].clone()
+
+
+def test_policy_first_tokens_and_ratio():
+    starts = np.array([0, 5, 7])
+    assert SeamRepair(2, 0.0).select(starts, 10, None).tolist() == [0, 1, 5, 6, 7, 8]
+    assert SeamRepair(0, 0.0).select(starts, 10, None).tolist() == []
+    dev = np.array([0, 9, 1, 8, 0, 0, 7, 0, 0, 6], dtype=float)
+    assert SeamRepair(0, 0.3).select(starts, 10, dev).tolist() == [1, 3, 6]
+    assert SeamRepair(1, 0.2).select(starts, 10, dev).tolist() == [0, 1, 3, 5, 7]
+    assert SeamRepair(0, 1.0).select(starts, 10, dev).tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("bad, field", [({"ratio": 1.5}, "blend.ratio"), ({"first_tokens": -1}, "blend.first_tokens"),
+                                        ({"ratio": "x"}, "blend.ratio"), ({"k": 1}, "blend"), ([1], "blend")])
+def test_policy_bad_values_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SeamRepair.from_json(bad, SeamRepair())
+
+
+def test_policy_defaults_fill_missing_fields():
+    assert SeamRepair.from_json({"ratio": 0.2}, SeamRepair(4, 0.1)) == SeamRepair(4, 0.2)
+    assert SeamRepair.from_json(None, SeamRepair(4, 0.1)) == SeamRepair(4, 0.1)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_full_repair_equals_full_prefill(arch, request):
+    """first_tokens covering everything and ratio 1.0: every assembled token is recomputed
+    against the assembled context, so the logits are those of full prefill (<= 1e-4)."""
+    loaded = request.getfixturevalue(arch)
+    llm = make(loaded)
+    llm.register_schema(SCHEMA)
+    ids = plain_ids(llm, PROMPT)
+    before = module_kv(llm)
+    spy = LogitsSpy(llm)
+    out = llm.generate(PROMPT, GREEDY, blend=ALL)[0]
+    context = out.num_prompt_tokens - len(llm.engine.prepare_prompt(PROMPT).token_ids)
+    assert out.num_recomputed_tokens == context
+    assert torch.equal(module_kv(llm), before)  # the shared module blocks are unchanged
+    llm.engine.check_integrity()
+    llm.engine.pool.check_integrity()
+    assert llm.engine.stats().seam_repair_tokens == context
+
+    ref = make(loaded)
+    ref_spy = LogitsSpy(ref)
+    full = ref.generate(ids, GREEDY)[0]
+    assert full.token_ids == out.token_ids
+    for a, b in zip(spy.rows, ref_spy.rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+    none = make(loaded)
+    none.register_schema(SCHEMA)
+    assert (spy.rows[0] - _first_logits(none)).abs().max().item() > 1e-3  # the seams matter: repair changed them
+
+
+def _first_logits(llm: LLM) -> torch.Tensor:
+    spy = LogitsSpy(llm)
+    llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0))
+    return spy.rows[0]
+
+
+def test_zero_repair_equals_no_repair_exactly(tiny_llama):
+    a, b = make(tiny_llama), make(tiny_llama)
+    for llm in (a, b):
+        llm.register_schema(SCHEMA)
+    sa, sb = LogitsSpy(a), LogitsSpy(b)
+    oa = a.generate(PROMPT, GREEDY, blend={"first_tokens": 0, "ratio": 0})[0]
+    ob = b.generate(PROMPT, GREEDY)[0]
+    assert oa.token_ids == ob.token_ids and oa.num_recomputed_tokens == 0
+    for x, y in zip(sa.rows, sb.rows, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_partial_repair_keeps_modules_and_pool(tiny_llama):
+    """A ratio and first-k repair: the chosen count is first-k of each module plus the
+    ratio's share; module blocks are unchanged; private copies are freed at the end."""
+    llm = make(tiny_llama)
+    llm.register_schema(SCHEMA)
+    before = module_kv(llm)
+    out = llm.generate(PROMPT, GREEDY, blend={"first_tokens": 2, "ratio": 0.25})[0]
+    tokens, starts = llm.engine.modules.source(llm.engine.prepare_prompt(PROMPT).plan).assembled_tokens()
+    n = len(tokens)
+    assert round(0.25 * n) <= out.num_recomputed_tokens <= round(0.25 * n) + 2 * len(starts)
+    assert torch.equal(module_kv(llm), before)
+    assert llm.engine.pool.num_used_blocks == 0  # the private copies went back to the free list
+    llm.engine.check_integrity()
+    llm.engine.pool.check_integrity()
+    again = llm.generate(PROMPT, GREEDY, blend={"first_tokens": 2, "ratio": 0.25})[0]
+    assert again.token_ids == out.token_ids  # the same repair of the same modules
+    llm.engine.check_integrity()
