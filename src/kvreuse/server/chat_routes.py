@@ -35,7 +35,7 @@ from kvreuse.server.logprobs_format import ChatLogprobs
 from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_blend, parse_retention,
     reply_room, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 

@@ -35,7 +35,7 @@ from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.api.protocol import CompletionRequest, default_max_tokens, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_retention,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_blend, parse_retention,
     reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 
