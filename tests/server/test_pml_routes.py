@@ -160,3 +160,23 @@ def test_pml_prompts_obey_the_prompt_limit_and_default_max_tokens(tiny_llama):
             r = client.post(path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_blend_over_http_repairs_seams_and_bad_values_are_400s(client, async_engine):
+    _register(client)
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    off = client.post("/v1/completions", json={**body, "blend": {"first_tokens": 0, "ratio": 0}})
+    assert off.status_code == 200, off.text
+    assert off.json()["choices"][0]["text"] == plain
+    wait_idle(async_engine)
+    before = async_engine.engine.stats().seam_repair_tokens
+    full = client.post("/v1/completions", json={**body, "blend": {"first_tokens": 4, "ratio": 1.0}})
+    assert full.status_code == 200, full.text
+    wait_idle(async_engine)
+    assert async_engine.engine.stats().seam_repair_tokens > before
+    for bad in ({"ratio": 2.0}, {"first_tokens": -1}, "yes"):
+        r = client.post("/v1/completions", json={**body, "blend": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "blend"
+    wait_idle(async_engine)
