@@ -93,6 +93,13 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="PML: refuse (400) a schema whose modules' precompute passes run more tokens (default: 65536)")
     p.add_argument("--schema-max-bytes", type=int, default=2**30,
                    help="PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: 1 GiB)")
+    # defaults: EngineConfig.blend_first_tokens / blend_ratio (no repair); a request's "blend" overrides them
+    p.add_argument("--blend-first-tokens", type=int, default=0,
+                   help="PML seam repair: leading tokens of each assembled module recomputed against the "
+                        "assembled context (default: 0)")
+    p.add_argument("--blend-ratio", type=float, default=0.0,
+                   help="PML seam repair: share of assembled tokens, those whose KV deviates most, recomputed "
+                        "against the assembled context, in [0, 1] (default: 0)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -125,7 +132,8 @@ def _engine_config(args: argparse.Namespace):
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
         schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
         schema_slice_tokens=args.schema_slice_tokens, schema_max_tokens=args.schema_max_tokens,
-        schema_max_bytes=args.schema_max_bytes,
+        schema_max_bytes=args.schema_max_bytes, blend_first_tokens=args.blend_first_tokens,
+        blend_ratio=args.blend_ratio,
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority, **extra,
