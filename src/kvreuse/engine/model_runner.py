@@ -241,11 +241,11 @@ class ModelRunner:
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the KV of blocks ``src[i]`` into blocks ``dst[i]`` (every layer, whole blocks)."""
-        bs = self.block_size
-        offsets = torch.arange(bs, device=self.device)  # [bs]
-        src_slots = (torch.tensor(list(src), dtype=torch.long, device=self.device)[:, None] * bs + offsets).reshape(-1)
-        dst_slots = (torch.tensor(list(dst), dtype=torch.long, device=self.device)[:, None] * bs + offsets).reshape(-1)
-        self.kv_cache[:, :, :, dst_slots] = self.kv_cache[:, :, :, src_slots]  # [layers, 2, kv_heads, m * bs, d]
+        layers, two, heads, slots, d = self.kv_cache.shape
+        blocks = self.kv_cache.view(layers, two, heads, slots // self.block_size, self.block_size, d)
+        src_ids = torch.tensor(list(src), dtype=torch.long, device=self.device)  # [m]
+        dst_ids = torch.tensor(list(dst), dtype=torch.long, device=self.device)  # [m]
+        blocks.index_copy_(3, dst_ids, blocks.index_select(3, src_ids))  # [layers, 2, kv_heads, m, bs, d]
 
     def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         """A prefill item whose keys are visible by position: key ``j`` to new token ``i``
