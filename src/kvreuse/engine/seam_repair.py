@@ -62,11 +62,6 @@ class SeamRepair:
         """Whether anything is ever recomputed."""
         return self.first_tokens > 0 or self.ratio > 0
 
-    @property
-    def needs_deviation(self) -> bool:
-        """Whether ``select`` reads deviation scores (the runner's early-layer pass)."""
-        return self.ratio > 0
-
     def num_by_deviation(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` assembled tokens the ratio picks."""
         return min(num_tokens, int(round(self.ratio * num_tokens)))
@@ -76,12 +71,12 @@ class SeamRepair:
 
         ``segment_starts``: ``[s]`` int64 first index of each segment (ascending; a segment
         runs to the next start or ``num_tokens``). ``deviation``: ``[num_tokens]`` scores,
-        needed when ``needs_deviation`` (ties: the earlier token first)."""
+        needed when ``num_by_deviation(num_tokens)`` > 0 (ties: the earlier token first)."""
         chosen = np.zeros(num_tokens, dtype=bool)  # [n]
         if self.first_tokens > 0 and num_tokens:
             starts = np.asarray(segment_starts, dtype=np.int64).reshape(-1)  # [s]
             ends = np.append(starts[1:], num_tokens)  # [s]
-            lengths = np.minimum(ends - starts, self.first_tokens)  # [s]
+            lengths = np.minimum(ends - starts, min(self.first_tokens, num_tokens))  # [s] (no int64 overflow)
             offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             chosen[np.repeat(starts, lengths) + offsets] = True
         k = self.num_by_deviation(num_tokens)
