@@ -128,3 +128,44 @@ def test_partial_repair_keeps_modules_and_pool(tiny_llama):
     again = llm.generate(PROMPT, GREEDY, blend={"first_tokens": 2, "ratio": 0.25})[0]
     assert again.token_ids == out.token_ids  # the same repair of the same modules
     llm.engine.check_integrity()
+
+
+def test_policy_huge_first_tokens_chooses_every_token():
+    assert SeamRepair(first_tokens=2**63).select(np.array([0, 3]), 5, None).tolist() == [0, 1, 2, 3, 4]
+
+
+
+def test_a_held_repaired_context_keeps_the_pool_free_count_true(tiny_llama):
+    # Repair copies a module's first block; letting go of the shared one while the rest of
+    # its chain is held counted it free although the pool could not evict it.
+    llm = make(tiny_llama)
+    llm.register_schema(SCHEMA)
+    engine, pool = llm.engine, llm.engine.pool
+    engine.add_prepared_request("r", engine.prepare_prompt(PROMPT), GREEDY, blend={"first_tokens": 1})
+    engine.check_integrity()
+    (seq,) = engine.requests()
+    assert seq.context.num_recomputed_tokens == 3  # one per segment: the schema scaffold and two modules
+    n = pool.num_free_blocks
+    taken = pool.allocate(n)  # every block the pool says is free can be had
+    assert len(taken) == n and pool.num_free_blocks == 0
+    pool.release(taken)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("blend", [{"first_tokens": 1}, {"first_tokens": 2, "ratio": 0.25}])
+def test_repaired_requests_under_preemption_match_a_single_run(tiny_llama, blend):
+    params = SamplingParams(max_tokens=30, temperature=0)
+    alone = make(tiny_llama)
+    alone.register_schema(SCHEMA)
+    want = alone.generate([PROMPT], params, blend=blend)[0].token_ids
+    per_block = 4 * alone.engine.runner.layout.bytes_per_token(torch.float32)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * per_block / 2**30, block_size=4)  # 40 blocks: preemption
+    llm.register_schema(SCHEMA)
+    outs = llm.generate([PROMPT] * 4, params, blend=blend)
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in outs] == [want] * 4
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0

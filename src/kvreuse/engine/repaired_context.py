@@ -8,13 +8,15 @@ tokens run::
        │  runner.seam_deviation (only with a ratio: layers 0..1 into scratch, pool read-only)
        │  SeamRepair.select ── indices to recompute
        │  copy-on-write: each block holding a chosen token is copied into a fresh private
-       │                 block (pool.allocate); the shared block's reference is dropped
+       │                 block (pool.allocate); the shared block stays held until release
        │  runner.recompute ── chosen tokens through every layer, by position, into the copies
        ▼
     RepairedKV(blocks, slots, positions, num_recomputed)
 
-The shared blocks are never written (other requests read them). Private copies carry no
-key, so releasing them frees them. An acquisition the pool cannot hold (the copies do
+The shared blocks are never written (other requests read them), and stay held while the
+copies are: a module's blocks form a chain the pool evicts tail first, so letting go of one
+block in the middle of a held chain would count it free while it cannot be evicted. Private
+copies carry no key, so releasing them frees them. An acquisition the pool cannot hold (the copies do
 not fit) holds nothing and returns ``None``, like any ``ContextSource``. Engine thread only.
 """
 
@@ -62,7 +64,8 @@ class BlockSource(Protocol):
 @dataclass(frozen=True)
 class RepairedKV:
     """Held repaired context (an ``engine.context.HeldKV``): ``blocks`` each carry one
-    reference the holder owns (shared segment blocks and private copies);
+    reference the holder owns (every shared segment block, then the private copies; the
+    slots point into the copies where there are some);
     ``num_recomputed`` tokens were recomputed for this acquisition."""
 
     blocks: tuple[KVBlock, ...]
@@ -85,7 +88,8 @@ class RepairedSource:
 
     @property
     def num_blocks(self) -> int:
-        """At most every segment block plus a private copy of each."""
+        """At most every segment block plus a private copy of each (the selection, made
+        after the acquisition, is not known yet)."""
         return 2 * self.inner.num_blocks
 
     @property
@@ -112,15 +116,15 @@ class RepairedSource:
         self.kv.pool.release(reversed(tuple(held.blocks)))  # type: ignore[attr-defined]
 
     def _repair(self, held: HeldKV) -> RepairedKV | None:
-        """The repaired KV holding what ``held`` held (minus the shared blocks copied), or
-        ``None`` (nothing changed) when the copies do not fit in the pool now."""
+        """The repaired KV holding what ``held`` held plus the private copies, or ``None``
+        (nothing changed) when the copies do not fit in the pool now."""
         slots = np.asarray(held.slots, dtype=np.int64).reshape(-1)  # [n]
         positions = np.asarray(held.positions, dtype=np.int64).reshape(-1)  # [n]
         token_ids, starts = self.inner.assembled_tokens()
         if len(token_ids) != len(slots):
             raise RuntimeError(f"seam repair: {len(token_ids)} assembled tokens for {len(slots)} context keys")
         deviation = None
-        if self.repair.needs_deviation and len(slots):
+        if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
             deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
         chosen = self.repair.select(starts, len(slots), deviation)  # [m]
         blocks = tuple(held.blocks)
@@ -138,12 +142,9 @@ class RepairedSource:
         where = np.searchsorted(touched, block_of)  # [n]
         hit = (where < len(touched)) & (touched[np.minimum(where, len(touched) - 1)] == block_of)  # [n]
         slots = np.where(hit, copy_ids[np.minimum(where, len(touched) - 1)] * bs + slots % bs, slots)  # [n]
-        by_id = {int(b): c for b, c in zip(touched, copies)}
-        kept = tuple(by_id.get(b.block_id, b) for b in blocks)
         try:
             self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
         except BaseException:
             pool.release(reversed(copies))  # type: ignore[attr-defined]
             raise
-        pool.release([b for b in reversed(blocks) if b.block_id in by_id])  # type: ignore[attr-defined]
-        return RepairedKV(kept, tuple(slots.tolist()), tuple(held.positions), len(chosen))
+        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen))
