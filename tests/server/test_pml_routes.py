@@ -180,3 +180,20 @@ def test_blend_over_http_repairs_seams_and_bad_values_are_400s(client, async_eng
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "blend"
     wait_idle(async_engine)
+
+
+def test_blend_in_chat_repairs_pml_and_is_checked_on_every_prompt(client, async_engine):
+    _register(client)
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0}
+    wait_idle(async_engine)
+    before = async_engine.engine.stats().seam_repair_tokens
+    r = client.post("/v1/chat/completions", json={**chat, "blend": {"first_tokens": 2}})
+    assert r.status_code == 200, r.text
+    wait_idle(async_engine)
+    assert async_engine.engine.stats().seam_repair_tokens > before
+    plain = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2}
+    bad = client.post("/v1/chat/completions", json={**plain, "blend": {"ratio": 5}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "blend", bad.text
+    ok = client.post("/v1/chat/completions", json={**plain, "blend": {"ratio": 0.5}})
+    assert ok.status_code == 200, ok.text  # no modules: nothing to repair
+    wait_idle(async_engine)

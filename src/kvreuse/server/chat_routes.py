@@ -51,9 +51,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     request_retention = parse_retention(body.kv_cache_retention_config)
+    blend = parse_blend(body.blend)  # checked on every prompt; only PML modules have seams to repair
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
-        return await _create_pml(ctx, body, model, pml, request_retention, request)
+        return await _create_pml(ctx, body, model, pml, request_retention, blend, request)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
     prompt = await run_in_threadpool(render_chat, ctx.engine.tokenizer, body.messages,
                                      add_generation_prompt=body.add_generation_prompt,
@@ -93,7 +94,7 @@ def pml_message(messages) -> str | None:
 
 
 async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
-                      retention: KvCacheRetentionConfig | None, request: Request):
+                      retention: KvCacheRetentionConfig | None, blend: dict[str, Any] | None, request: Request):
     # Compiled once, on the engine thread (where the schemas live); the choices share it.
     def prepare(engine):  # the module blocks take pool room too: ask for them in the same call
         prepared = engine.prepare_prompt(pml)
@@ -112,7 +113,7 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", salt,
-                      retention, prepared, blend=parse_blend(body.blend))
+                      retention, prepared, blend=blend)
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}

@@ -50,6 +50,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     retention = parse_retention(body.kv_cache_retention_config)
+    blend = parse_blend(body.blend)  # checked on every prompt; only PML modules have seams to repair
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
     pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
@@ -77,7 +78,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
                                           f"{base_id}-{index}", salt, retention, prepared[i],
-                                          blend=parse_blend(body.blend)))
+                                          blend=blend))
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     # what return_token_ids reports as each prompt's ids: none for PML (no flat prompt to resend)
