@@ -153,19 +153,28 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
         for t in threads:
             t.start()
         seen = {"v1_while_v2": 0, "fresh_unknown": 0}
+        texts = []
+
+        def registering() -> set[str]:
+            return {p["name"] for p in httpx.get(url + "/v1/schemas").json()["registering"]}
+
         while any(t.is_alive() for t in threads):
-            pending = httpx.get(url + "/v1/schemas").json()["registering"]
+            # A registration is popped from "registering" in the engine step that installs it, so
+            # a name listed both before and after a request was registering all the while it was
+            # served (the POST's answer reaches its thread later: it cannot bracket the request).
+            before = registering()
             r = httpx.post(url + "/v1/completions", json=prompt, timeout=60)
             q = httpx.post(url + "/v1/completions", json={**prompt, "prompt": prompt["prompt"].replace("facts", "fresh")},
                            timeout=60)
-            if "v2" not in results:  # the POST of version 2 had not answered when this was served
-                assert r.status_code == 200 and r.json()["choices"][0]["text"] == v1
-                seen["v1_while_v2"] += any(p["name"] == "facts" for p in pending)
-            if "new" not in results:
-                assert q.status_code in (200, 400)
-                if q.status_code == 400:
-                    assert "fresh" in q.json()["error"]["message"]
-                    seen["fresh_unknown"] += 1
+            during = before & registering()
+            assert r.status_code == 200 and q.status_code in (200, 400)
+            texts.append(r.json()["choices"][0]["text"])
+            if "facts" in during:
+                assert texts[-1] == v1
+                seen["v1_while_v2"] += 1
+            if "fresh" in during:
+                assert q.status_code == 400 and "fresh" in q.json()["error"]["message"]
+                seen["fresh_unknown"] += 1
         for t in threads:
             t.join()
         assert results["v2"].status_code == 200 and results["new"].status_code == 200
@@ -173,6 +182,7 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
         assert len(log.slices) > 1  # the registrations ran in slices
         v2 = httpx.post(url + "/v1/completions", json=prompt, timeout=60).json()
         assert v2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert set(texts) <= {v1, v2["choices"][0]["text"]}  # one version or the other, never a mix
         listed = httpx.get(url + "/v1/schemas").json()
         assert [s["name"] for s in listed["data"]] == ["facts", "fresh"] and listed["registering"] == []
 
