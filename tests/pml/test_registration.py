@@ -166,7 +166,7 @@ def test_a_busy_pool_makes_a_registration_wait_while_requests_run_and_fail_when_
     assert not failed and info.computed == 3
 
     # The queue's other branch: nothing runs that could free blocks (here the caller says so;
-    # the engine says so when no request is running), so the registration fails, holding nothing.
+    # the engine says so when no request is running or waiting), so the registration fails, holding nothing.
     engine.add_request("hog2", list(range(100, 100 + 4 * (free - 2))), hog)
     engine.step()
     settled = Settled()
@@ -235,3 +235,37 @@ def test_a_delete_during_the_registration_of_the_same_version_leaves_it_serving_
     ((info, failed),) = settled.calls
     assert not failed and info.computed == 7 and sorted(engine.modules.schemas) == ["facts"]
     assert module_priorities(engine, "facts") == [90] * 21
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def test_a_registration_waits_for_a_waiting_request_that_holds_its_modules_kv(tiny_llama):
+    """Nothing runs, but a waiting PML request holds its context KV (a registration's module
+    in flight kept it out): once the module is in, the request runs and frees that KV, so
+    the next module, which does not fit beside it, waits for it instead of failing."""
+    engine = make(tiny_llama, kv_cache_memory_gib=0.0002)
+    assert engine.pool.num_free_blocks == 104
+    engine.modules.register(f'<schema name="ctx"><module name="m">{words("c", 70)}</module></schema>')  # 50 blocks
+    settled = Settled()
+    engine.submit_schema(f'<schema name="new"><module name="a">{words("a", 13)}</module>'  # 29 tokens, 8 blocks
+                         f'<module name="b">{words("b", 84)}</module></schema>', settled)  # 61 blocks
+    tick(engine)  # a: 8 of its 29 tokens; its 8 blocks held
+    prompt = engine.prepare_prompt(f'<prompt schema="ctx"><m/>{words("q", 70)}</prompt>')  # 200 tokens: 50 blocks
+    engine.add_prepared_request("w", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    (seq,) = engine.requests()
+    assert len(seq.context.blocks) == 50  # held while it waits
+    for _ in range(3):  # 50 + 50 + a's 8 > 104: it waits; a's last chunk, then b (61 + 50 > 104) does not fit
+        assert tick(engine) == [] and not engine.scheduler.running and engine.scheduler.waiting
+    assert not settled.calls and engine.registrations.has_work()  # b waits for the request
+    (job,) = engine.registrations
+    assert job.modules_done == 1 and engine.modules.tokens_computed == 200 + 29  # ctx, then a
+    engine.check_integrity()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += tick(engine)
+        engine.check_integrity()
+    assert [len(o.new_token_ids) for o in outputs] == [1, 1] and outputs[-1].finished
+    ((info, failed),) = settled.calls
+    assert not failed and info.computed == 2 and "new" in engine.modules.schemas

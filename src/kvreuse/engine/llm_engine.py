@@ -283,10 +283,11 @@ class LLMEngine:
         (pml/registration.py); the engine loop calls it after every ``step``, once that
         step's outputs are delivered, so a token is never held back by a slice and a newly
         arrived request waits for one slice at most. Never raises. A pool too full for the
-        next module makes that registration wait while requests run (they free blocks);
-        with none running, it fails."""
+        next module makes that registration wait while requests run or wait (a waiting PML
+        request holds its modules' KV, and runs once the registration holds nothing: both
+        free blocks when they end); with none, it fails."""
         if self.registrations.has_work():
-            self.registrations.run_slice(can_wait=bool(self.scheduler.running))
+            self.registrations.run_slice(can_wait=self.scheduler.has_work())
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:

@@ -18,7 +18,8 @@ they came in; the last of two for one name wins, as if they had come one at a ti
 
 A registration that fails (the pool cannot hold a module and nothing runs that could free
 blocks, or the model fails) is settled with the error and leaves nothing held; a pool that
-is busy while requests run only makes it wait for a later step.
+is busy while requests run or wait (they free blocks when they end) only makes it wait for
+a later step.
 
 Engine thread only.
 """
@@ -161,9 +162,10 @@ class RegistrationQueue:
     def run_slice(self, *, can_wait: bool) -> int:
         """Advance the registrations in order with at most ``slice_tokens`` precompute tokens
         in all; returns the tokens computed. Never raises: a registration that fails is
-        settled with its error and dropped. ``can_wait``: requests are running, so a pool
-        too full for the next module now may have room at a later step (the registration
-        waits); otherwise that is a failure."""
+        settled with its error and dropped. ``can_wait``: requests are running or waiting
+        (a waiting PML request holds its modules' KV), so a pool too full for the next module
+        now may have room at a later step (the registration waits); otherwise that is a
+        failure."""
         used = computed = 0
         while self._jobs and used < self.slice_tokens:
             job = self._jobs[0]
