@@ -162,3 +162,50 @@ def test_explain_does_not_move_round_robin():
 
     assert asyncio.run(scenario()) == [("http://a", "http://a"), ("http://b", "http://b"),
                                        ("http://a", "http://a"), ("http://b", "http://b")]
+
+
+class _Events(httpx.AsyncByteStream):
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def __aiter__(self):
+        yield self.data
+
+
+def test_a_routed_body_is_parsed_once_and_forwarded_as_parsed(monkeypatch):
+    import kvreuse.router.app as app_module
+    import kvreuse.router.proxy as proxy_module
+
+    parsed: list[bytes] = []
+    real = app_module.parse_json_body
+
+    def counting(raw: bytes):
+        parsed.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(app_module, "parse_json_body", counting)
+    monkeypatch.setattr(proxy_module, "parse_json_body", counting)
+    seen: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        if seen[-1].get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Events(b"data: [DONE]\n\n"))
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    stream = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "stream": True}).encode()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            app = build_router_app(_router(client))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
+                plain = await c.post("/v1/completions", content=RAW, headers=JSON)
+                streamed = await c.post("/v1/completions", content=stream, headers=JSON)
+            return plain, streamed
+
+    plain, streamed = asyncio.run(scenario())
+    assert (plain.status_code, streamed.status_code, streamed.content) == (200, 200, b"data: [DONE]\n\n")
+    assert parsed == [RAW, stream]  # once per request, by the app
+    assert seen[0] == json.loads(RAW)
+    assert seen[1] == {"prompt": [1, 2, 3], "max_tokens": 1, "stream": True, "return_token_ids": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}

@@ -110,8 +110,8 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
-        return await forward(router, path, raw, upstream_headers(request), chat=chat, request=request, keys=keys,
-                             usage=tap)
+        return await forward(router, path, raw, upstream_headers(request), chat=chat, request=request, body=body,
+                             keys=keys, usage=tap)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

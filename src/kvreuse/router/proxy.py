@@ -32,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import httpx
 from fastapi import Request
@@ -61,30 +62,33 @@ def error(message: str, status: int, type_: str = "service_unavailable") -> JSON
 
 
 async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                  request: Request | None = None, keys: RequestKeys | None = None,
+                  request: Request | None = None, body: Any = None, keys: RequestKeys | None = None,
                   usage: UsageTap | None = None) -> Response:
     """The executor's response to ``raw`` (a completions or chat body), or a 503 when no
     executor could take it. Records routing metrics on ``router``. ``request`` is the
     client's (its body already read): if its client disconnects before the response (or a
     stream's first chunk) arrives, the upstream request is closed and a 499 is returned
-    (to nobody); without it, disconnects are not watched. ``keys``: the body's, when the
-    caller has them (else ``raw`` is hashed here). ``usage`` reads the response's usage for
+    (to nobody); without it, disconnects are not watched. ``body``: ``raw``'s JSON value,
+    when the caller has parsed it (else ``raw`` is parsed here, once). ``keys``: the body's,
+    when the caller has them (else ``raw`` is hashed here). ``usage`` reads the response's usage for
     the tenant's limits (``kvreuse.router.tenant_usage``): of a migrated stream, the whole
     reply's."""
     gone = asyncio.ensure_future(client_disconnected(request)) if request is not None else None
     try:
-        return await _forward(router, path, raw, headers, chat=chat, gone=gone, keys=keys, usage=usage)
+        return await _forward(router, path, raw, headers, chat=chat, gone=gone, body=body, keys=keys, usage=usage)
     finally:
         if gone is not None:
             gone.cancel()  # a streamed response watches the client itself from here
 
 
 async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                   gone: asyncio.Future | None, keys: RequestKeys | None, usage: UsageTap | None) -> Response:
-    try:
-        body = parse_json_body(raw)
-    except APIError as exc:
-        return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
+                   gone: asyncio.Future | None, body: Any, keys: RequestKeys | None,
+                   usage: UsageTap | None) -> Response:
+    if body is None:
+        try:
+            body = parse_json_body(raw)
+        except APIError as exc:
+            return exc.response()  # the executor's 400 for this body, without tokenizing or sending it
     if keys is None:
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
