@@ -207,5 +207,6 @@ def test_a_routed_body_is_parsed_once_and_forwarded_as_parsed(monkeypatch):
     assert (plain.status_code, streamed.status_code, streamed.content) == (200, 200, b"data: [DONE]\n\n")
     assert parsed == [RAW, stream]  # once per request, by the app
     assert seen[0] == json.loads(RAW)
-    assert seen[1] == {"prompt": [1, 2, 3], "max_tokens": 1, "stream": True, "return_token_ids": True,
+    assert seen[1] == {"prompt": [1, 2, 3], "max_tokens": 1, "stream": True,
+                       "return_token_ids": True,
                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
