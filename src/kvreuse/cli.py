@@ -29,42 +29,53 @@ class Command:
 
 # ---------------------------------------------------------------------------- serve
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
+    from kvreuse.engine.config import EngineConfig as C  # every engine flag's default (imports no torch)
+
+    p.add_argument("--model", default=C.model,
                    help="alias (default, smollm2, gemma3-270m), HF folder, .gguf path, or tiny:llama|tiny:gemma3")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV pool size in GiB (fractions allowed)")
-    p.add_argument("--host-cache-memory", type=float, default=0.0, metavar="GIB",
+    p.add_argument("--kv-cache-memory", type=float, default=C.kv_cache_memory_gib, metavar="GIB",
+                   help="KV pool size in GiB (fractions allowed)")
+    p.add_argument("--host-cache-memory", type=float, default=C.host_cache_memory_gib, metavar="GIB",
                    help="host tier below the KV pool, in GiB (0: off): evicted blocks are kept there, not dropped")
-    p.add_argument("--host-offload-min-priority", type=int, default=35, metavar="P",
+    p.add_argument("--host-offload-min-priority", type=int, default=C.host_offload_min_priority, metavar="P",
                    help="evicted blocks of retention priority >= P go to the host tier (TensorRT-LLM's default 35)")
-    p.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+    p.add_argument("--disk-cache-dir", default=C.disk_cache_dir, metavar="DIR",
                    help="disk tier below the host tier: blocks the host evicts (and new ones, see "
                         "--tier-write-through-min-priority) are kept in DIR and found again after a restart")
-    p.add_argument("--disk-cache-size", type=float, default=10.0, metavar="GIB", help="disk tier cap (LRU beyond it)")
-    p.add_argument("--disk-cache-ttl", type=float, default=None, metavar="S", help="purge disk blocks idle for S seconds")
-    p.add_argument("--remote-cache", default=None, metavar="redis://HOST:PORT/DB",
+    p.add_argument("--disk-cache-size", type=float, default=C.disk_cache_size_gib, metavar="GIB",
+                   help="disk tier cap (LRU beyond it)")
+    p.add_argument("--disk-cache-ttl", type=float, default=C.disk_cache_ttl_s, metavar="S",
+                   help="purge disk blocks idle for S seconds")
+    p.add_argument("--remote-cache", default=C.remote_cache, metavar="redis://HOST:PORT/DB",
                    help="shared tier (Redis/Valkey) for executors of the same model; a down store costs a recompute")
-    p.add_argument("--tier-write-through-min-priority", type=int, default=35, metavar="P",
+    p.add_argument("--tier-write-through-min-priority", type=int, default=C.tier_write_through_min_priority,
+                   metavar="P",
                    help="newly computed blocks of priority >= P are written to the disk/remote tiers at once "
                         "(101: only what the host tier evicts)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the unit of prefix reuse)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
+    p.add_argument("--block-size", type=int, default=C.block_size,
+                   help="tokens per KV block (the unit of prefix reuse)")
+    p.add_argument("--dtype", default=C.dtype,
+                   choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
                    help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16, else float32)")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    p.add_argument("--quantization", default=C.quantization, choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (pair with --dtype bfloat16 or auto)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (more wait)")
+    p.add_argument("--device", default=C.device, choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
+    p.add_argument("--max-model-len", type=int, default=C.max_model_len,
+                   help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=C.max_num_seqs, help="requests running at once (more wait)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step; longer prompts are prefilled in chunks (default: 8192)")
-    p.add_argument("--eviction-policy", default="priority",
+                   help="tokens per engine step; longer prompts are prefilled in chunks "
+                        f"(default: {C.max_num_batched_tokens})")
+    p.add_argument("--eviction-policy", default=C.eviction_policy,
                    help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q | logfreq (hint-free)")
-    p.add_argument("--prefix-hash-algorithm", default="sha256", choices=["sha256", "xxh3_64"],
+    p.add_argument("--prefix-hash-algorithm", default=C.hash_algorithm, choices=["sha256", "xxh3_64"],
                    help="block key hash (xxh3_64 is faster, not collision-resistant)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=C.enable_prefix_caching,
                    help="compute every prompt afresh (a baseline)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed for requests that give none")
+    p.add_argument("--seed", type=int, default=C.seed, help="sampling seed for requests that give none")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, "
                         "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
@@ -76,30 +87,31 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     # 8 MiB: kvreuse.api.middleware.DEFAULT_MAX_BODY_BYTES (not imported: the CLI imports lazily)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
-    p.add_argument("--event-buffer-max-size", type=int, default=0,
+    p.add_argument("--event-buffer-max-size", type=int, default=C.event_buffer_max_size,
                    help="KV events kept for consumers (0: events off unless an endpoint is set)")
     p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
-    p.add_argument("--schema-dir", default=None,
+    p.add_argument("--schema-dir", default=C.schema_dir,
                    help="PML: persist module KV here and load it at start instead of recomputing")
-    p.add_argument("--schema-src-dir", default=None,
+    p.add_argument("--schema-src-dir", default=C.schema_src_dir,
                    help="PML: folder that <module src=...> paths in POSTed or stored schemas are read from "
                         "(relative paths inside it only; without it src= is refused)")
-    # defaults: kvreuse.pml.schema_cost (not imported: the CLI imports lazily)
-    p.add_argument("--schema-slice-tokens", type=int, default=64,
+    p.add_argument("--schema-slice-tokens", type=int, default=C.schema_slice_tokens,
                    help="PML: module precompute tokens a schema registration runs per engine step, between "
-                        "the steps of the requests in flight (default: 64)")
-    p.add_argument("--schema-max-tokens", type=int, default=65536,
-                   help="PML: refuse (400) a schema whose modules' precompute passes run more tokens (default: 65536)")
-    p.add_argument("--schema-max-bytes", type=int, default=2**30,
-                   help="PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: 1 GiB)")
-    # defaults: EngineConfig.blend_first_tokens / blend_ratio (no repair); a request's "blend" overrides them
-    p.add_argument("--blend-first-tokens", type=int, default=0,
+                        f"the steps of the requests in flight (default: {C.schema_slice_tokens})")
+    p.add_argument("--schema-max-tokens", type=int, default=C.schema_max_tokens,
+                   help="PML: refuse (400) a schema whose modules' precompute passes run more tokens "
+                        f"(default: {C.schema_max_tokens})")
+    p.add_argument("--schema-max-bytes", type=int, default=C.schema_max_bytes,
+                   help=f"PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: "
+                        f"{C.schema_max_bytes})")
+    # a request's "blend" overrides these
+    p.add_argument("--blend-first-tokens", type=int, default=C.blend_first_tokens,
                    help="PML seam repair: leading tokens of each assembled module recomputed against the "
-                        "assembled context (default: 0)")
-    p.add_argument("--blend-ratio", type=float, default=0.0,
+                        f"assembled context (default: {C.blend_first_tokens})")
+    p.add_argument("--blend-ratio", type=float, default=C.blend_ratio,
                    help="PML seam repair: share of assembled tokens, those whose KV deviates most, recomputed "
-                        "against the assembled context, in [0, 1] (default: 0)")
+                        f"against the assembled context, in [0, 1] (default: {C.blend_ratio})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -23,23 +23,27 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
+    from kvreuse.engine.config import EngineConfig as C  # the engine flags' defaults, as serve's (imports no torch)
+
     p = argparse.ArgumentParser(prog="kvreuse schema", description="PML schemas: precompute, list, delete")
     sub = p.add_subparsers(dest="action", required=True)
     pre = sub.add_parser("precompute", help="encode every module of a schema once")
     pre.add_argument("file", help="PML schema file (<schema name=...>)")
     pre.add_argument("--src-dir", default=None, help="folder for <module src=...> files (default: the file's)")
-    pre.add_argument("--schema-dir", default=None, help="write module KV here (what serve --schema-dir loads)")
+    pre.add_argument("--schema-dir", default=C.schema_dir, help="write module KV here (what serve --schema-dir loads)")
     pre.add_argument("--url", default=None, help="precompute on a running server instead (POST /v1/schemas)")
-    pre.add_argument("--model", default="default")
-    pre.add_argument("--dtype", default="float32", help="as the server's --dtype (module files are keyed to it)")
-    pre.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+    pre.add_argument("--model", default=C.model)
+    pre.add_argument("--dtype", default=C.dtype, help="as the server's --dtype (module files are keyed to it)")
+    pre.add_argument("--quantization", default=C.quantization, choices=["none", "int8", "int4"],
                      help="as the server's --quantization (module files are keyed to it)")
-    pre.add_argument("--device", default="auto")
-    pre.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB")
-    pre.add_argument("--block-size", type=int, default=16)
-    pre.add_argument("--max-model-len", type=int, default=None)
-    pre.add_argument("--schema-max-tokens", type=int, default=65536, help="as the server's (default: 65536)")
-    pre.add_argument("--schema-max-bytes", type=int, default=2**30, help="as the server's (default: 1 GiB)")
+    pre.add_argument("--device", default=C.device)
+    pre.add_argument("--kv-cache-memory", type=float, default=C.kv_cache_memory_gib, metavar="GIB")
+    pre.add_argument("--block-size", type=int, default=C.block_size)
+    pre.add_argument("--max-model-len", type=int, default=C.max_model_len)
+    pre.add_argument("--schema-max-tokens", type=int, default=C.schema_max_tokens,
+                     help=f"as the server's (default: {C.schema_max_tokens})")
+    pre.add_argument("--schema-max-bytes", type=int, default=C.schema_max_bytes,
+                     help=f"as the server's (default: {C.schema_max_bytes})")
     for name in ("list", "delete"):
         q = sub.add_parser(name, help=f"{name} schemas on a running server")
         if name == "delete":
@@ -68,16 +72,22 @@ def _http(method: str, url: str, api_key: str | None, body: dict | None = None) 
     return payload
 
 
+def _engine_config(args: argparse.Namespace):
+    from kvreuse.engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                        kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
+                        max_model_len=args.max_model_len, schema_dir=args.schema_dir,
+                        schema_max_tokens=args.schema_max_tokens, schema_max_bytes=args.schema_max_bytes)
+
+
 def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict:
     from tqdm import tqdm
 
     from kvreuse.cli import _load_model
-    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+    from kvreuse.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                          kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
-                          max_model_len=args.max_model_len, schema_dir=args.schema_dir,
-                          schema_max_tokens=args.schema_max_tokens, schema_max_bytes=args.schema_max_bytes)
+    config = _engine_config(args)
     engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device, config.quantization))
     with tqdm(desc="precomputing modules", unit="module", file=sys.stderr) as bar:
         def progress(done: int, total: int, name: str) -> None:
