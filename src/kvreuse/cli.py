@@ -54,6 +54,15 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="P",
                    help="newly computed blocks of priority >= P are written to the disk/remote tiers at once "
                         "(101: only what the host tier evicts)")
+    p.add_argument("--speculative-tokens", type=int, default=C.speculative_tokens, metavar="K",
+                   help="prompt lookup (n-gram) speculative decoding: draft up to K tokens per greedy decode step "
+                        "from the prompt and output so far, verified in one forward; same output (0: off). "
+                        "Sampled (temperature > 0) requests never speculate; a request opts out with "
+                        "\"speculative\": false")
+    p.add_argument("--speculative-ngram", type=int, default=C.speculative_ngram_max, metavar="N",
+                   help="prompt lookup: longest n-gram matched (tried first, down to --speculative-ngram-min)")
+    p.add_argument("--speculative-ngram-min", type=int, default=C.speculative_ngram_min, metavar="N",
+                   help="prompt lookup: shortest n-gram matched")
     p.add_argument("--block-size", type=int, default=C.block_size,
                    help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default=C.dtype,
@@ -148,7 +157,9 @@ def _engine_config(args: argparse.Namespace):
         blend_ratio=args.blend_ratio,
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
-        tier_write_through_min_priority=args.tier_write_through_min_priority, **extra,
+        tier_write_through_min_priority=args.tier_write_through_min_priority,
+        speculative_tokens=args.speculative_tokens, speculative_ngram_max=args.speculative_ngram,
+        speculative_ngram_min=args.speculative_ngram_min, **extra,
     )
 
 

@@ -22,7 +22,9 @@ SERVE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "de
          "disk_cache_dir": "disk_cache_dir", "disk_cache_size": "disk_cache_size_gib",
          "disk_cache_ttl": "disk_cache_ttl_s", "remote_cache": "remote_cache",
          "tier_write_through_min_priority": "tier_write_through_min_priority",
-         "blend_first_tokens": "blend_first_tokens", "blend_ratio": "blend_ratio"}
+         "blend_first_tokens": "blend_first_tokens", "blend_ratio": "blend_ratio",
+         "speculative_tokens": "speculative_tokens", "speculative_ngram": "speculative_ngram_max",
+         "speculative_ngram_min": "speculative_ngram_min"}
 PRECOMPUTE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",
               "kv_cache_memory": "kv_cache_memory_gib", "block_size": "block_size", "max_model_len": "max_model_len",
               "schema_dir": "schema_dir", "schema_max_tokens": "schema_max_tokens",

@@ -65,6 +65,8 @@ class _GenerationRequest(BaseModel):
     # vLLM extra: the prompt's token ids and each choice's generated ids in the response (streamed:
     # prompt_token_ids on a choice's first chunk, token_ids on every chunk; routes' docstrings)
     return_token_ids: StrictBool = False
+    # kvreuse extra: false opts this request out of prompt-lookup speculation (engine/spec_decode.py)
+    speculative: StrictBool = True
     # OpenAI fields kvreuse does not implement: accepted at their neutral values, else a 400
     # naming them (silently ignoring them would hand the client something it did not ask for)
     presence_penalty: StrictFloat | None = None
@@ -108,6 +110,7 @@ class _GenerationRequest(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.num_logprobs(),
+            speculative=self.speculative,
         )
 
     def num_logprobs(self) -> int | None:
@@ -236,11 +239,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               outputs: Sequence[Any] = ()) -> dict[str, Any]:
+               outputs: Sequence[Any] = (), finals: Sequence[Any] = ()) -> dict[str, Any]:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present.
     With tiers below the device pool, ``prompt_tokens_details.cached_tokens_by_tier`` (an
     extension; other clients ignore it) says where ``outputs``' cached tokens came from
-    (``device``, ``host``, ``disk``, ``remote``)."""
+    (``device``, ``host``, ``disk``, ``remote``). When any of ``finals`` (each choice's latest
+    output) speculated, ``completion_tokens_details`` says how many prompt-lookup draft tokens
+    were accepted and rejected (OpenAI's predicted-output fields)."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     recomputed = sum(getattr(out, "num_recomputed_tokens", 0) for out in outputs)
     if recomputed:  # seam repair recomputed some assembled (cached) tokens: an extension
@@ -253,12 +258,18 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                 name = TIER_NAMES.get(level, level.lower())
                 by_tier[name] = by_tier.get(name, 0) + n
         details["cached_tokens_by_tier"] = by_tier
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": details,
     }
+    drafted = sum(getattr(out, "num_draft_tokens", 0) for out in finals)
+    if drafted:
+        accepted = sum(out.num_accepted_tokens for out in finals)
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage
 
 
 def now_s() -> int:

@@ -270,10 +270,11 @@ class KVCacheManager:
             self.hits_tokens += seq.num_cached_tokens
         return True
 
-    def grow(self, seq: Sequence) -> bool:
-        """Make sure every token of ``seq`` has a slot. ``False`` (nothing changed) when
-        the pool is out of blocks; the scheduler then preempts someone."""
-        missing = self.blocks_needed(seq.num_tokens) - len(seq.blocks)
+    def grow(self, seq: Sequence, extra: int = 0) -> bool:
+        """Make sure every token of ``seq``, and ``extra`` slots after them (a draft to
+        verify), has a slot. ``False`` (nothing changed) when the pool is out of blocks; the
+        scheduler then preempts someone (or drops the draft)."""
+        missing = self.blocks_needed(seq.num_tokens + extra) - len(seq.blocks)
         if missing <= 0:
             return True
         if not self.pool.can_allocate(missing):
@@ -299,6 +300,14 @@ class KVCacheManager:
         if self.lower is not None:
             self.lower.write_through(blocks[seq.num_registered_blocks : full])
         seq.num_registered_blocks = full
+
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the ones ``seq``'s tokens need (they held only rejected
+        draft tokens: never computed as accepted, never registered)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.blocks) > keep:
+            assert seq.num_registered_blocks <= keep, "a registered block held a rejected draft"
+            self.pool.release(reversed(seq.drop_tail_blocks(keep)))
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (tail first, so its chain evicts from the end)."""

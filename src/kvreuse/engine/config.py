@@ -40,6 +40,9 @@ class EngineConfig:
     tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
     blend_first_tokens: int = 0  # seam repair: leading tokens of each assembled module recomputed (0: none)
     blend_ratio: float = 0.0  # seam repair: share of assembled tokens recomputed by KV deviation, in [0, 1]
+    speculative_tokens: int = 0  # prompt lookup: tokens drafted per greedy decode step (0 = off)
+    speculative_ngram_max: int = 4  # prompt lookup: longest n-gram matched (tried first)
+    speculative_ngram_min: int = 2  # prompt lookup: shortest n-gram matched
 
     @property
     def blend(self) -> SeamRepair:
@@ -75,6 +78,11 @@ class EngineConfig:
         if not 0 <= self.tier_write_through_min_priority <= 101:
             raise ValueError("--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
                              f"tier evicts), got {self.tier_write_through_min_priority}")
+        if not 0 <= self.speculative_tokens <= 32:
+            raise ValueError(f"--speculative-tokens must be in [0, 32] (0 = off), got {self.speculative_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("--speculative-ngram-min must be >= 1 and <= --speculative-ngram-max, got "
+                             f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")
         if not 0 <= self.host_offload_min_priority <= 101:
             raise ValueError(
                 f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"

@@ -41,6 +41,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         schemas_registering=len(registrations),
         tokens_computed_modules=modules.tokens_computed,
         seam_repair_tokens=engine.seam_repair_tokens,
+        spec_decode_num_draft_tokens=engine.spec_draft_tokens,
+        spec_decode_num_accepted_tokens=engine.spec_accepted_tokens,
     )
 
 

@@ -42,6 +42,7 @@ from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.pml.schema_store import SchemaStore
 from kvreuse.engine.sequence import Sequence
+from kvreuse.engine.spec_decode import SpecState, accepted_length, propose
 from kvreuse.engine.stop_checker import check_stop
 
 if TYPE_CHECKING:
@@ -122,6 +123,8 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self.tokens_computed = 0
         self.seam_repair_tokens = 0  # assembled tokens recomputed by seam repair
+        self.spec_draft_tokens = 0  # prompt lookup: drafted tokens verified (all requests)
+        self.spec_accepted_tokens = 0  # of those, accepted
         torch.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ requests
@@ -165,6 +168,8 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
             context=context,
         )
+        if self.config.speculative_tokens and params.greedy and params.speculative:
+            seq.spec = SpecState()
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -293,62 +298,120 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.sync_stores()
         self._restore_context()
+        self._draft()
         plan = self.scheduler.schedule()
         if not plan and self.scheduler.waiting and not self.scheduler.running and self._break_context_deadlock():
             plan = self.scheduler.schedule()
         if not plan:
             return []
-        chunks = [self._chunk(item.seq, item.num_new_tokens) for item in plan]
-        logits = self.runner.execute(chunks)  # [num_sampling_chunks, vocab]
-        sampled: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, token)
+        chunks = [self._chunk(item.seq, item.num_new_tokens, item.num_draft_tokens) for item in plan]
+        logits = self.runner.execute(chunks)  # [num_rows, vocab]: 1 per sampling chunk, 1 + draft per verified draft
+        # per sampling chunk: (item, first logits row, tokens to append in order)
+        sampled: list[tuple[object, int, list[int]]] = []
+        row = 0
         now = time.perf_counter()
         for item, chunk in zip(plan, chunks):
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
             self.tokens_computed += item.num_new_tokens
+            if item.num_draft_tokens:  # committed once the kept tokens are known (_settle_draft)
+                targets = logits[row : row + chunk.num_logits].argmax(dim=-1).tolist()  # [1 + draft]
+                a = accepted_length(seq.draft_token_ids, targets)
+                sampled.append((item, row, seq.draft_token_ids[:a] + [targets[a]]))
+                row += chunk.num_logits
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit_computed(seq)
             if chunk.sample:
-                row = len(sampled)
-                sampled.append((seq, row, sample_one(logits[row], seq.params, seq.generator)))
-        new_logprobs = self._logprobs(logits, sampled)
+                sampled.append((item, row, [sample_one(logits[row], seq.params, seq.generator)]))
+                row += 1
+        new_logprobs = self._logprobs(logits, [(it.seq, r + j, t) for it, r, tokens in sampled
+                                               for j, t in enumerate(tokens)])
         outputs: list[RequestOutput] = []
-        for seq, _, token in sampled:
+        for item, first_row, tokens in sampled:
+            seq = item.seq
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            seq.output_token_ids.append(token)
-            lp = new_logprobs.get(seq.request_id)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            new_text, reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
+            new_text, reason, kept_lps = "", None, []
+            for j, token in enumerate(tokens):
+                seq.output_token_ids.append(token)
+                lp = new_logprobs.get((seq.request_id, first_row + j))
+                if lp is not None:
+                    seq.output_logprobs.append(lp)
+                    kept_lps.append(lp)
+                piece, reason = check_stop(seq, self.tokenizer, self.eos_token_ids)
+                new_text += piece
+                if reason is not None:
+                    break  # tokens accepted past a stop or max_tokens are never emitted
+            kept = tokens[: j + 1]
+            if item.num_draft_tokens:
+                self._settle_draft(seq, item.num_draft_tokens, len(tokens) - 1, len(kept))
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
                 self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, [token], new_text, None if lp is None else [lp]))
+            outputs.append(self._output(seq, kept, new_text, kept_lps if seq.params.logprobs is not None else None))
+        for item in plan:
+            item.seq.draft_token_ids.clear()
         return outputs
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
-        """The runner's view of ``seq``'s next ``n`` tokens: its block table and context
-        arrays as they are (no per-token work over the tokens computed before)."""
+    def _draft(self) -> None:
+        """Prompt lookup: give each greedy decoding request that speculates a draft
+        (``spec_decode.propose``) of at most ``speculative_tokens`` tokens, never past its
+        ``max_tokens`` (the model's own next token always follows the accepted ones)."""
+        k_max = self.config.speculative_tokens
+        if not k_max:
+            return
+        for seq in self.scheduler.running:
+            spec = seq.spec
+            if spec is None or seq.num_computed_tokens != seq.num_tokens - 1 or not spec.ready():
+                continue
+            k = min(k_max, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            if k < 1:
+                continue
+            tokens = spec.tokens(seq.token_ids_between, seq.num_tokens)
+            seq.draft_token_ids = propose(tokens, min_n=self.config.speculative_ngram_min,
+                                          max_n=self.config.speculative_ngram_max, k=k)
+
+    def _settle_draft(self, seq: Sequence, drafted: int, accepted: int, kept: int) -> None:
+        """After a verified draft: ``kept`` of the ``accepted + 1`` tokens were appended
+        (fewer when a stop or max_tokens cut them). KV is valid for the last token before
+        the step and every kept accepted draft token; full blocks of those become
+        cacheable, and the blocks holding only rejected drafts go back to the pool."""
+        seq.num_computed_tokens = seq.num_tokens - kept + min(kept, accepted)
+        self.kv.commit_computed(seq)
+        self.kv.trim(seq)
+        seq.spec.record(drafted, accepted)  # type: ignore[union-attr]
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+
+    def _chunk(self, seq: Sequence, n: int, num_draft: int = 0) -> SeqChunk:
+        """The runner's view of ``seq``'s next ``n`` tokens (the last ``num_draft`` of them its
+        draft, all with logits): its block table and context arrays as they are (no per-token
+        work over the tokens computed before)."""
         c = seq.num_computed_tokens
+        token_ids = seq.token_ids_between(c, c + n - num_draft)
+        if num_draft:
+            token_ids = token_ids + seq.draft_token_ids
         return SeqChunk(
-            token_ids=seq.token_ids_between(c, c + n),
+            token_ids=token_ids,
             positions=seq.positions_between(c, c + n).tolist(),
             keys=KeyTable(seq.context_slots, seq.block_table, self.block_size, c + n),
             context_positions=seq.key_positions(c),  # None unless explicit positions (PML) or module context
-            sample=c + n == seq.num_tokens,
+            sample=c + n - num_draft == seq.num_tokens,
+            num_logits=1 + num_draft,
         )
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, sampled: list[tuple[Sequence, int, int]]) -> dict[str, TokenLogprobs]:
-        """Logprobs of the sampled tokens of the requests that asked for them (none: no work)."""
-        wanted = [(seq, row, token) for seq, row, token in sampled if seq.params.logprobs is not None]
+    def _logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> dict[tuple[str, int], TokenLogprobs]:
+        """Logprobs of the chosen tokens, keyed by (request id, logits row), for the requests
+        that asked for them (none: no work)."""
+        wanted = [(seq, row, token) for seq, row, token in rows if seq.params.logprobs is not None]
         if not wanted:
             return {}
-        rows = torch.tensor([row for _, row, _ in wanted], dtype=torch.long, device=logits.device)
-        found = compute_logprobs(logits.index_select(0, rows), [t for _, _, t in wanted],
+        index = torch.tensor([row for _, row, _ in wanted], dtype=torch.long, device=logits.device)
+        found = compute_logprobs(logits.index_select(0, index), [t for _, _, t in wanted],
                                  [seq.params.logprobs for seq, _, _ in wanted])
-        return {seq.request_id: lp for (seq, _, _), lp in zip(wanted, found)}
+        return {(seq.request_id, row): lp for (seq, row, _), lp in zip(wanted, found)}
 
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
                 new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
@@ -368,6 +431,8 @@ class LLMEngine:
             ttft_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
             logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
             new_logprobs=new_logprobs,
+            num_draft_tokens=0 if seq.spec is None else seq.spec.num_draft_tokens,
+            num_accepted_tokens=0 if seq.spec is None else seq.spec.num_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ introspection

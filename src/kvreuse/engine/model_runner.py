@@ -40,6 +40,7 @@ class SeqChunk:
     # True: a key is visible to a new token iff its position <= the token's (not by order;
     # seam repair recomputes scattered tokens among keys on both sides of them)
     by_position: bool = False
+    num_logits: int = 1  # with sample: logits rows for the last this many new tokens (a verified draft)
 
     @classmethod
     def from_slots(
@@ -108,8 +109,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Compute every chunk; returns fp32 logits ``[num_sampling_chunks, vocab]`` in chunk
-        order (only chunks with ``sample=True`` get a row)."""
+        """Compute every chunk; returns fp32 logits ``[num_rows, vocab]`` in chunk order
+        (only chunks with ``sample=True`` get rows: ``num_logits`` each, in token order)."""
         dev = self.device
         token_ids: list[int] = []
         positions: list[int] = []
@@ -123,7 +124,7 @@ class ModelRunner:
             positions += chunk.positions
             new_slots.append(chunk.new_slots)
             if chunk.sample:
-                sample_index.append(len(token_ids) - 1)
+                sample_index.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
             if chunk.by_position:
                 prefills.append(self._positional_item(start, chunk))
             elif len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min:

@@ -29,6 +29,10 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] | None = None
     # assembled (PML module) tokens seam repair recomputed for this request (0: no repair)
     num_recomputed_tokens: int = 0
+    # Prompt lookup: draft tokens verified for this request so far, and how many were accepted
+    # (0 and 0 when it does not speculate); accepted tokens cost no forward of their own.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -58,3 +62,5 @@ class EngineStats:
     schemas_registering: int = 0  # registrations queued or in progress
     tokens_computed_modules: int = 0  # of tokens_computed, those of module precompute
     seam_repair_tokens: int = 0  # assembled tokens recomputed by seam repair (every acquisition)
+    spec_decode_num_draft_tokens: int = 0  # prompt lookup: drafted tokens verified
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted

@@ -16,6 +16,8 @@ class SamplingParams:
     request's sampling reproducible regardless of what else is batched with it.
     ``logprobs=k`` puts a ``TokenLogprobs`` per output token on each ``RequestOutput``:
     the raw model distribution (before temperature, top-k, top-p), as vLLM does.
+    ``speculative=False`` opts a request out of prompt-lookup speculation (only greedy
+    requests speculate, and only when the engine has ``speculative_tokens > 0``).
     """
 
     max_tokens: int = 16
@@ -28,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k in [0, 20]: the sampled token's plus the top k
+    speculative: bool = True  # False: never draft for this request (prompt lookup, engine/spec_decode.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +54,8 @@ class SamplingParams:
         k = self.logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if len(self.stop) > 4:
             raise ValueError(f"stop accepts at most 4 sequences, got {len(self.stop)}")
 

@@ -20,7 +20,8 @@ from kvreuse.engine.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
-    num_new_tokens: int  # tokens computed for ``seq`` this step, from its num_computed_tokens
+    num_new_tokens: int  # tokens computed for ``seq`` this step, from its num_computed_tokens (drafts included)
+    num_draft_tokens: int = 0  # of those, the last ones are ``seq.draft_token_ids`` to verify
 
 
 class Scheduler:
@@ -54,6 +55,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted by an older sequence in this loop
                 continue
+            # A draft never preempts anyone: it runs only if its slots and budget are free now.
+            draft = seq.draft_token_ids
+            if draft and (budget < 1 + len(draft) or not self.kv.grow(seq, len(draft))):
+                draft.clear()
             while not self.kv.grow(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -62,6 +67,11 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if draft and seq.num_tokens - seq.num_computed_tokens == 1:
+                plan.append(ScheduledChunk(seq, 1 + len(draft), len(draft)))
+                budget -= 1 + len(draft)
+                continue
+            draft.clear()
             plan.append(ScheduledChunk(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -15,6 +15,7 @@ from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.context import PromptContext
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.engine.spec_decode import SpecState
 
 
 _EMPTY = np.zeros(0, np.int64)  # [0] no module context
@@ -60,6 +61,11 @@ class Sequence:
     text: str = ""  # detokenized output so far (stop strings cut)
     generator: object | None = None  # torch.Generator when params.seed is set
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+    # Prompt lookup: tokens proposed for verification this step (not part of token_ids; their
+    # slots follow the last token's; the scheduler may drop them, the engine clears them after
+    # the step) and the request's speculation state (None: it never speculates).
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec: SpecState | None = None
     _blocks: tuple[KVBlock, ...] = field(default=(), init=False, repr=False)  # own blocks, in token order
     _block_ids: np.ndarray = field(default_factory=lambda: np.zeros(8, np.int64), init=False, repr=False)  # [capacity]
     _key_positions: np.ndarray | None = field(default=None, init=False, repr=False)  # [capacity] context + own
@@ -141,6 +147,12 @@ class Sequence:
         """Put ``block`` in place of block ``index`` (a shared copy of the same tokens)."""
         self._blocks = self._blocks[:index] + (block,) + self._blocks[index + 1 :]
         self._block_ids[index] = block.block_id
+
+    def drop_tail_blocks(self, keep: int) -> tuple[KVBlock, ...]:
+        """Remove the blocks after the first ``keep`` and return them (the caller releases them)."""
+        dropped = self._blocks[keep:]
+        self._blocks = self._blocks[:keep]
+        return dropped
 
     def clear_blocks(self) -> None:
         self._blocks = ()

@@ -78,7 +78,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     choices = _choices(finals, ctx.engine.tokenizer, body.return_token_ids)
     first = finals[0]
     usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens,
-                       [first])
+                       [first], finals)
     response = {**header, "object": "chat.completion", "choices": choices, "usage": usage}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt.token_ids
@@ -126,7 +126,7 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     response = {**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer,
                                                                              body.return_token_ids),
                 "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
-                                    finals[0].num_cached_tokens, finals[:1])}
+                                    finals[0].num_cached_tokens, finals[:1], finals)}
     if body.return_token_ids:
         response["prompt_token_ids"] = None
     return JSONResponse(response)
@@ -178,12 +178,12 @@ async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, 
             if body.return_token_ids:
                 chunk["choices"][0]["token_ids"] = pending_ids.pop(index, [])
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out])
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
             usage = usage_dict(outs[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in outs),
-                               outs[0].num_cached_tokens, outs[:1])
+                               outs[0].num_cached_tokens, outs[:1], outs)
             yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

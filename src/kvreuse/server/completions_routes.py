@@ -101,7 +101,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             choice["token_ids"] = list(out.output_token_ids)
     firsts = finals[:: body.n]  # one per prompt: prompt tokens are counted once per prompt
     usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
-                       sum(o.num_cached_tokens for o in firsts), firsts)
+                       sum(o.num_cached_tokens for o in firsts), firsts, finals)
     return JSONResponse({**header, "choices": choices, "usage": usage})
 
 
@@ -137,13 +137,13 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
                 choice["token_ids"] = pending_ids.pop(index, [])
             chunk = {**header, "choices": [choice]}
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out])
+                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out])
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
             firsts = outs[:: body.n]
             usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in outs),
-                               sum(o.num_cached_tokens for o in firsts), firsts)
+                               sum(o.num_cached_tokens for o in firsts), firsts, outs)
             yield sse({**header, "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

@@ -98,6 +98,10 @@ class _EngineCollector(Collector):
         if (computed := getattr(s, "tokens_computed", None)) is not None:
             yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill, decode and PML module "
                           "precompute).", computed)
+        if (drafted := getattr(s, "spec_decode_num_draft_tokens", None)) is not None:
+            yield counter("kvreuse:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens verified.", drafted)
+            yield counter("kvreuse:spec_decode_num_accepted_tokens", "Of the draft tokens verified, those accepted.",
+                          s.spec_decode_num_accepted_tokens)
         if self._event_buffer is not None:
             events = self._event_buffer.stats()
             yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
