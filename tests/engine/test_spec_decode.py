@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.engine import llm_engine
 from kvreuse.engine.spec_decode import SpecState, accepted_length, propose
 
 
@@ -19,8 +20,10 @@ def test_propose_takes_the_most_recent_longest_match():
     assert propose(tokens, min_n=2, max_n=3, k=2) == [7, 8]
     assert propose(np.array([4, 5, 6], np.int64), min_n=1, max_n=3, k=4) == []
     assert propose(tokens, min_n=1, max_n=3, k=0) == []
-    # the match may run up to the suffix: only the tokens that exist are proposed
-    assert propose(np.array([1, 1, 1], np.int64), min_n=1, max_n=2, k=5) == [1]
+    # a match that runs into the suffix continues with its period (a loop drafts k tokens)
+    assert propose(np.array([1, 1, 1], np.int64), min_n=1, max_n=2, k=5) == [1] * 5
+    assert propose(np.array([5, 1, 2, 3, 1, 2, 3, 1, 2], np.int64), min_n=1, max_n=2, k=5) == [3, 1, 2, 3, 1]
+    assert propose(np.array([7, 1, 2, 9, 1, 2], np.int64), min_n=2, max_n=2, k=5) == [9, 1, 2, 9, 1]
 
 
 def test_accepted_length_and_backoff():
@@ -43,16 +46,45 @@ def run(llm, prompts, params):
     engine = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
-    outs, pieces = {}, {}
+    outs, pieces, ids, lps = {}, {}, {}, {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             outs[o.request_id] = o
             pieces.setdefault(o.request_id, []).append(o.new_text)
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(o.new_logprobs or [])
         engine.check_integrity()
+        for seq in engine.scheduler.running:  # blocks of rejected drafts went back at once
+            assert len(seq.blocks) <= engine.kv.blocks_needed(seq.num_tokens)
+            assert not seq.draft_token_ids
     assert engine.pool.num_used_blocks == 0  # nothing leaked
     for rid, o in outs.items():
         assert "".join(pieces[rid]) == o.text  # streamed pieces add up
+        assert ids[rid] == o.output_token_ids
+        if o.logprobs is not None:  # one per emitted token, streamed and final alike
+            assert len(o.logprobs) == len(o.output_token_ids) == len(lps[rid])
+            assert [lp.token_id for lp in o.logprobs] == o.output_token_ids
     return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+class SettleSpy:
+    """Records every verified draft as ``(drafted, accepted, kept)`` (a spy on the real engine)."""
+
+    def __init__(self, llm):
+        self.calls: list[tuple[int, int, int]] = []
+        engine = llm.engine
+        original = engine._settle_draft
+
+        def settle(seq, drafted, accepted, kept):
+            self.calls.append((drafted, accepted, kept))
+            original(seq, drafted, accepted, kept)
+
+        engine._settle_draft = settle
+
+    @property
+    def cut_inside_a_run(self) -> bool:
+        """Some verified step ended its request before all its accepted tokens were emitted."""
+        return any(kept < accepted + 1 for _, accepted, kept in self.calls)
 
 
 def repeating_prompt(rng: random.Random, length: int) -> list[int]:
@@ -92,23 +124,131 @@ def test_greedy_output_is_identical_batched(arch, request):
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in base]
 
 
-def test_stop_string_and_max_tokens_cut_accepted_tokens(tiny_llama):
+def quoting_setup(loaded):
+    """A prompt with phrases that recur (the n-gram drafter finds matches), and the tiny
+    model's 40-token greedy answer to it."""
     rng = random.Random(5)
     prompt = repeating_prompt(rng, 40)
+    out = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4).generate(
+        prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    return prompt, out.output_token_ids
+
+
+def oracle_drafts(monkeypatch, prompt: list[int], answer: list[int], wrong_every: int = 0) -> None:
+    """Replace the n-gram drafter with one that drafts the greedy ``answer`` itself (so a stop
+    lands inside an accepted run with accepted tokens after it, which a random model's own
+    text rarely gives), every ``wrong_every``-th answer token off by one (rejected there)."""
+    def propose(tokens, *, min_n, max_n, k):
+        assert tokens[: len(prompt)].tolist() == prompt
+        m = len(tokens) - len(prompt)
+        return [t + 1 if wrong_every and (m + j) % wrong_every == wrong_every - 1 else t
+                for j, t in enumerate(answer[m : m + k])]
+
+    monkeypatch.setattr(llm_engine, "propose", propose)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "oracle_wrong_every_5"])
+def test_stop_string_and_max_tokens_cut_accepted_tokens(tiny_llama, monkeypatch, drafter):
+    prompt, long = quoting_setup(tiny_llama)
     base_llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
-    long = base_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
-    stop = long.text[len(long.text) // 2 : len(long.text) // 2 + 3]
+    text = base_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].text
     cases = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 7, 23)]
-    if stop.strip():
-        cases.append(SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
+    for at in range(4, len(text) - 3, max(1, len(text) // 12)):  # stop strings all along the answer
+        if text[at : at + 3].strip():
+            cases.append(SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[text[at : at + 3]],
+                                        logprobs=0))
+    assert len(cases) > 8
+    if drafter != "ngram":
+        oracle_drafts(monkeypatch, prompt, long, wrong_every=5 if drafter.endswith("5") else 0)
     spec_llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=6,
                    speculative_ngram_min=1)
+    spy = SettleSpy(spec_llm)
     base = run(base_llm, [prompt] * len(cases), cases)
     spec = run(spec_llm, [prompt] * len(cases), cases)
     for a, b, sp in zip(base, spec, cases):
         assert b.output_token_ids == a.output_token_ids and b.text == a.text
+        assert b.finish_reason == a.finish_reason
         assert len(b.output_token_ids) <= sp.max_tokens
-    assert spec_llm.engine.spec_accepted_tokens > 0
+    stats = spec_llm.engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    if drafter != "ngram":
+        assert spy.cut_inside_a_run  # a stop string ended a request inside an accepted run
+    if drafter == "oracle":
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    if drafter.endswith("5"):  # every draft that reaches a wrong token is rejected there
+        assert all(accepted < drafted for drafted, accepted, _ in spy.calls if drafted >= 5)
+
+
+@pytest.mark.parametrize("how", ["eos", "stop_token_ids"])
+def test_eos_or_stop_token_inside_an_accepted_run(tiny_llama, monkeypatch, how):
+    """Every token of the greedy answer tried as the end token: the request ends at its first
+    occurrence with or without speculation, also when that token was drafted and accepted
+    with more accepted tokens after it (those are never emitted), logprobs included."""
+    prompt, long = quoting_setup(tiny_llama)
+    kw = dict(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    base_llm = LLM(**kw)
+    oracle_drafts(monkeypatch, prompt, long)
+    spec_llm = LLM(**kw, speculative_tokens=6, speculative_ngram_min=1)
+    spy = SettleSpy(spec_llm)
+    cut = 0
+    for end in sorted(set(long[1:])):
+        if how == "eos":
+            base_llm.engine.eos_token_ids = spec_llm.engine.eos_token_ids = frozenset({end})
+            params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
+        else:
+            params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, stop_token_ids=[end])
+        spy.calls.clear()
+        a, = run(base_llm, [prompt], [params])
+        b, = run(spec_llm, [prompt], [params])
+        assert b.output_token_ids == a.output_token_ids == long[: long.index(end) + 1]
+        assert (b.text, b.finish_reason) == (a.text, a.finish_reason) == (a.text, "stop")
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= 1e-4
+        cut += spy.cut_inside_a_run
+    assert cut >= 2  # end tokens sat inside accepted runs, with accepted tokens after them
+
+
+def test_identical_prompts_share_blocks(tiny_llama):
+    """n > 1 greedy (one sequence per choice, the same prompt): each choice registers the same
+    full blocks; the later ones take the first one's copy while they verify drafts."""
+    prompt, long = quoting_setup(tiny_llama)
+    params = [SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)] * 3
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5,
+              speculative_ngram_min=1)
+    outs = run(llm, [prompt] * 3, params)
+    assert [o.output_token_ids for o in outs] == [long[:33]] * 3
+    assert all(o.num_accepted_tokens > 0 for o in outs)
+    # the blocks they registered are found by a later request: their hashes and KV are right
+    again = llm.generate(prompt + long[:32], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert again.output_token_ids == [long[32]] and again.num_cached_tokens == 4 * ((len(prompt) + 31) // 4)
+    llm.engine.check_integrity()
+
+
+def test_a_draft_never_preempts_anyone(tiny_llama):
+    """Under memory pressure a draft takes only the blocks left once every running request
+    has its own: whenever a request is preempted, no sequence holds a block for a draft."""
+    rng = random.Random(17)
+    checked = 0
+    for trial in range(6):
+        prompts = [repeating_prompt(rng, rng.randrange(6, 25)) for _ in range(rng.randrange(3, 6))]
+        params = [SamplingParams(max_tokens=rng.randrange(8, 20), temperature=0, ignore_eos=True) for _ in prompts]
+        kw = dict(loaded=tiny_llama, kv_cache_memory_gib=0.00002, block_size=4, max_num_batched_tokens=32)
+        base = run(LLM(**kw), prompts, params)
+        llm = LLM(**kw, speculative_tokens=6, speculative_ngram_min=1)
+        scheduler, kv = llm.engine.scheduler, llm.engine.kv
+        original = scheduler._preempt
+
+        def preempt(victim):
+            nonlocal checked
+            for seq in scheduler.running:
+                assert len(seq.blocks) <= kv.blocks_needed(seq.num_tokens), "a draft's blocks forced a preemption"
+            checked += 1
+            original(victim)
+
+        scheduler._preempt = preempt
+        spec = run(llm, prompts, params)
+        assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in base], trial
+    assert checked > 0 and llm.engine.spec_accepted_tokens > 0
 
 
 def test_many_random_prompts_small_pool(tiny_llama):

@@ -363,6 +363,7 @@ class LLMEngine:
             return
         for seq in self.scheduler.running:
             spec = seq.spec
+            seq.draft_token_ids = []  # a draft lives one step: never verify a stale one
             if spec is None or seq.num_computed_tokens != seq.num_tokens - 1 or not spec.ready():
                 continue
             k = min(k_max, seq.params.max_tokens - len(seq.output_token_ids) - 1)

@@ -55,10 +55,6 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted by an older sequence in this loop
                 continue
-            # A draft never preempts anyone: it runs only if its slots and budget are free now.
-            draft = seq.draft_token_ids
-            if draft and (budget < 1 + len(draft) or not self.kv.grow(seq, len(draft))):
-                draft.clear()
             while not self.kv.grow(seq):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -67,11 +63,6 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if draft and seq.num_tokens - seq.num_computed_tokens == 1:
-                plan.append(ScheduledChunk(seq, 1 + len(draft), len(draft)))
-                budget -= 1 + len(draft)
-                continue
-            draft.clear()
             plan.append(ScheduledChunk(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -88,9 +79,28 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             plan.append(ScheduledChunk(seq, n))
             budget -= n
+        self._add_drafts(plan, budget)
         return plan
 
+    def _add_drafts(self, plan: list[ScheduledChunk], budget: int) -> None:
+        """Turn the planned one-token decodes of sequences with a draft into verifications,
+        in plan order, while the budget and the free blocks left after every other chunk
+        allow: a draft never preempts, delays or shrinks anyone else's work. A draft that
+        does not fit is dropped (the decode runs as it would without speculation)."""
+        for i, item in enumerate(plan):
+            seq = item.seq
+            draft = seq.draft_token_ids
+            if not draft:
+                continue
+            if (item.num_new_tokens == 1 and seq.num_tokens - seq.num_computed_tokens == 1
+                    and budget >= len(draft) and self.kv.grow(seq, len(draft))):
+                plan[i] = ScheduledChunk(seq, 1 + len(draft), len(draft))
+                budget -= len(draft)
+            else:
+                draft.clear()
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft_token_ids.clear()
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.WAITING

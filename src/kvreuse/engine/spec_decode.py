@@ -19,7 +19,9 @@ MAX_BACKOFF_STEPS = 16  # longest pause (decode steps) after drafts the model ke
 def propose(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the last ``n``
     tokens of ``tokens`` (``[L]`` int64), for ``n`` from ``max_n`` down to ``min_n``; ``[]``
-    when no n-gram recurs (or ``k < 1``). The suffix itself is not a match."""
+    when no n-gram recurs (or ``k < 1``). The suffix itself is not a match. A match that
+    overlaps the suffix (a loop, ``x y x y``) continues with its period past the end
+    (``x y``), so a repetition drafts ``k`` tokens, not only the few already there."""
     length = len(tokens)
     if k < 1:
         return []
@@ -31,7 +33,11 @@ def propose(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
         found = np.flatnonzero(hit)
         if len(found):
             i = int(found[-1]) + n
-            return tokens[i : i + k].tolist()
+            draft = tokens[i : i + k].tolist()
+            period = length - i  # the draft's token j + period is its token j (the match repeats)
+            while len(draft) < k:
+                draft.append(draft[len(draft) - period])
+            return draft
     return []
 
 
