@@ -265,3 +265,32 @@ def test_many_random_prompts_small_pool(tiny_llama):
         assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in base], trial
         preempted += llm.engine.scheduler.num_preemptions
     assert preempted > 0  # the pool was small enough to preempt
+
+
+def test_python_api(tiny_llama):
+    """``LLM(speculative_tokens=...)``: generate and chat give the same greedy answers with
+    speculation on and off (``SamplingParams.speculative``), the outputs count the drafts,
+    and bad values are refused naming the field or flag."""
+    prompt, long = quoting_setup(tiny_llama)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5,
+              speculative_ngram_min=1)
+    on, off = llm.generate([prompt, prompt], [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                                              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                             speculative=False)])
+    assert on.output_token_ids == off.output_token_ids == long
+    assert on.num_draft_tokens >= on.num_accepted_tokens > 0 and off.num_draft_tokens == off.num_accepted_tokens == 0
+    stats = llm.engine.stats()
+    assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
+        on.num_draft_tokens, on.num_accepted_tokens)
+    messages = [{"role": "user", "content": "alpha bravo charlie delta alpha bravo charlie delta echo"}]
+    chat_on = llm.chat(messages, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    chat_off = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4).chat(
+        messages, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert chat_on.text == chat_off.text and chat_on.num_accepted_tokens > 0
+    llm.engine.check_integrity()
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="no")
+    with pytest.raises(ValueError, match="--speculative-tokens"):
+        LLM(loaded=tiny_llama, speculative_tokens=-1)
+    with pytest.raises(ValueError, match="--speculative-ngram-min"):
+        LLM(loaded=tiny_llama, speculative_ngram_min=3, speculative_ngram_max=2)
