@@ -45,7 +45,10 @@ def run(llm, prompts, params):
     """Every prompt queued at once (continuous batching), integrity checked after each step."""
     engine = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", p, sp)
+        if isinstance(p, str):  # a PML prompt over a registered schema
+            engine.add_prepared_request(f"r{i}", engine.prepare_prompt(p), sp)
+        else:
+            engine.add_request(f"r{i}", p, sp)
     outs, pieces, ids, lps = {}, {}, {}, {}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -294,3 +297,32 @@ def test_python_api(tiny_llama):
         LLM(loaded=tiny_llama, speculative_tokens=-1)
     with pytest.raises(ValueError, match="--speculative-ngram-min"):
         LLM(loaded=tiny_llama, speculative_ngram_min=3, speculative_ngram_max=2)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_pml_prompt_with_module_context(arch, request, monkeypatch):
+    """A PML prompt (module KV assembled in front, explicit RoPE positions, sliding windows on
+    Gemma 3): drafts verified after the module context give the answer it gets without them
+    (drafts from the answer itself, every 4th token wrong: accepted and rejected runs)."""
+    loaded = request.getfixturevalue(arch)
+    schema = ('<schema name="s">Intro text.<module name="doc">The keeper logs every ship in a green ledger; '
+              'every ship, every night, in a green ledger.</module><module name="r">The reader is '
+              '<param name="who" len="4"/> today.</module> Closing words.</schema>')
+    prompt = '<prompt schema="s"><doc/><r who="Ann"/> say green ledger green ledger green</prompt>'
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    outs = []
+    for spec in (0, 4):
+        llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=spec,
+                  speculative_ngram_min=1)
+        llm.register_schema(schema)
+        if spec:
+            first = outs[0][0]
+            oracle_drafts(monkeypatch, first.prompt_token_ids, first.output_token_ids, wrong_every=4)
+        outs.append(run(llm, [prompt, prompt], [params, params]))
+        llm.engine.check_integrity()
+    (a, a2), (b, b2) = outs
+    assert b.output_token_ids == a.output_token_ids == a2.output_token_ids == b2.output_token_ids
+    assert b.text == a.text and b.num_cached_tokens == a.num_cached_tokens > 0
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert abs(x.logprob - y.logprob) <= 1e-4
+    assert b.num_draft_tokens > b.num_accepted_tokens > 0
