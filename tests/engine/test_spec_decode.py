@@ -39,6 +39,14 @@ def test_accepted_length_and_backoff():
     assert state.pause == 4
     state.record(3, 2)
     assert (state.backoff, state.num_draft_tokens, state.num_accepted_tokens) == (0, 15, 2)
+    state.record(8, 1)  # one accepted token does not pay for a verification: pause as if rejected
+    assert (state.backoff, state.pause) == (1, 1)
+    state.pause = 0
+    state.record(1, 1)  # a one-token draft (max_tokens near) accepted whole pays
+    assert state.backoff == 0
+    for _ in range(8):
+        state.record(5, 0)
+    assert state.backoff == state.pause == 32  # the longest pause
 
 
 def run(llm, prompts, params):

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MAX_BACKOFF_STEPS = 16  # longest pause (decode steps) after drafts the model kept rejecting
+MAX_BACKOFF_STEPS = 32  # longest pause (decode steps) after drafts that kept not paying
+# A verification costs about 2-2.5 decode steps on CPU (docs/benchmarks.md): it pays from this
+# many accepted tokens; a draft accepted less counts as rejected for the pause.
+MIN_PAYING_ACCEPTED = 2
 
 
 def propose(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -44,9 +47,10 @@ def propose(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
 @dataclass
 class SpecState:
     """One request's speculation: its tokens as an array (grown, never rebuilt), counters,
-    and the adaptive pause: after a draft of which nothing was accepted the request skips
-    drafting for ``backoff`` steps (doubling up to ``MAX_BACKOFF_STEPS``; any accepted
-    token resets it), so text that does not quote its context costs almost nothing."""
+    and the adaptive pause: after a draft of which fewer than ``MIN_PAYING_ACCEPTED`` tokens
+    were accepted the request skips drafting for ``backoff`` steps (doubling up to
+    ``MAX_BACKOFF_STEPS``; a draft that pays resets it), so text that does not quote its
+    context pays one verification every ``MAX_BACKOFF_STEPS`` steps or so."""
 
     num_draft_tokens: int = 0  # drafted tokens sent to verification
     num_accepted_tokens: int = 0  # of those, accepted
@@ -78,7 +82,7 @@ class SpecState:
         """A verified draft: ``accepted`` of ``drafted`` tokens kept."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        if accepted:
+        if accepted >= min(MIN_PAYING_ACCEPTED, drafted):
             self.backoff = 0
         else:
             self.backoff = min(MAX_BACKOFF_STEPS, max(1, 2 * self.backoff))
