@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvreuse.cache.retention import KvCacheRetentionConfig, as_retention
+from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo
@@ -21,7 +22,7 @@ from kvreuse.pml.prepared import is_pml_prompt
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.seam_repair import SeamRepair
 
-PromptType = str | list[int]
+PromptType = str | list[int] | DocumentPrompt
 
 
 class LLM:
@@ -47,6 +48,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
+        A ``DocumentPrompt`` reuses its documents' KV at any position (``engine/document_cache.py``).
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
         ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
@@ -57,7 +59,7 @@ class LLM:
         Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
         retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling
         params whose length differs from the prompts'."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, DocumentPrompt)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
@@ -71,7 +73,9 @@ class LLM:
         for prompt, params in zip(prompts, per_prompt):
             rid = f"llm-{next(self._ids)}"
             try:
-                if isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
+                if isinstance(prompt, DocumentPrompt):  # documents: KV reused at any position
+                    self.engine.add_document_request(rid, prompt, params, cache_salt=cache_salt, retention=config)
+                elif isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
                     prepared = self.engine.prepare_prompt(prompt)  # compiled once, here (the engine thread)
                     self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config,
                                                      blend=blend)
@@ -112,10 +116,24 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         **kwargs,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template (with the generation prompt) and generate."""
+        """Apply the model's chat template (with the generation prompt) and generate. A message
+        with ``"kvreuse": {"document": True}`` is a reusable document (as over HTTP)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_token_ids(conv) for conv in conversations]  # type: ignore[arg-type]
+        prompts = [self._chat_prompt(conv) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, **kwargs)
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int] | DocumentPrompt:
+        if not any((m.get("kvreuse") or {}).get("document") for m in messages):
+            return self.chat_token_ids(messages)
+        from kvreuse.api.chat_prompt import render_chat
+        from kvreuse.api.protocol import ChatMessage
+
+        try:
+            rendered = render_chat(self.tokenizer, [ChatMessage(**m) for m in messages])
+        except Exception as exc:  # APIError, pydantic's ValidationError: the caller's messages
+            raise ValueError(str(exc)) from None
+        assert rendered.documents is not None
+        return rendered.documents
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

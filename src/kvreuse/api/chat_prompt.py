@@ -17,12 +17,16 @@ from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_
 from kvreuse.api.body import check_text
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatMessage
+from kvreuse.engine.document_cache import DocumentPrompt
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     token_ids: list[int]
     retention: KvCacheRetentionConfig | None  # from per-message ``retention``, if any
+    # messages marked "kvreuse": {"document": true}: the same ids as parts (text, document...);
+    # None when no message is marked
+    documents: DocumentPrompt | None = None
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
@@ -75,14 +79,37 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
         raise APIError(message, param="messages") from None
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the client's messages
         raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
+    flags = []
+    for i, m in enumerate(messages):
+        try:
+            flags.append(m.is_document)
+        except ValueError as exc:
+            raise APIError(f"messages[{i}].{exc}", param=f"messages[{i}].kvreuse") from None
     retentions = [m.retention for m in messages]
-    if not any(r is not None for r in retentions):
+    if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
     bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs)
+    documents = document_parts(token_ids, bounds, flags) if any(flags) else None
+    if not any(r is not None for r in retentions):
+        return ChatPrompt(token_ids, None, documents)
     try:
-        return ChatPrompt(token_ids, ranges_from_message_boundaries(bounds, retentions))
+        return ChatPrompt(token_ids, ranges_from_message_boundaries(bounds, retentions), documents)
     except ValueError as exc:
         raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
+
+
+def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool]) -> DocumentPrompt:
+    """The rendered prompt as parts: each marked message's token range (its template glue
+    included) a document, everything else text, the generation prompt last. Raises a 400
+    naming ``messages`` when the last message is a document and nothing follows it."""
+    parts: list[tuple[list[int], bool]] = []
+    for (start, end), flag in zip(bounds, flags):
+        parts.append((token_ids[start:end], flag))
+    parts.append((token_ids[bounds[-1][1]:] if bounds else token_ids, False))
+    try:
+        return DocumentPrompt.of(parts)
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", param="messages") from None
 
 
 def merge_retention(from_messages: KvCacheRetentionConfig | None,

@@ -148,6 +148,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top k per token (logprobs_format.py)
+    # kvreuse extra: reusable documents placed before the prompt, in order (README, "Documents")
+    documents: list[StrictStr | list[StrictInt]] | None = Field(default=None, min_length=1, max_length=256)
     suffix: StrictStr | None = None
 
     def num_logprobs(self) -> int | None:
@@ -195,6 +197,20 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
     retention: dict[str, Any] | None = None
+    kvreuse: dict[str, Any] | None = None  # {"document": true}: a reusable document (README, "Documents")
+
+    @property
+    def is_document(self) -> bool:
+        """Whether the message is marked ``"kvreuse": {"document": true}``. Raises
+        ``ValueError`` naming ``kvreuse`` for anything else in that field."""
+        if self.kvreuse is None:
+            return False
+        unknown = set(self.kvreuse) - {"document"}
+        flag = self.kvreuse.get("document", False)
+        if unknown or not isinstance(flag, bool):
+            raise ValueError('kvreuse: only {"document": true|false} is accepted'
+                             + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else ""))
+        return flag
 
     def text(self) -> str:
         """The message's text; list content keeps its ``{"type": "text"}`` parts.

@@ -260,12 +260,13 @@ class KVCacheManager:
         seq.num_registered_blocks = admission.num_hits
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
-            by_level = _tokens_by_level(admission, bs, self.pool.cache_level, seq.num_context_tokens)
+            reused_context = 0 if seq.context is None else seq.context.num_reused
+            by_level = _tokens_by_level(admission, bs, self.pool.cache_level, reused_context)
             seq.cached_tokens_by_tier = by_level
             for level, n in by_level.items():
                 self.hits_tokens_by_level[level] = self.hits_tokens_by_level.get(level, 0) + n
             # PML module KV assembled in front of the prompt counts as reused prompt tokens.
-            seq.num_cached_tokens = admission.num_hits * bs + seq.num_context_tokens
+            seq.num_cached_tokens = admission.num_hits * bs + reused_context
             self.queries_tokens += seq.num_prompt_tokens + seq.num_context_tokens
             self.hits_tokens += seq.num_cached_tokens
         return True

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvreuse.cache.retention import KvCacheRetentionConfig
     from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
     from kvreuse.pml.module_cache import SchemaInfo
+    from kvreuse.engine.document_cache import DocumentPrompt
     from kvreuse.pml.prepared import PreparedPrompt
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class _Add:
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None
     stream: _Stream
-    prepared: PreparedPrompt | None = None  # a PML prompt (compiled at the edge); its KV is assembled here
+    prepared: PreparedPrompt | DocumentPrompt | None = None  # PML or documents (built at the edge); KV assembled here
     blend: dict | None = None  # its seam repair (LLMEngine.add_prepared_request); None: the engine's default
 
 
@@ -175,7 +176,7 @@ class AsyncEngine:
         request_id: str,
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | None = None,
-        prepared: PreparedPrompt | None = None,
+        prepared: PreparedPrompt | DocumentPrompt | None = None,
         blend: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one

@@ -17,11 +17,32 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock
+
+
+class SegmentKind(enum.Enum):
+    DOCUMENT = "document"  # a reusable document's KV, copied in and moved to its request positions
+    TEXT = "text"  # tokens computed by the request itself (its own tokens, not in the context)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One span of a request's prompt, in request order: tokens ``start..start + length`` of
+    the prompt as the user sent it, at RoPE positions ``position..position + length``. For a
+    ``DOCUMENT``, ``context_start`` is the index of its first key in the context's ``slots`` /
+    ``positions`` (what seam repair recomputes against the assembled context); ``None`` for
+    ``TEXT`` (those are the sequence's own tokens)."""
+
+    start: int
+    length: int
+    kind: SegmentKind
+    position: int
+    context_start: int | None = None
 
 
 class ContextState(enum.Enum):
@@ -103,6 +124,12 @@ class PromptContext:
         return () if self._held is None else tuple(self._held.blocks)
 
     @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The prompt's spans in request order (documents and text; ``Segment``), as the
+        source laid them out; ``()`` for a source that has none (PML modules)."""
+        return tuple(getattr(self._source, "segments", ()))
+
+    @property
     def slot_array(self) -> np.ndarray:
         """``[c]`` int64 ``slots``, built once per acquisition (read every step)."""
         return self._array_pair()[0]
@@ -126,6 +153,12 @@ class PromptContext:
         """Keys the context puts in front of the sequence's own tokens, in any state (they
         count as prompt tokens)."""
         return self._num_tokens
+
+    @property
+    def num_reused(self) -> int:
+        """Of ``num_tokens``, the keys found cached rather than computed for this request (PML
+        modules: all of them; documents: what their acquisition found), counted as cached tokens."""
+        return getattr(self._held, "num_reused", self._num_tokens)
 
     @property
     def num_blocks(self) -> int:

@@ -29,6 +29,7 @@ from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.context import PromptContext
+from kvreuse.engine.document_cache import DocumentCache, DocumentPrompt
 from kvreuse.engine.repaired_context import RepairedSource
 from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.engine.introspection import check_engine_integrity, engine_stats
@@ -117,6 +118,9 @@ class LLMEngine:
             limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
             kv_bytes_per_token=self.kv_bytes_per_token,
         )
+        # Schema-free documents: KV computed once, copied and moved to each request's positions.
+        self.documents = DocumentCache(self.kv, self.runner, model_id=self.model_id, hash_algorithm=config.hash_algorithm,
+                                       chunk_tokens=config.max_num_batched_tokens)
         # Schemas registered while serving: a slice of their precompute after each step (submit_schema).
         self.registrations = RegistrationQueue(config.schema_slice_tokens)
         self.restored_schemas = self.modules.load_store()  # schemas persisted by an earlier run
@@ -193,20 +197,47 @@ class LLMEngine:
         when the pool cannot hold it now, when the request reaches the head of the queue.
         ``blend``: the seam repair of the assembled modules (``SeamRepair`` or its JSON form;
         ``None``: the server's ``--blend-*``), done at each acquisition into private copies
-        of the blocks it changes (engine/repaired_context.py).
+        of the blocks it changes (engine/repaired_context.py). A ``DocumentPrompt`` goes to
+        ``add_document_request``.
         Raises ``ValueError`` if the request can never run or ``blend`` is invalid (naming it)."""
-        repair = SeamRepair.from_json(blend, self.config.blend)
-        source = self.modules.source(prompt.plan)
-        if repair.enabled:
-            source = RepairedSource(source, repair, self.runner, self.kv, on_repair=self._count_repair)
+        if isinstance(prompt, DocumentPrompt):
+            return self.add_document_request(request_id, prompt, params, cache_salt=cache_salt, retention=retention,
+                                             blend=blend)
+        source = self._repaired(self.modules.source(prompt.plan), blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
                          prompt_positions=list(prompt.position_ids), context=context)  # own copy: shared prompt
 
+    def _repaired(self, source, blend):
+        """``source`` seam-repaired as ``blend`` asks (``SeamRepair.from_json``; ``None``: the
+        server's ``--blend-*``), or ``source`` itself when that repairs nothing."""
+        repair = SeamRepair.from_json(blend, self.config.blend)
+        if not repair.enabled:
+            return source
+        return RepairedSource(source, repair, self.runner, self.kv, on_repair=self._count_repair)
+
     def _count_repair(self, num_tokens: int) -> None:
         self.seam_repair_tokens += num_tokens
         self.tokens_computed += num_tokens
+
+    def add_document_request(
+        self, request_id: str, prompt: DocumentPrompt, params: SamplingParams, *, cache_salt: str | None = None,
+        retention=None, blend: "SeamRepair | Mapping | None" = None,
+    ) -> None:
+        """Queue a prompt with reusable documents (``DocumentPrompt``): its text parts are the
+        request's own tokens, each document's KV (computed once per model, salt, token ids and
+        the text before the first document) is copied in front of them at its positions, then
+        seam-repaired as ``blend`` asks (as ``add_prepared_request``; the copies are the
+        request's own, so repair writes them in place). The KV is acquired now or, when the
+        pool cannot hold it, at the head of the queue. Raises ``ValueError`` naming the field
+        if the request can never run or ``blend`` is invalid."""
+        layout = prompt.layout()
+        source = self._repaired(self.documents.source(layout, cache_salt), blend)
+        context = PromptContext(source, None)
+        context.acquire()
+        self.add_request(request_id, list(layout.token_ids), params, cache_salt=cache_salt, retention=retention,
+                         prompt_positions=list(layout.positions), context=context)
 
     def _restore_context(self) -> None:
         """The first waiting request, if its context KV was let go, acquires it again

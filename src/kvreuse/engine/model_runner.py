@@ -4,7 +4,8 @@ The runner owns the KV tensor (``[layers, 2, kv_heads, num_blocks * block_size,
 head_dim]``, allocated once) and turns a list of ``SeqChunk`` into one flattened forward
 pass; logits are computed only at the positions that sample a token. Every read and write
 of that tensor happens here: ``execute`` (scheduled steps), ``precompute`` (PML modules, no
-logits), ``write_kv`` / ``read_kv`` (module KV from and to the schema store).
+logits), ``write_kv`` / ``read_kv`` (module KV from and to the schema store), ``copy_shifted``
+(document KV copied to a request's blocks at its positions).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
+from kvreuse.engine.rope_shift import RopeShift
 from kvreuse.models import llama
 
 DEVIATION_LAYER = 1  # seam repair compares this layer's recomputed K/V with the cached one (CacheBlend)
@@ -95,6 +97,7 @@ class ModelRunner:
         # A decode over a long context reads its keys in place (as a one-token prefill item)
         # instead of joining the padded batch, whose gather copies the whole context per step.
         self.decode_in_place_min = DECODE_IN_PLACE_MIN
+        self._rope_shift: RopeShift | None = None  # built on the first copy_shifted (documents)
         num_slots = num_blocks * block_size
         # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
         # layout attention's matmuls take, with one copy.
@@ -179,6 +182,21 @@ class ModelRunner:
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
         # [layers, 2, n, kv_heads, head_dim] -> [layers, 2, kv_heads, n, head_dim]
         self.kv_cache[:, :, :, index] = kv[:, :, first_token:].transpose(2, 3).to(self.device, self.dtype)
+
+    @torch.inference_mode()
+    def copy_shifted(self, src_slots: np.ndarray, dst_slots: np.ndarray, delta: np.ndarray) -> None:
+        """Copy the K/V of ``src_slots`` into ``dst_slots`` (each ``[n]`` int64), every key moved
+        by ``delta`` (``[n]`` int64) RoPE positions (``engine/rope_shift.py``): one indexed read,
+        one rotation, one indexed write for the whole batch. The two slot sets must not overlap."""
+        if self._rope_shift is None:
+            self._rope_shift = RopeShift.of(self.model)  # raises ValueError for a rope type it cannot move
+        src = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(self.device)  # [n]
+        dst = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(self.device)  # [n]
+        k = self.kv_cache[:, 0].index_select(2, src)  # [layers, kv_heads, n, head_dim]
+        v = self.kv_cache[:, 1].index_select(2, src)
+        moved = self._rope_shift.rotate(k, torch.from_numpy(np.asarray(delta, dtype=np.int64)))
+        self.kv_cache[:, 0].index_copy_(2, dst, moved)
+        self.kv_cache[:, 1].index_copy_(2, dst, v)
 
     def read_kv(self, slots: Sequence[int]) -> torch.Tensor:
         """A CPU copy of the KV in ``slots``: ``[layers, 2, tokens, kv_heads, head_dim]``."""

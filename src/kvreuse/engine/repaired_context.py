@@ -1,6 +1,6 @@
 """``RepairedSource``: a context source whose KV is seam-repaired for one request.
 
-Wraps the ``ContextSource`` of an assembled context (PML modules; documents later) and,
+Wraps the ``ContextSource`` of an assembled context (PML modules, documents) and,
 on every acquisition, repairs the seams between its segments before the request's own
 tokens run::
 
@@ -16,7 +16,9 @@ tokens run::
 The shared blocks are never written (other requests read them), and stay held while the
 copies are: a module's blocks form a chain the pool evicts tail first, so letting go of one
 block in the middle of a held chain would count it free while it cannot be evicted. Private
-copies carry no key, so releasing them frees them. An acquisition the pool cannot hold (the copies do
+copies carry no key, so releasing them frees them. A source whose blocks are already the
+request's own (``private_blocks``: documents, copied to their request positions) is repaired
+in place. An acquisition the pool cannot hold (the copies do
 not fit) holds nothing and returns ``None``, like any ``ContextSource``. Engine thread only.
 """
 
@@ -39,6 +41,12 @@ class SegmentedSource(ContextSource, Protocol):
     def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """``([num_tokens] int64 token ids of the keys in attention order, [s] int64 first
         key index of each segment, ascending)``."""
+        ...
+
+    @property
+    def private_blocks(self) -> bool:
+        """Whether ``acquire``'s blocks are the caller's alone (unregistered copies no other
+        request reads): repair then writes them in place, with no copy-on-write."""
         ...
 
 
@@ -90,7 +98,7 @@ class RepairedSource:
     def num_blocks(self) -> int:
         """At most every segment block plus a private copy of each (the selection, made
         after the acquisition, is not known yet)."""
-        return 2 * self.inner.num_blocks
+        return self.inner.num_blocks * (1 if self.inner.private_blocks else 2)
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +138,9 @@ class RepairedSource:
         blocks = tuple(held.blocks)
         if not len(chosen):
             return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0)
+        if self.inner.private_blocks:  # nobody else reads them: recompute in place
+            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen))
         bs = self.runner.block_size
         touched = np.unique(slots[chosen] // bs)  # [b] shared block ids holding a chosen token
         pool = self.kv.pool

@@ -360,6 +360,8 @@ class ModuleSource:
         stored = sum(len(schema.module(name).stored_token_ids) for name in self.plan.modules)
         return stored - (self.plan.dropped is not None)
 
+    private_blocks = False  # a module's blocks are shared with every request that selects it
+
     def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """``([num_tokens] int64 token ids of the context keys in attention order, [s] int64
         first key index of each module)`` (``engine.repaired_context.SegmentedSource``; the

@@ -1,5 +1,8 @@
 """``POST /v1/chat/completions``: the chat template, per-message retention, ``n`` choices.
 
+A message marked ``"kvreuse": {"document": true}`` is a reusable document: its KV (template
+glue included) is computed once and reused wherever it appears (``engine/document_cache.py``).
+
 A PML prompt goes in as the content of a single user message starting with ``<prompt``
 (its own role tags render the chat template; docs/pml.md).
 
@@ -65,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      salt, retention)
+                      salt, retention, prompt.documents)  # documents: their KV reused at any position
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}

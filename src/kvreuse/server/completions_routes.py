@@ -2,6 +2,9 @@
 
 A string prompt starting with ``<prompt`` is PML over a registered schema (docs/pml.md).
 
+``documents`` (a kvreuse extra: texts or token-id lists) go before the one prompt, each a
+reusable document whose KV is computed once and reused in any order (``engine/document_cache.py``).
+
 A list prompt (strings or token-id lists) gives one choice per prompt and per ``n``,
 numbered ``prompt_index * n + sample``, as OpenAI does.
 
@@ -27,7 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
-from kvreuse.api.errors import error_body
+from kvreuse.api.body import check_text
+from kvreuse.api.errors import APIError, error_body
+from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.pml.prepared import PreparedPrompt
 from kvreuse.server.errors import from_value_error
@@ -56,13 +61,20 @@ async def create_completion(body: CompletionRequest, request: Request):
     pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
     prepared: list[PreparedPrompt | None] = []
     lengths: list[int] = []  # context length of each prompt: where decoding starts
-    for prompt in body.prompts():
+    prompts = body.prompts()
+    documents = None if body.documents is None else _documents(ctx, body, prompts)
+    for prompt in prompts:
         pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
         if pml[-1] is not None:
             text = pml[-1]
             prepared.append(await ctx.engine.call(lambda engine: engine.prepare_prompt(text)))
             ids, n = [], prepared[-1].next_position
             check_prompt_length(ctx, n, body.max_tokens, param="prompt")
+        elif documents is not None:
+            prepared.append(documents)
+            ids = [t for part, _ in documents.parts for t in part]
+            check_prompt(ctx, ids, body.max_tokens, param="prompt")
+            n = len(ids)
         else:
             prepared.append(None)
             ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
@@ -103,6 +115,25 @@ async def create_completion(body: CompletionRequest, request: Request):
     usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
                        sum(o.num_cached_tokens for o in firsts), firsts, finals)
     return JSONResponse({**header, "choices": choices, "usage": usage})
+
+
+def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> DocumentPrompt:
+    """``documents`` (texts or token-id lists, in order) before the one prompt, as parts.
+    Raises a 400 naming ``documents`` for several prompts, a PML prompt or an empty one."""
+    if len(prompts) != 1 or (isinstance(prompts[0], str) and is_pml_prompt(prompts[0])):
+        raise APIError("documents: give one plain prompt (the question) with documents", param="documents")
+    tokenizer = ctx.engine.tokenizer
+    parts = []
+    for i, doc in enumerate(body.documents or ()):
+        if isinstance(doc, str):
+            check_text(doc, f"documents[{i}]")
+        parts.append((list(tokenizer.encode(doc)) if isinstance(doc, str) else doc, True))
+    question = prompts[0]
+    parts.append((list(tokenizer.encode(question)) if isinstance(question, str) else question, False))
+    try:
+        return DocumentPrompt.of(parts)
+    except ValueError as exc:
+        raise APIError(str(exc), param="documents") from None
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str, Any], streams,

@@ -28,6 +28,7 @@ from kvreuse.server.errors import ClientDisconnected, from_value_error
 if TYPE_CHECKING:
     from kvreuse.api.limiter import Lease
     from kvreuse.engine.llm_engine import RequestOutput
+    from kvreuse.engine.document_cache import DocumentPrompt
     from kvreuse.pml.prepared import PreparedPrompt
 
 
@@ -125,8 +126,8 @@ class EngineRequest:
     request_id: str
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
-    prepared: PreparedPrompt | None = None  # a PML prompt, compiled once (docs/pml.md); prompt_token_ids is then empty
-    blend: dict[str, Any] | None = None  # seam repair of the prepared prompt's modules (parse_blend); None: the server's
+    prepared: PreparedPrompt | DocumentPrompt | None = None  # a PML prompt, compiled once (docs/pml.md), or documents
+    blend: dict[str, Any] | None = None  # seam repair of the prepared prompt's modules/documents (parse_blend); None: the server's
 
 
 class TokenMeter:

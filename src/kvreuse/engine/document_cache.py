@@ -1,0 +1,263 @@
+"""Schema-free document reuse: a document's KV computed once, then copied, with its keys moved
+to the positions it takes in each request (``engine/rope_shift.py``), in any order and combination.
+
+::
+
+    DocumentPrompt(parts)             (token ids, is a document) in request order; the edge builds it
+      .layout() ─▶ DocumentLayout     the text before the first document (``after``: what every document
+                                      of the request is encoded after), the own tokens at their positions,
+                                      the documents at theirs, the Segments
+    DocumentCache.source(layout, salt) ─▶ DocumentSource  (an ``engine.context.ContextSource``)
+      .acquire(): per document  fill ─ admit_blocks(keys): all cached ─▶ held
+                                      │ else one causal pass ``after + document`` at 0.. (``after``
+                                      │ in scratch blocks), fresh blocks registered (the pool's
+                                      │ ordinary priority: tiers, eviction, events as for any block)
+                  then one ``runner.copy_shifted`` of every document into fresh blocks of the
+                  request's own (keys moved by request position - encoded position), documents released
+                  ─▶ DocumentContext(blocks, slots, positions)  read-only context of the request
+
+The context is everything up to the end of the last document: the text before the first
+document (encoded after nothing, so its KV is exact and shared by every request starting with
+it), the documents, and any text between them (encoded like a document); the request computes
+only the text after the last document, which attends to the whole context. So no token attends
+to a later one, and a document placed right after the text it was encoded after is exact.
+
+A document's block chain is keyed like a prefix (``cache/hashing.py extend_chain``, partial
+last block included) from a first block whose extra keys are ``("doc", model id[, "salt",
+salt], sha256 of the after-text's ids)``: it never matches an ordinary prefix, a PML module,
+another tenant's copy, or the same document encoded after other text. The request's copies are
+never registered: they are its own, freed at its end.
+
+Engine thread only (it touches the pool and, through the runner, the KV tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
+from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
+from kvreuse.cache.kv_cache_manager import KVCacheManager
+from kvreuse.engine.context import Segment, SegmentKind
+
+
+class DocumentPoolBusy(ValueError):
+    """The pool cannot hold the documents now (other requests hold the blocks)."""
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    """Where a document prompt's tokens go. Everything up to the end of the last document is
+    assembled context, in pieces: ``documents[i]`` (token ids) at ``document_positions[i]``,
+    encoded after ``encoded_after[i]``. The text before the first document is a piece encoded
+    after nothing (its true KV: the prefix every document is encoded after); a text part between
+    documents is a piece encoded after that prefix, like a document. Only the text after the
+    last document is computed by the request (``token_ids`` at ``positions``), so no token ever
+    attends to one after it."""
+
+    after: tuple[int, ...]  # the prompt's tokens before its first document (encoded with each)
+    token_ids: tuple[int, ...]  # own tokens: the text after the last document
+    positions: tuple[int, ...]  # [len(token_ids)] their RoPE positions
+    documents: tuple[tuple[int, ...], ...]  # context pieces in request order (the head text first, if any)
+    document_positions: tuple[int, ...]  # first position of each piece
+    encoded_after: tuple[tuple[int, ...], ...]  # what each piece is encoded after
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_document_tokens(self) -> int:
+        return sum(len(d) for d in self.documents)
+
+
+@dataclass(frozen=True)
+class DocumentPrompt:
+    """A prompt given as parts, ``(token ids, is a document)`` in request order. The last part
+    must be text (its logits start the reply); the text before the first document is what
+    every document is encoded after."""
+
+    parts: tuple[tuple[tuple[int, ...], bool], ...]
+
+    @classmethod
+    def of(cls, parts: Sequence[tuple[Sequence[int], bool]]) -> "DocumentPrompt":
+        """Raises ``ValueError`` naming ``documents`` when there is no document, a document is
+        empty, or the prompt ends with a document."""
+        frozen = tuple((tuple(int(t) for t in ids), bool(doc)) for ids, doc in parts if ids or doc)
+        if not any(doc for _, doc in frozen):
+            raise ValueError("documents: the prompt marks no document")
+        if any(doc and not ids for ids, doc in frozen):
+            raise ValueError("documents: a document is empty")
+        if frozen[-1][1]:
+            raise ValueError("documents: the prompt must end with text after its last document (a question)")
+        return cls(frozen)
+
+    def layout(self) -> DocumentLayout:
+        first = next(i for i, (_, doc) in enumerate(self.parts) if doc)
+        last = max(i for i, (_, doc) in enumerate(self.parts) if doc)
+        after = tuple(t for ids, _ in self.parts[:first] for t in ids)
+        pieces, positions, encoded_after, segments = [], [], [], []
+        pos = context = 0
+        if after:
+            pieces.append(after)
+            positions.append(0)
+            encoded_after.append(())
+            segments.append(Segment(0, len(after), SegmentKind.TEXT, 0, 0))
+            pos = context = len(after)
+        for ids, doc in self.parts[first : last + 1]:
+            pieces.append(ids)
+            positions.append(pos)
+            encoded_after.append(after)
+            segments.append(Segment(pos, len(ids), SegmentKind.DOCUMENT if doc else SegmentKind.TEXT, pos, context))
+            pos += len(ids)
+            context += len(ids)
+        own = tuple(t for ids, _ in self.parts[last + 1 :] for t in ids)
+        segments.append(Segment(pos, len(own), SegmentKind.TEXT, pos))
+        return DocumentLayout(after, own, tuple(range(pos, pos + len(own))), tuple(pieces), tuple(positions),
+                              tuple(encoded_after), tuple(segments))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.parts)
+
+
+@dataclass(frozen=True)
+class DocumentContext:
+    """A request's assembled context pieces (an ``engine.context.HeldKV``): ``blocks`` are its own
+    (one reference each, unregistered); ``slots[i]`` holds the key at ``positions[i]``."""
+
+    blocks: tuple[KVBlock, ...]
+    slots: tuple[int, ...]
+    positions: tuple[int, ...]
+    num_reused: int  # document tokens found cached (the rest were computed by this acquisition)
+
+
+class DocumentCache:
+    """Document KV in ``kv``'s pool, computed and copied through ``runner`` (the model runner)."""
+
+    def __init__(self, kv: KVCacheManager, runner, *, model_id: str, hash_algorithm: str = "sha256",
+                 chunk_tokens: int = 8192) -> None:
+        self.kv = kv
+        self.pool = kv.pool
+        self.runner = runner
+        self.model_id = model_id
+        self.hash_algorithm = hash_algorithm
+        self.chunk_tokens = chunk_tokens
+        self.tokens_computed = 0  # document tokens (and their after-text) run through the model
+        self.tokens_reused = 0
+
+    def keys(self, document: Sequence[int], after: Sequence[int], salt: str | None) -> list[BlockHash]:
+        """Block keys of ``document`` encoded after ``after`` under ``salt`` (last block partial)."""
+        digest = hashlib.sha256(struct.pack(f"<{len(after)}q", *after)).hexdigest()
+        root = ("doc", *root_extra_keys(self.model_id, salt), digest)
+        return extend_chain([], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm,
+                            partial_tail=True)
+
+    def source(self, layout: DocumentLayout, salt: str | None) -> "DocumentSource":
+        return DocumentSource(self, layout, salt)
+
+    # ------------------------------------------------------------------ one document
+    def fill(self, document: Sequence[int], after: Sequence[int], salt: str | None) -> tuple[list[KVBlock], int]:
+        """The document's blocks, held (one reference each for the caller), computed where not
+        cached; returns them and how many of its tokens were cached. Raises
+        ``DocumentPoolBusy`` (nothing held) when the pool cannot hold them now."""
+        bs = self.pool.block_size
+        keys = self.keys(document, after, salt)
+        pieces = [tuple(document[i : i + bs]) for i in range(0, len(document), bs)]
+        admission = self.kv.admit_blocks(keys, pieces, num_blocks=len(keys))
+        if admission is None:
+            raise DocumentPoolBusy(f"documents: the KV pool has {self.pool.num_free_blocks} free blocks, too few for "
+                                   f"a document of {len(document)} tokens now: retry later or raise --kv-cache-memory")
+        blocks, hits = list(admission.blocks), admission.num_hits
+        if hits == len(keys):
+            return blocks, len(document)
+        fresh = block_slots([b.block_id for b in blocks], hits * bs, len(document), bs)  # doc tokens to keep
+        num_scratch = len(after) + hits * bs
+        scratch = []
+        try:
+            if not self.pool.can_allocate(cdiv(num_scratch, bs)):
+                raise DocumentPoolBusy("documents: the KV pool has no room to compute a document now: retry later "
+                                       "or raise --kv-cache-memory")
+            scratch = self.kv.allocate(cdiv(num_scratch, bs))
+            slots = block_slots([b.block_id for b in scratch], 0, num_scratch, bs) + fresh
+            tokens = list(after) + list(document)
+            self.runner.precompute(tokens, list(range(len(tokens))), slots, self.chunk_tokens)
+            self.tokens_computed += len(tokens)
+            self.kv.register_blocks(blocks, keys, pieces, hits, len(keys))
+        except BaseException:
+            self.pool.release(reversed(blocks))
+            raise
+        finally:
+            self.pool.release(reversed(scratch))
+        return blocks, hits * bs
+
+
+@dataclass(frozen=True)
+class DocumentSource:
+    """A document layout bound to its cache and salt: the ``engine.context.ContextSource`` of
+    a document request."""
+
+    cache: DocumentCache
+    layout: DocumentLayout
+    salt: str | None
+
+    private_blocks = True  # acquire copies the documents into blocks of the request's own
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return self.layout.segments
+
+    def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([num_tokens] int64 token ids of the context keys in request order, [s] int64 first
+        key index of each piece)`` (``engine.repaired_context.SegmentedSource``): seam repair's
+        ``first_tokens`` apply to every document and text piece."""
+        pieces = self.layout.documents
+        tokens = np.asarray([t for ids in pieces for t in ids], dtype=np.int64)  # [n]
+        lengths = np.asarray([len(ids) for ids in pieces], dtype=np.int64)  # [pieces]
+        return tokens, (np.cumsum(lengths) - lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_document_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """The request's copies plus the documents' own blocks (held while copying)."""
+        bs = self.cache.pool.block_size
+        return cdiv(self.num_tokens, bs) + sum(cdiv(len(d), bs) for d in self.layout.documents)
+
+    def acquire(self) -> DocumentContext | None:
+        """Every document filled, then copied to fresh blocks at its request positions; ``None``
+        when the pool cannot hold them now (nothing held then)."""
+        cache, layout, bs = self.cache, self.layout, self.cache.pool.block_size
+        held: list[list[KVBlock]] = []
+        try:
+            reused = 0
+            for doc, after in zip(layout.documents, layout.encoded_after):
+                blocks, cached = cache.fill(doc, after, self.salt)
+                held.append(blocks)
+                reused += cached
+            n = self.num_tokens
+            if not cache.pool.can_allocate(cdiv(n, bs)):
+                return None
+            own = cache.kv.allocate(cdiv(n, bs))
+            dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
+            src = np.concatenate([np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
+                                  for blocks, doc in zip(held, layout.documents)])  # [n]
+            positions = np.concatenate([np.arange(p, p + len(doc), dtype=np.int64)
+                                        for p, doc in zip(layout.document_positions, layout.documents)])  # [n]
+            encoded = np.concatenate([np.arange(len(after), len(after) + len(doc), dtype=np.int64)
+                                      for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
+            cache.runner.copy_shifted(src, dst, positions - encoded)
+            cache.tokens_reused += reused
+            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused)
+        except DocumentPoolBusy:
+            return None
+        finally:
+            for blocks in reversed(held):
+                cache.pool.release(reversed(blocks))
+
+    def release(self, held: DocumentContext) -> None:
+        self.cache.pool.release(reversed(held.blocks))

@@ -1,0 +1,149 @@
+"""Schema-free documents (engine/document_cache.py) on the tiny models: reuse in any order equals
+the equivalent PML schema, a document right after its text equals the prefix cache, salts isolate,
+segments describe the layout, and the pool stays consistent."""
+
+import pytest
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.engine.context import Segment, SegmentKind
+from kvreuse.engine.document_cache import DocumentPrompt
+from tests.engine_helpers import LogitsSpy
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+DOCS = [
+    "The lighthouse keeper on Varn island logs every passing ship in a green ledger.",
+    "Copper kettles were traded for salt at the northern market every spring.",
+    "A heron nests in the reeds beside the old mill, where the river bends twice.",
+]
+QUESTION = " Question: who keeps the green ledger?"
+
+
+def make(loaded) -> LLM:
+    return LLM(loaded=loaded, kv_cache_memory_gib=0.02, block_size=4)
+
+
+def schema_for(order: list[int]) -> str:
+    """A PML schema holding the documents in ``order``, no text around them: each module is
+    encoded attending only to itself, as a document encoded after no text is."""
+    return f'<schema name="s{"".join(map(str, order))}">' + "".join(
+        f'<module name="d{i}">{DOCS[i]}</module>' for i in order) + "</schema>"
+
+
+def pml_run(loaded, order: list[int]):
+    """(outputs, logits rows, stored token ids per module, question ids) through PML."""
+    llm = make(loaded)
+    llm.register_schema(schema_for(order))
+    name = "s" + "".join(map(str, order))
+    prompt = f'<prompt schema="{name}">' + "".join(f"<d{i}/>" for i in order) + f"{QUESTION}</prompt>"
+    schema = llm.engine.modules.schemas[name]
+    prepared = llm.engine.prepare_prompt(prompt)
+    spy = LogitsSpy(llm)
+    out = llm.generate(prompt, GREEDY)[0]
+    stored = {i: list(schema.module(f"d{i}").stored_token_ids) for i in order}
+    return out, spy.rows, stored, prepared.token_ids
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_documents_in_any_order_equal_pml(arch, request):
+    """Documents first encoded in one order, then reused shifted in another: every logits row
+    equals PML's over a schema in that order (<= 1e-4, fp32); greedy tokens equal."""
+    loaded = request.getfixturevalue(arch)
+    llm = make(loaded)
+    for order in ([0, 1, 2], [2, 0, 1]):
+        pml_out, pml_rows, stored, question = pml_run(loaded, order)
+        prompt = DocumentPrompt.of([(stored[i], True) for i in order] + [(question, False)])
+        spy = LogitsSpy(llm)
+        out = llm.generate(prompt, GREEDY)[0]
+        assert out.token_ids == pml_out.token_ids
+        assert out.num_prompt_tokens == pml_out.num_prompt_tokens
+        for a, b in zip(spy.rows, pml_rows, strict=True):
+            assert (a - b).abs().max().item() <= 1e-4
+        llm.engine.check_integrity()
+    # the second order found every document cached (computed by the first), and only then
+    assert out.num_cached_tokens == sum(len(s) for s in stored.values())
+    assert llm.engine.documents.tokens_computed == sum(len(s) for s in stored.values())
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_document_right_after_its_text_equals_prefix_cache(arch, request):
+    """One document right after the text it is encoded after (no shift): the logits equal
+    the plain prompt's through the prefix cache (<= 1e-4)."""
+    loaded = request.getfixturevalue(arch)
+    tok = loaded.tokenizer
+    head, doc, question = tok.encode("System: answer briefly."), tok.encode(DOCS[0]), tok.encode(QUESTION)
+    llm = make(loaded)
+    spy = LogitsSpy(llm)
+    out = llm.generate(DocumentPrompt.of([(head, False), (doc, True), (question, False)]), GREEDY)[0]
+    ref = make(loaded)
+    ref_spy = LogitsSpy(ref)
+    plain = ref.generate(head + doc + question, GREEDY)[0]
+    assert out.token_ids == plain.token_ids
+    for a, b in zip(spy.rows, ref_spy.rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_salt_isolates_documents(tiny_llama):
+    tok = tiny_llama.tokenizer
+    docs = [tok.encode(d) for d in DOCS]
+    prompt = DocumentPrompt.of([(docs[0], True), (docs[1], True), (tok.encode(QUESTION), False)])
+    n = len(docs[0]) + len(docs[1])
+    llm = make(tiny_llama)
+    first = llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
+    again = llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
+    other = llm.generate(prompt, GREEDY, cache_salt="tenant-b")[0]
+    unsalted = llm.generate(prompt, GREEDY)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens,
+            unsalted.num_cached_tokens) == (0, n, 0, 0)
+    assert first.token_ids == again.token_ids == other.token_ids == unsalted.token_ids
+    cache = llm.engine.documents
+    keys = {salt: cache.keys(docs[0], (), salt)[0] for salt in ("tenant-a", "tenant-b", None)}
+    assert len(set(keys.values())) == 3
+    assert llm.engine.documents.tokens_computed == 3 * n
+    llm.engine.check_integrity()
+
+
+def test_segments_and_positions(tiny_llama):
+    tok = tiny_llama.tokenizer
+    head, a, b, q = tok.encode("System:"), tok.encode(DOCS[0]), tok.encode(DOCS[1]), tok.encode(QUESTION)
+    llm = make(tiny_llama)
+    engine = llm.engine
+    engine.add_document_request("r", DocumentPrompt.of([(head, False), (a, True), (b, True), (q, False)]), GREEDY)
+    seq = engine.scheduler.waiting[0]
+    h, na, nb = len(head), len(a), len(b)
+    assert seq.context.segments == (
+        Segment(0, h, SegmentKind.TEXT, 0, 0),
+        Segment(h, na, SegmentKind.DOCUMENT, h, h),
+        Segment(h + na, nb, SegmentKind.DOCUMENT, h + na, h + na),
+        Segment(h + na + nb, len(q), SegmentKind.TEXT, h + na + nb),
+    )
+    assert seq.context.positions == tuple(range(h + na + nb))
+    assert seq.prompt_positions == list(range(h + na + nb, h + na + nb + len(q)))
+    assert seq.prompt_token_ids == q
+    engine.check_integrity()
+    engine.abort_request("r")
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_chat_marks_documents(tiny_llama):
+    """``LLM.chat`` with messages marked as documents: the same reply as the plain chat when
+    the documents sit where they were encoded; reordered, the documents are reused."""
+    llm = make(tiny_llama)
+    system = {"role": "system", "content": "Answer from the documents."}
+    docs = [{"role": "user", "content": d, "kvreuse": {"document": True}} for d in DOCS[:2]]
+    question = {"role": "user", "content": QUESTION}
+    marked = llm.chat([system, docs[0], question], GREEDY)[0]
+    plain = llm.chat([system, {"role": "user", "content": DOCS[0]}, question], GREEDY)[0]
+    assert marked.token_ids == plain.token_ids
+    llm.chat([system, docs[0], docs[1], question], GREEDY)
+    swapped = llm.chat([system, docs[1], docs[0], question], GREEDY)[0]
+    assert swapped.num_cached_tokens == swapped.num_prompt_tokens - len(question_ids(llm, system, docs, question))
+    with pytest.raises(ValueError, match="kvreuse"):
+        llm.chat([system, {**docs[0], "kvreuse": {"document": "yes"}}, question], GREEDY)
+    llm.engine.check_integrity()
+
+
+def question_ids(llm, system, docs, question) -> list[int]:
+    """The own tokens of [system, docs[1], docs[0], question]: the system part and the question's."""
+    prompt = llm._chat_prompt([system, docs[1], docs[0], question])
+    return [t for ids, doc in prompt.parts if not doc for t in ids]
