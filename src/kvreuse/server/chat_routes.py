@@ -54,7 +54,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     request_retention = parse_retention(body.kv_cache_retention_config)
-    blend = parse_blend(body.blend)  # checked on every prompt; only PML modules have seams to repair
+    blend = parse_blend(body.blend)  # checked on every prompt; PML modules and documents have seams to repair
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
         return await _create_pml(ctx, body, model, pml, request_retention, blend, request)
@@ -68,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      salt, retention, prompt.documents)  # documents: their KV reused at any position
+                      salt, retention, prompt.documents, blend=blend)  # documents: KV reused at any position
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}

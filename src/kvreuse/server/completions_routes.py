@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     retention = parse_retention(body.kv_cache_retention_config)
-    blend = parse_blend(body.blend)  # checked on every prompt; only PML modules have seams to repair
+    blend = parse_blend(body.blend)  # checked on every prompt; PML modules and documents have seams to repair
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
     pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
