@@ -52,8 +52,8 @@ class LLM:
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
         ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
-        (a mapping, converted here once). ``blend`` is the seam repair of PML prompts' assembled
-        modules (``SeamRepair(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``;
+        (a mapping, converted here once). ``blend`` is the seam repair of the assembled PML
+        modules or documents (``SeamRepair(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``;
         ``None``: the engine's ``blend_first_tokens`` / ``blend_ratio``); each output's
         ``num_recomputed_tokens`` says how many it recomputed.
         Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
@@ -74,7 +74,8 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             try:
                 if isinstance(prompt, DocumentPrompt):  # documents: KV reused at any position
-                    self.engine.add_document_request(rid, prompt, params, cache_salt=cache_salt, retention=config)
+                    self.engine.add_document_request(rid, prompt, params, cache_salt=cache_salt, retention=config,
+                                                     blend=blend)
                 elif isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
                     prepared = self.engine.prepare_prompt(prompt)  # compiled once, here (the engine thread)
                     self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config,

@@ -3,6 +3,7 @@ the equivalent PML schema, a document right after its text equals the prefix cac
 segments describe the layout, and the pool stays consistent."""
 
 import pytest
+import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine.context import Segment, SegmentKind
@@ -137,13 +138,80 @@ def test_chat_marks_documents(tiny_llama):
     assert marked.token_ids == plain.token_ids
     llm.chat([system, docs[0], docs[1], question], GREEDY)
     swapped = llm.chat([system, docs[1], docs[0], question], GREEDY)[0]
-    assert swapped.num_cached_tokens == swapped.num_prompt_tokens - len(question_ids(llm, system, docs, question))
+    # the context (system text, documents, the template text between them) was all seen before;
+    # only the text after the last document (the question and the generation prompt) is computed
+    assert swapped.num_cached_tokens == swapped.num_prompt_tokens - len(own_ids(llm, [system, docs[1], docs[0], question]))
+    assert 0 < len(own_ids(llm, [system, docs[1], docs[0], question])) < 20
     with pytest.raises(ValueError, match="kvreuse"):
         llm.chat([system, {**docs[0], "kvreuse": {"document": "yes"}}, question], GREEDY)
     llm.engine.check_integrity()
 
 
-def question_ids(llm, system, docs, question) -> list[int]:
-    """The own tokens of [system, docs[1], docs[0], question]: the system part and the question's."""
-    prompt = llm._chat_prompt([system, docs[1], docs[0], question])
-    return [t for ids, doc in prompt.parts if not doc for t in ids]
+def own_ids(llm, messages) -> list[int]:
+    """The tokens a chat with documents computes itself: the text after its last document."""
+    return list(llm._chat_prompt(messages).layout().token_ids)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_documents_fully_repaired_equal_full_prefill(arch, request):
+    """Documents reused shifted, then every context token recomputed (``blend`` covering all):
+    the logits are those of full prefill of the same tokens (<= 1e-4); the shared document
+    blocks are not written; ``num_recomputed_tokens`` counts the context."""
+    loaded = request.getfixturevalue(arch)
+    tok = loaded.tokenizer
+    head, question = tok.encode("System: answer briefly."), tok.encode(QUESTION)
+    docs = [tok.encode(d) for d in DOCS]
+    llm = make(loaded)
+    llm.generate(DocumentPrompt.of([(head, False), (docs[0], True), (docs[1], True), (docs[2], True),
+                                    (question, False)]), GREEDY)
+    shuffled = DocumentPrompt.of([(head, False), (docs[2], True), (docs[0], True), (docs[1], True),
+                                  (question, False)])
+    kv_before = cached_kv(llm)
+    spy = LogitsSpy(llm)
+    out = llm.generate(shuffled, GREEDY, blend={"first_tokens": 10**6, "ratio": 1.0})[0]
+    context = len(head) + sum(len(d) for d in docs)
+    assert out.num_recomputed_tokens == context
+    assert out.num_cached_tokens == 0  # every reused key was recomputed
+    assert llm.engine.stats().seam_repair_tokens == context
+    assert torch.equal(cached_kv(llm), kv_before)  # the documents' own (registered) blocks are unchanged
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+    ref = make(loaded)
+    ref_spy = LogitsSpy(ref)
+    plain = ref.generate(head + docs[2] + docs[0] + docs[1] + question, GREEDY)[0]
+    assert plain.token_ids == out.token_ids
+    for a, b in zip(spy.rows, ref_spy.rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+
+    unrepaired = make(loaded)
+    unrepaired.generate(shuffled, SamplingParams(max_tokens=1, temperature=0))
+    unrepaired_spy = LogitsSpy(unrepaired)
+    unrepaired.generate(shuffled, SamplingParams(max_tokens=1, temperature=0))
+    assert (unrepaired_spy.rows[0] - ref_spy.rows[0]).abs().max().item() > 1e-3  # the seams mattered
+
+
+def test_documents_first_tokens_repair_counts_each_piece(tiny_llama):
+    """``first_tokens`` k recomputes the first k keys of every context piece (the head text, each
+    document, the text between); the reused count drops by as many."""
+    tok = tiny_llama.tokenizer
+    head, mid, question = tok.encode("System: answer."), tok.encode(" and "), tok.encode(QUESTION)
+    docs = [tok.encode(d) for d in DOCS[:2]]
+    prompt = DocumentPrompt.of([(head, False), (docs[1], True), (mid, False), (docs[0], True), (question, False)])
+    llm = make(tiny_llama)
+    llm.generate(prompt, GREEDY)
+    k = 2
+    out = llm.generate(prompt, GREEDY, blend={"first_tokens": k})[0]
+    pieces = [head, docs[1], mid, docs[0]]
+    assert out.num_recomputed_tokens == sum(min(k, len(p)) for p in pieces)
+    assert out.num_cached_tokens == sum(len(p) for p in pieces) - out.num_recomputed_tokens
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def cached_kv(llm: LLM) -> torch.Tensor:
+    """Every cached (registered) block's KV: ``[layers, 2, kv_heads, slots, d]``."""
+    bs = llm.engine.block_size
+    ids = sorted(b.block_id for b in llm.engine.pool.cached_hashes())
+    slots = torch.tensor([i * bs + o for i in ids for o in range(bs)])
+    return llm.engine.runner.kv_cache[:, :, :, slots].clone()

@@ -80,6 +80,7 @@ class RepairedKV:
     slots: tuple[int, ...]
     positions: tuple[int, ...]
     num_recomputed: int
+    num_reused: int  # keys neither computed nor recomputed for this acquisition (cached_tokens)
 
 
 class RepairedSource:
@@ -136,11 +137,14 @@ class RepairedSource:
             deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
         chosen = self.repair.select(starts, len(slots), deviation)  # [m]
         blocks = tuple(held.blocks)
+        # what the inner acquisition found cached, less what is recomputed now (a recomputed
+        # key may also be one the inner source computed: then this undercounts, never over)
+        reused = max(0, getattr(held, "num_reused", len(slots)) - len(chosen))
         if not len(chosen):
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused)
         if self.inner.private_blocks:  # nobody else reads them: recompute in place
             self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen))
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused)
         bs = self.runner.block_size
         touched = np.unique(slots[chosen] // bs)  # [b] shared block ids holding a chosen token
         pool = self.kv.pool
@@ -158,4 +162,4 @@ class RepairedSource:
         except BaseException:
             pool.release(reversed(copies))  # type: ignore[attr-defined]
             raise
-        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen))
+        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused)
