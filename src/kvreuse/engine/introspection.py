@@ -31,7 +31,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         evictions_by_priority=dict(pool.evictions_by_priority),
         blocks_by_priority=dict(pool.blocks_by_priority()),
         num_preemptions=engine.scheduler.num_preemptions,
-        tokens_computed=engine.tokens_computed + modules.tokens_computed,
+        tokens_computed=engine.tokens_computed + modules.tokens_computed + engine.documents.tokens_computed,
         events_dropped=None if engine.events is None else engine.events.num_dropped,
         prefix_cache_hits_tokens_by_tier=dict(engine.kv.hits_tokens_by_level),
         tiers={} if engine.host is None else tier_stats(engine.host, engine.kv_bytes_per_token * engine.block_size),
@@ -43,6 +43,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         seam_repair_tokens=engine.seam_repair_tokens,
         spec_decode_num_draft_tokens=engine.spec_draft_tokens,
         spec_decode_num_accepted_tokens=engine.spec_accepted_tokens,
+        document_tokens_computed=engine.documents.tokens_computed,
+        document_tokens_reused=engine.documents.tokens_reused,
     )
 
 

@@ -64,3 +64,5 @@ class EngineStats:
     seam_repair_tokens: int = 0  # assembled tokens recomputed by seam repair (every acquisition)
     spec_decode_num_draft_tokens: int = 0  # prompt lookup: drafted tokens verified
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted
+    document_tokens_computed: int = 0  # of tokens_computed, documents' (with the text they are encoded after)
+    document_tokens_reused: int = 0  # document tokens found cached when a request acquired its documents

@@ -121,6 +121,13 @@ class _EngineCollector(Collector):
                       getattr(s, "schema_slices", 0))
         yield gauge("kvreuse:schemas_registering", "Schema registrations queued or being precomputed.",
                     getattr(s, "schemas_registering", 0))
+        yield counter("kvreuse:seam_repair_tokens", "Assembled tokens (PML modules, documents) recomputed by seam "
+                      "repair (--blend-*, a request's blend).", getattr(s, "seam_repair_tokens", 0))
+        yield counter("kvreuse:document_tokens_computed", "Document tokens run through the model (chat messages "
+                      "marked kvreuse.document, completions documents), with the text they are encoded after.",
+                      getattr(s, "document_tokens_computed", 0))
+        yield counter("kvreuse:document_tokens_reused", "Document tokens found cached when a request acquired its "
+                      "documents.", getattr(s, "document_tokens_reused", 0))
         yield from _tier_metrics(s, labels, values)
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)

@@ -1,0 +1,151 @@
+"""Schema-free documents over HTTP, driven by the official ``openai`` client against a live
+server (tiny random Llama): chat messages marked ``"kvreuse": {"document": true}`` and the
+completions ``documents`` field are reused in any order, ``cached_tokens`` reports the reused
+context, ``blend`` repairs the seams, salts isolate, and bad marks are 400s naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from .fresh_app import fresh_server
+
+DOCS = [
+    "The lighthouse keeper on Varn island logs every passing ship in a green ledger.",
+    "Copper kettles were traded for salt at the northern market every spring.",
+    "A heron nests in the reeds beside the old mill, where the river bends twice.",
+]
+SYSTEM = {"role": "system", "content": "Answer from the documents."}
+QUESTION = {"role": "user", "content": "Who keeps the green ledger?"}
+CONFIG = {"kv_cache_memory_gib": 0.02, "max_model_len": 1024}
+
+
+def doc(i: int) -> dict:
+    return {"role": "user", "content": DOCS[i], "kvreuse": {"document": True}}
+
+
+def plain(i: int) -> dict:
+    return {"role": "user", "content": DOCS[i]}
+
+
+@pytest.fixture
+def served(tiny_llama):
+    import openai
+
+    with fresh_server(tiny_llama, **CONFIG) as (url, engine):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none"), url, engine
+
+
+def chat(client, messages, **extra):
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body=extra or None)
+
+
+def own_tokens(engine, messages) -> int:
+    """Tokens a chat with documents computes itself: the text after its last document."""
+    from kvreuse.api.chat_prompt import render_chat
+    from kvreuse.api.protocol import ChatMessage
+
+    rendered = render_chat(engine.tokenizer, [ChatMessage(**m) for m in messages])
+    return len(rendered.documents.layout().token_ids)
+
+
+def test_chat_documents_reused_in_any_order(served):
+    client, url, engine = served
+    # one document right after the text it is encoded after (the system turn): plain chat's reply
+    one = chat(client, [SYSTEM, doc(0), QUESTION])
+    assert one.choices[0].message.content == chat(client, [SYSTEM, plain(0), QUESTION]).choices[0].message.content
+    first = chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])
+    assert first.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens_details.cached_tokens + \
+        one.usage.prompt_tokens - own_tokens(engine, [SYSTEM, doc(0), QUESTION])  # the system turn and doc 0
+    for order in ([2, 0, 1], [1, 2, 0], [2, 1]):
+        messages = [SYSTEM, *map(doc, order), QUESTION]
+        out = chat(client, messages)
+        # every piece of the context was computed before (the documents, the template text
+        # between them, the system turn): only the text after the last document is computed
+        assert out.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - own_tokens(engine, messages)
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvreuse:document_tokens_reused_total{model_name="tiny"}' in metrics
+    asyncio.run(engine.check_integrity())
+
+
+def test_chat_documents_full_repair_equals_plain_chat(served):
+    """Shuffled documents with every context token recomputed give the plain chat's reply in
+    that order; usage says how many were recomputed; the counter matches."""
+    client, url, engine = served
+    chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])
+    messages = [SYSTEM, doc(2), doc(0), doc(1), QUESTION]
+    repaired = chat(client, messages, blend={"first_tokens": 10**6, "ratio": 1.0})
+    reference = chat(client, [SYSTEM, plain(2), plain(0), plain(1), QUESTION])
+    assert repaired.choices[0].message.content == reference.choices[0].message.content
+    context = repaired.usage.prompt_tokens - own_tokens(engine, messages)
+    details = repaired.usage.prompt_tokens_details
+    assert details.cached_tokens == 0 and details.model_extra["recomputed_tokens"] == context
+    metrics = httpx.get(url + "/metrics").text
+    assert f'kvreuse:seam_repair_tokens_total{{model_name="tiny"}} {float(context)}' in metrics
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                              stream=True, extra_body={"blend": {"first_tokens": 10**6, "ratio": 1.0}})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        repaired.choices[0].message.content
+    asyncio.run(engine.check_integrity())
+
+
+def test_completions_documents_field(served):
+    client, _, engine = served
+    kwargs = {"model": "tiny", "prompt": " Question: who keeps the green ledger?", "max_tokens": 6, "temperature": 0}
+    first = client.completions.create(**kwargs, extra_body={"documents": DOCS})
+    again = client.completions.create(**kwargs, extra_body={"documents": [DOCS[2], DOCS[0], DOCS[1]]})
+    tokenizer = engine.tokenizer
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == sum(len(tokenizer.encode(d)) for d in DOCS)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    # one document first (encoded after nothing, unshifted): the plain prompt's reply
+    single = client.completions.create(**kwargs, extra_body={"documents": [DOCS[1]]})
+    assert single.usage.prompt_tokens_details.cached_tokens == len(tokenizer.encode(DOCS[1]))
+    flat = tokenizer.encode(DOCS[1]) + tokenizer.encode(kwargs["prompt"])
+    assert client.completions.create(**{**kwargs, "prompt": flat}).choices[0].text == single.choices[0].text
+    asyncio.run(engine.check_integrity())
+
+
+def test_documents_isolated_by_salt(served):
+    client, _, _ = served
+    messages = [SYSTEM, doc(0), doc(1), QUESTION]
+    a = chat(client, messages, cache_salt="tenant-a")
+    a2 = chat(client, messages, cache_salt="tenant-a")
+    b = chat(client, messages, cache_salt="tenant-b")
+    unsalted = chat(client, messages)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (a, a2, b, unsalted)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2:] == [0, 0]
+    assert len({r.choices[0].message.content for r in (a, a2, b, unsalted)}) == 1
+
+
+@pytest.mark.parametrize("messages, extra, needle", [
+    ([SYSTEM, {**plain(0), "kvreuse": {"document": "yes"}}, QUESTION], {}, "kvreuse"),
+    ([SYSTEM, {**plain(0), "kvreuse": {"doc": True}}, QUESTION], {}, "kvreuse"),
+    ([SYSTEM, doc(0)], {"add_generation_prompt": False}, "document"),  # nothing after the document
+])
+def test_bad_document_marks_are_400s(served, messages, extra, needle):
+    import openai
+
+    client, _, engine = served
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, messages, **extra)
+    assert needle in str(err.value)
+    assert chat(client, [SYSTEM, doc(0), QUESTION]).choices  # the server still serves
+    asyncio.run(engine.check_integrity())
+
+
+def test_bad_completions_documents_are_400s(served):
+    import openai
+
+    client, _, _ = served
+    for extra, needle in (({"documents": [""]}, "document"), ({"documents": "one"}, "documents"),
+                          ({"documents": [DOCS[0]], "blend": {"ratio": 2}}, "blend.ratio")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt="Q?", max_tokens=2, extra_body=extra)
+        assert needle in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=["Q1?", "Q2?"], max_tokens=2, extra_body={"documents": DOCS})
+    assert "documents" in str(err.value)
