@@ -1,8 +1,9 @@
 """Seam repair (selective recompute) vs answer quality and TTFT: the Pareto curve.
 
-Two question sets, each through PML modules (``--mode pml``; ``--mode documents`` is the
-schema-free documents path of branch docs14, added here once it lands) and through full
-prefill of the same token ids:
+Two question sets, each through PML modules (``--mode pml``) or schema-free documents
+(``--mode documents``: the same token ids as a ``DocumentPrompt``, the head text, each selected
+module's text as a document, the question; contiguous positions), and through full prefill of
+the same token ids (contiguous positions):
 
 - ``single``: bench/pml_quality.py's set (100 one-fact documents, 5 union slots, each
   question needs one document);
@@ -14,10 +15,13 @@ prefill of the same token ids:
 For each repair setting (``first_tokens`` x ``ratio``) every question runs greedy, 4 tokens,
 batched; then ``--ttft-questions`` of them run one at a time (max_tokens=1) for TTFT.
 Reported per set and setting: answer agreement with full prefill (first word), accuracy
-(the fact's value in the answer), recomputed fraction of module tokens, median TTFT.
+(the fact's value in the answer), recomputed fraction of module tokens, median TTFT. PML
+places modules at the schema's (gapped) positions, so its ratio 1.0 is full prefill at those
+positions, not the contiguous one: ``agreement_with_full_repair`` compares with it (the seam
+effect alone). In documents mode the positions are contiguous and ratio 1.0 is full prefill.
 
     PYTHONPATH=src .venv/bin/python bench/blend_quality.py --model default [--dtype float32]
-    -> bench/results/blend_quality_<dtype>.json, bench/results/blend_quality_<dtype>.png
+    -> bench/results/blend_quality_<mode>_<dtype>.json, .png
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from pml_quality import FIRST, LAST, make_dataset, normalise, plain_token_ids  # noqa: E402
 
 from kvreuse import LLM, SamplingParams  # noqa: E402
+from kvreuse.engine.document_cache import DocumentPrompt  # noqa: E402
 from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs
 CITIES = "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()
 # (first_tokens, ratio); documents here are ~8 tokens, so first_tokens 4 is half of each
-SETTINGS = [(0, 0.0), (0, 0.1), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.1), (4, 0.1)]
+SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.0), (2, 0.1), (4, 0.1)]
 
 
 def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, list[dict]]:
@@ -47,7 +53,9 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     union members; each question selects its two documents plus distractors of both kinds
     about other people, in random slot order."""
     rng = random.Random(seed)
-    people = [f"{f} {l}" for l in LAST for f in FIRST]
+    people = [f"{f} {l}" for l in LAST + PAIR_LAST for f in FIRST]  # 2 per question
+    if len(people) < 2 * num_questions:
+        raise SystemExit(f"--questions {num_questions}: the pair set has names for at most {len(people) // 2}")
     people += [f"{f} {m}. {l}" for m in "ABCDEFGH" for l in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
     rng.shuffle(people)
     pairs = [(people[2 * i], people[2 * i + 1], rng.choice(CITIES)) for i in range(num_questions)]
@@ -71,25 +79,50 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     return schema, items
 
 
+def document_prompt(llm: LLM, pml: str) -> DocumentPrompt:
+    """The PML prompt's token ids as documents: the schema's head text, each selected module's
+    stored tokens as a document, then the question (the prompt's new tokens)."""
+    prepared = llm.engine.prepare_prompt(pml)
+    schema = prepared.plan.schema
+    if prepared.plan.dropped is not None:
+        raise SystemExit("documents mode: a prompt with no text after its last module is not supported")
+    names = prepared.plan.modules
+    parts = [(list(schema.module(n).stored_token_ids), n != "") for n in names]
+    return DocumentPrompt.of([*parts, (list(prepared.token_ids), False)])
+
+
 def run_set(llm: LLM, name: str, items: list[dict], args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     first = SamplingParams(max_tokens=1, temperature=0)
     plain = [plain_token_ids(llm, it["prompt"]) for it in items]
+    if args.mode == "documents":
+        prompts = [document_prompt(llm, it["prompt"]) for it in items]
+        for p, ids in zip(prompts, plain):
+            assert [t for part, _ in p.parts for t in part] == ids, "documents mode: token ids differ from PML's"
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))  # every document computed once
+        module_tokens = [p.layout().num_document_tokens for p in prompts]
+    else:
+        prompts = [it["prompt"] for it in items]
+        module_tokens = [llm.engine.modules.source(llm.engine.prepare_prompt(p).plan).num_tokens for p in prompts]
     full = llm.generate(plain, params)
-    timed = items[: args.ttft_questions]
-    ttft_full = [llm.generate(ids, first)[0].ttft_s for ids in plain[: len(timed)]]
-    module_tokens = []
-    out = {"full": {"accuracy": _acc(items, full), "ttft_median_s": statistics.median(ttft_full)}, "settings": []}
+    timed = range(min(args.ttft_questions, len(items)))
+    out = {"full": {"accuracy": _acc(items, full)}, "settings": []}
+    rows_ttft = {}
+    # TTFT interleaved: for each timed question, full prefill then every setting, one at a time
+    for i in timed:
+        rows_ttft.setdefault("full", []).append(llm.generate(plain[i], first, cache_salt=f"cold-{i}-{time.time()}")[0].ttft_s)
+        for k, r in SETTINGS:
+            rows_ttft.setdefault((k, r), []).append(llm.generate(prompts[i], first, blend=SeamRepair(k, r))[0].ttft_s)
+    out["full"]["ttft_median_s"] = statistics.median(rows_ttft["full"])
+    answers = {}
     for k, r in SETTINGS:
         blend = SeamRepair(k, r)
         t0 = time.perf_counter()
-        mod = llm.generate([it["prompt"] for it in items], params, blend=blend)
+        mod = llm.generate(prompts, params, blend=blend)
         wall = time.perf_counter() - t0
-        if not module_tokens:
-            module_tokens = [llm.engine.modules.source(llm.engine.prepare_prompt(it["prompt"]).plan).num_tokens
-                             for it in items]
-        ttft = [llm.generate(it["prompt"], first, blend=blend)[0].ttft_s for it in timed]
+        answers[(k, r)] = mod
         agree = [normalise(m.text) == normalise(f.text) for m, f in zip(mod, full)]
+        ttft = rows_ttft[(k, r)]
         row = {
             "first_tokens": k, "ratio": r,
             "answer_agreement": sum(agree) / len(items),
@@ -101,6 +134,11 @@ def run_set(llm: LLM, name: str, items: list[dict], args) -> dict:
         }
         print(name, json.dumps({k2: v for k2, v in row.items() if k2 != "disagreements"}), flush=True)
         out["settings"].append(row)
+    everything = answers[(0, 1.0)]  # ratio 1.0: full prefill at the context's own positions
+    for row in out["settings"]:
+        mod = answers[(row["first_tokens"], row["ratio"])]
+        row["agreement_with_full_repair"] = sum(normalise(m.text) == normalise(e.text)
+                                                for m, e in zip(mod, everything)) / len(items)
     out["questions"] = len(items)
     out["mean_module_tokens"] = sum(module_tokens) / len(items)
     out["mean_prompt_tokens"] = sum(len(p) for p in plain) / len(items)
@@ -116,15 +154,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--mode", default="pml", choices=["pml", "documents"],
-                    help="pml: union-slot modules; documents: schema-free documents (branch docs14)")
+                    help="pml: union-slot modules; documents: the same tokens as schema-free documents")
     ap.add_argument("--questions", type=int, default=100, help="per set")
     ap.add_argument("--ttft-questions", type=int, default=10)
     ap.add_argument("--slots", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.mode == "documents":
-        raise SystemExit("--mode documents needs the schema-free documents of branch docs14, not merged yet")
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gib=2.0)
     result = {"model": llm.engine.model_id, "dtype": args.dtype, "mode": args.mode, "sets": {}}
     for name, (schema, items) in {
@@ -135,7 +171,7 @@ def main() -> None:
         result["sets"][name] = run_set(llm, name, items, args)
         llm.engine.check_integrity()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"blend_quality_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q")
+    stem = f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / f"{stem}.png")
 
@@ -160,7 +196,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("answer agreement with full prefill (%)")
         ax.set_title(f"{name} ({s['questions']} questions); labels: ratio")
         ax.legend(fontsize=8)
-    fig.suptitle(f"seam repair: quality vs TTFT, {result['model'].split('@')[0]} {result['dtype']}")
+    fig.suptitle(f"seam repair ({result['mode']}): quality vs TTFT, {result['model'].split('@')[0]} {result['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -1,0 +1,160 @@
+"""Schema-free documents over HTTP: TTFT of a chat whose documents are reused (shuffled per
+request) vs full prefill of the same chat, through real ``kvreuse serve`` processes driven by
+the official ``openai`` client.
+
+A chat: a system turn, ``--docs`` user messages of ~``--doc-tokens`` tokens each marked
+``"kvreuse": {"document": true}``, in a new random order every request, and a question of ~32
+tokens (~4k tokens in all with the defaults). Every document is sent once first (its KV
+computed once). Then, ``--reps`` times, interleaved, against each server:
+
+- ``full``: the same messages unmarked under a fresh ``cache_salt`` (nothing cached: full prefill);
+- ``documents``: marked, ``blend`` ``{"first_tokens": 0, "ratio": 0}`` (no seam repair);
+- ``repaired``: marked, with the repair given by ``--blend-first-tokens`` / ``--blend-ratio``
+  (the server default chosen from bench/blend_quality.py).
+
+TTFT is the wall time of a ``max_tokens=1`` request (HTTP, template, tokenizing, the KV copy to
+the request's positions, repair, the question's prefill, one token). ``cached_tokens`` is
+checked: every context token (documents and the template text between them) is reused.
+
+Servers: ``fp32`` (``kvreuse serve``'s defaults: ``--dtype float32 --quantization none``) and
+``quick`` (the quick start's ``--dtype auto --quantization int4``), the default model each.
+
+    PYTHONPATH=src .venv/bin/python bench/docs_ttft.py [--reps 5] [--servers fp32,quick]
+    -> bench/results/docs_ttft.json, bench/results/docs_ttft.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.serve_process
+sys.path.insert(0, str(ROOT / "bench"))
+
+from pml_ttft import doc_text  # noqa: E402
+from tests.serve_process import free_port, running_servers  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SERVERS = {
+    "fp32": ["--dtype", "float32", "--quantization", "none"],
+    "quick": ["--dtype", "auto", "--quantization", "int4"],
+}
+QUESTION = ("Question: which of the documents above mentions a glacier next to a harbor, and what number "
+            "follows the word river in that document? Answer briefly.")
+
+
+def messages(docs: list[str], order: list[int], marked: bool) -> list[dict]:
+    mark = {"kvreuse": {"document": True}} if marked else {}
+    return ([{"role": "system", "content": "Answer from the documents."}]
+            + [{"role": "user", "content": docs[i], **mark} for i in order]
+            + [{"role": "user", "content": QUESTION}])
+
+
+def timed(client, msgs: list[dict], **extra) -> tuple[float, dict]:
+    start = time.perf_counter()
+    out = client.chat.completions.create(model="m", messages=msgs, max_tokens=1, temperature=0,
+                                         extra_body=extra or None)
+    wall = time.perf_counter() - start
+    details = out.usage.prompt_tokens_details
+    return wall, {"prompt_tokens": out.usage.prompt_tokens, "cached_tokens": details.cached_tokens,
+                  "recomputed_tokens": (details.model_extra or {}).get("recomputed_tokens", 0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=500)
+    ap.add_argument("--blend-first-tokens", type=int, default=1)
+    ap.add_argument("--blend-ratio", type=float, default=0.05)
+    ap.add_argument("--servers", default="fp32,quick")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    import openai
+
+    from kvreuse.models.loader import load_model
+
+    names = args.servers.split(",")
+    tokenizer = load_model(args.model, dtype="float32").tokenizer
+    docs = [doc_text(tokenizer, i, args.doc_tokens) for i in range(args.docs)]
+    repair = {"first_tokens": args.blend_first_tokens, "ratio": args.blend_ratio}
+    off = {"first_tokens": 0, "ratio": 0.0}
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = [(free_port(), ["--model", args.model, "--served-model-name", "m", "--kv-cache-memory", "1.5",
+                                "--log-level", "warning", *SERVERS[n]], Path(tmp) / f"{n}.log") for n in names]
+        with running_servers(specs, startup_s=600) as urls:
+            clients = {n: openai.OpenAI(base_url=u + "/v1", api_key="none", timeout=600) for n, u in zip(names, urls)}
+            for n, client in clients.items():  # every document's KV computed once; warm the paths
+                timed(client, messages(docs, list(range(args.docs)), True), blend=off)
+                timed(client, messages(docs, list(range(args.docs)), False), cache_salt="warm")
+            samples = {n: {"full": [], "documents": [], "repaired": []} for n in names}
+            usage = {n: {"full": [], "documents": [], "repaired": []} for n in names}
+            for rep in range(args.reps):
+                order = rng.sample(range(args.docs), args.docs)
+                runs = [(n, kind) for n in names for kind in ("full", "documents", "repaired")]
+                rng.shuffle(runs)  # interleaved, in a new order each repetition
+                for n, kind in runs:
+                    if kind == "full":
+                        wall, u = timed(clients[n], messages(docs, order, False), cache_salt=f"cold-{rep}-{time.time()}")
+                    else:
+                        wall, u = timed(clients[n], messages(docs, order, True), blend=off if kind == "documents" else repair)
+                    samples[n][kind].append(wall)
+                    usage[n][kind].append(u)
+                    print(rep, n, kind, f"{wall:.3f}s", u, flush=True)
+    result = {"model": args.model, "docs": args.docs, "doc_tokens": args.doc_tokens, "reps": args.reps,
+              "repair": repair, "servers": {}}
+    for n in names:
+        med = {k: statistics.median(v) for k, v in samples[n].items()}
+        result["servers"][n] = {
+            "args": SERVERS[n], "ttft_median_s": med, "ttft_samples_s": samples[n], "usage": usage[n],
+            "speedup_documents": med["full"] / med["documents"], "speedup_repaired": med["full"] / med["repaired"],
+            "prompt_tokens": usage[n]["full"][0]["prompt_tokens"],
+            "cached_tokens_documents": usage[n]["documents"][0]["cached_tokens"],
+            "recomputed_tokens_repaired": usage[n]["repaired"][0]["recomputed_tokens"],
+        }
+        print(n, json.dumps({k: v for k, v in result["servers"][n].items() if k not in ("ttft_samples_s", "usage")}))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "docs_ttft.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "docs_ttft.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    kinds = ("full", "documents", "repaired")
+    labels = {"full": "full prefill", "documents": "documents, no repair",
+              "repaired": "documents, repair {first_tokens}/{ratio}".format(**result["repair"])}
+    width = 0.8 / len(result["servers"])
+    for j, (name, s) in enumerate(result["servers"].items()):
+        values = [s["ttft_median_s"][k] for k in kinds]
+        bars = ax.bar([i + j * width for i in range(len(kinds))], values, width, label=name)
+        for bar, k in zip(bars, kinds):
+            text = f"{bar.get_height():.2f}s" + ("" if k == "full" else f"\n{s['ttft_median_s']['full'] / bar.get_height():.0f}x")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=7)
+    ax.set_xticks([i + width * (len(result["servers"]) - 1) / 2 for i in range(len(kinds))], [labels[k] for k in kinds])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT, median (s, log)")
+    first = next(iter(result["servers"].values()))
+    ax.set_title(f"{result['docs']} shuffled documents x ~{result['doc_tokens']} tokens + question "
+                 f"({first['prompt_tokens']} tokens), HTTP", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
