@@ -11,6 +11,7 @@ from kvreuse.engine.document_cache import DocumentPrompt
 from tests.engine_helpers import LogitsSpy
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
+ONE = SamplingParams(max_tokens=1, temperature=0)
 DOCS = [
     "The lighthouse keeper on Varn island logs every passing ship in a green ledger.",
     "Copper kettles were traded for salt at the northern market every spring.",
@@ -215,3 +216,26 @@ def cached_kv(llm: LLM) -> torch.Tensor:
     ids = sorted(b.block_id for b in llm.engine.pool.cached_hashes())
     slots = torch.tensor([i * bs + o for i in ids for o in range(bs)])
     return llm.engine.runner.kv_cache[:, :, :, slots].clone()
+
+
+def test_documents_evicted_to_the_host_tier_are_reused_from_it(tiny_llama):
+    """A document's blocks are ordinary pool blocks: evicted, they go down to the host tier and
+    come back on the next request that holds the document, as cached tokens, with the same logits."""
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001)
+    engine = llm.engine
+    n = engine.pool.num_blocks
+    doc = [(i * 37) % 4000 + 10 for i in range(4 * (n // 4))]  # whole blocks: every one can be cached
+    question = [(i * 11) % 4000 + 5 for i in range(3)]
+    prompt = DocumentPrompt.of([(doc, True), (question, False)])
+    spy = LogitsSpy(llm)
+    assert llm.generate(prompt, ONE)[0].num_cached_tokens == 0
+    engine.check_integrity()
+    for seed in (53, 59):  # two prompts as large as the pool: every document block is evicted
+        llm.generate([(i * seed) % 4000 + 7 for i in range(4 * (n - 2))], ONE)
+        engine.check_integrity()
+    assert all(engine.pool.get_cached(k) is None for k in engine.documents.keys(doc, (), None))
+    again = llm.generate(prompt, ONE)[0]
+    engine.check_integrity()
+    assert again.num_cached_tokens == len(doc)
+    assert again.cached_tokens_by_tier == {"CPU": len(doc)}
+    assert (spy.rows[-1] - spy.rows[0]).abs().max().item() <= 1e-4

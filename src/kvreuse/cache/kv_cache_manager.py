@@ -68,14 +68,16 @@ class Admission:
     loaded_levels: tuple[str, ...] = ()  # the store level of each loaded block (DISK / REMOTE)
 
 
-def _tokens_by_level(admission: Admission, block_size: int, device_level: str, context_tokens: int) -> dict[str, int]:
-    """Cached tokens of one admission per tier (levels with none left out); assembled PML
-    module KV lives in the device pool."""
+def tokens_by_level(admission: Admission, block_size: int, device_level: str,
+                    context: dict[str, int] | None = None) -> dict[str, int]:
+    """Cached tokens of one admission per tier (levels with none left out), plus ``context``:
+    the reused tokens of a request's assembled context by the tier they were found in."""
     from_host = admission.num_onboarded * block_size
-    out = {device_level: (admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
-           + context_tokens}
+    out = dict(context or {})
+    out[device_level] = out.get(device_level, 0) + (
+        admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
     if from_host:
-        out[HOST_LEVEL] = from_host
+        out[HOST_LEVEL] = out.get(HOST_LEVEL, 0) + from_host
     for level in admission.loaded_levels:
         out[level] = out.get(level, 0) + block_size
     return {level: n for level, n in out.items() if n}
@@ -261,7 +263,8 @@ class KVCacheManager:
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
             reused_context = 0 if seq.context is None else seq.context.num_reused
-            by_level = _tokens_by_level(admission, bs, self.pool.cache_level, reused_context)
+            by_level = tokens_by_level(admission, bs, self.pool.cache_level,
+                                       None if seq.context is None else seq.context.reused_by_level(self.pool.cache_level))
             seq.cached_tokens_by_tier = by_level
             for level, n in by_level.items():
                 self.hits_tokens_by_level[level] = self.hits_tokens_by_level.get(level, 0) + n

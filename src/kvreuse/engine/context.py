@@ -160,6 +160,12 @@ class PromptContext:
         modules: all of them; documents: what their acquisition found), counted as cached tokens."""
         return getattr(self._held, "num_reused", self._num_tokens)
 
+    def reused_by_level(self, device_level: str) -> dict[str, int]:
+        """``num_reused`` by the tier the keys were found in (``HeldKV.reused_by_level`` when
+        the source says; otherwise all in the device pool, ``device_level``)."""
+        by_level = getattr(self._held, "reused_by_level", None)
+        return dict(by_level) if by_level is not None else {device_level: self.num_reused}
+
     @property
     def num_blocks(self) -> int:
         """Distinct blocks the context takes in the pool (held or to acquire)."""

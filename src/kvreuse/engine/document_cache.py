@@ -42,8 +42,9 @@ import numpy as np
 
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
-from kvreuse.cache.kv_cache_manager import KVCacheManager
+from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
 from kvreuse.engine.context import Segment, SegmentKind
+from kvreuse.events.records import HOST_LEVEL
 
 
 class DocumentPoolBusy(ValueError):
@@ -132,6 +133,7 @@ class DocumentContext:
     slots: tuple[int, ...]
     positions: tuple[int, ...]
     num_reused: int  # document tokens found cached (the rest were computed by this acquisition)
+    reused_by_level: dict[str, int]  # num_reused by the tier each was found in (GPU, CPU, DISK, REMOTE)
 
 
 class DocumentCache:
@@ -159,9 +161,10 @@ class DocumentCache:
         return DocumentSource(self, layout, salt)
 
     # ------------------------------------------------------------------ one document
-    def fill(self, document: Sequence[int], after: Sequence[int], salt: str | None) -> tuple[list[KVBlock], int]:
+    def fill(self, document: Sequence[int], after: Sequence[int],
+             salt: str | None) -> tuple[list[KVBlock], dict[str, int]]:
         """The document's blocks, held (one reference each for the caller), computed where not
-        cached; returns them and how many of its tokens were cached. Raises
+        cached; returns them and its cached tokens by the tier they were found in. Raises
         ``DocumentPoolBusy`` (nothing held) when the pool cannot hold them now."""
         bs = self.pool.block_size
         keys = self.keys(document, after, salt)
@@ -171,8 +174,14 @@ class DocumentCache:
             raise DocumentPoolBusy(f"documents: the KV pool has {self.pool.num_free_blocks} free blocks, too few for "
                                    f"a document of {len(document)} tokens now: retry later or raise --kv-cache-memory")
         blocks, hits = list(admission.blocks), admission.num_hits
+        by_level = tokens_by_level(admission, bs, self.pool.cache_level)
         if hits == len(keys):
-            return blocks, len(document)
+            if len(document) % bs:  # the last block (partial) holds fewer than block_size tokens
+                # blocks come device hits, then onboarded (host), then loaded (stores): the last one's tier
+                level = (admission.loaded_levels[-1] if admission.num_loaded else
+                         HOST_LEVEL if admission.num_onboarded else self.pool.cache_level)
+                by_level[level] -= hits * bs - len(document)
+            return blocks, {k: v for k, v in by_level.items() if v}
         fresh = block_slots([b.block_id for b in blocks], hits * bs, len(document), bs)  # doc tokens to keep
         num_scratch = len(after) + hits * bs
         scratch = []
@@ -191,7 +200,7 @@ class DocumentCache:
             raise
         finally:
             self.pool.release(reversed(scratch))
-        return blocks, hits * bs
+        return blocks, by_level
 
 
 @dataclass(frozen=True)
@@ -234,11 +243,13 @@ class DocumentSource:
         cache, layout, bs = self.cache, self.layout, self.cache.pool.block_size
         held: list[list[KVBlock]] = []
         try:
-            reused = 0
+            by_level: dict[str, int] = {}
             for doc, after in zip(layout.documents, layout.encoded_after):
                 blocks, cached = cache.fill(doc, after, self.salt)
                 held.append(blocks)
-                reused += cached
+                for level, count in cached.items():
+                    by_level[level] = by_level.get(level, 0) + count
+            reused = sum(by_level.values())
             n = self.num_tokens
             if not cache.pool.can_allocate(cdiv(n, bs)):
                 return None
@@ -252,7 +263,7 @@ class DocumentSource:
                                       for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
             cache.runner.copy_shifted(src, dst, positions - encoded)
             cache.tokens_reused += reused
-            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused)
+            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level)
         except DocumentPoolBusy:
             return None
         finally:

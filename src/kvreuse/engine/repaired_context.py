@@ -81,6 +81,7 @@ class RepairedKV:
     positions: tuple[int, ...]
     num_recomputed: int
     num_reused: int  # keys neither computed nor recomputed for this acquisition (cached_tokens)
+    reused_by_level: dict[str, int] | None = None  # num_reused by tier (None: all in the device pool)
 
 
 class RepairedSource:
@@ -140,11 +141,12 @@ class RepairedSource:
         # what the inner acquisition found cached, less what is recomputed now (a recomputed
         # key may also be one the inner source computed: then this undercounts, never over)
         reused = max(0, getattr(held, "num_reused", len(slots)) - len(chosen))
+        by_level = _less(getattr(held, "reused_by_level", None), len(chosen))
         if not len(chosen):
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level)
         if self.inner.private_blocks:  # nobody else reads them: recompute in place
             self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused, by_level)
         bs = self.runner.block_size
         touched = np.unique(slots[chosen] // bs)  # [b] shared block ids holding a chosen token
         pool = self.kv.pool
@@ -162,4 +164,19 @@ class RepairedSource:
         except BaseException:
             pool.release(reversed(copies))  # type: ignore[attr-defined]
             raise
-        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused)
+        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
+                          by_level)
+
+
+def _less(by_level: dict[str, int] | None, n: int) -> dict[str, int] | None:
+    """``by_level`` with ``n`` fewer tokens in all, taken from its tiers in order (the
+    recomputed keys are not told apart by tier), none below 0."""
+    if by_level is None:
+        return None
+    out = {}
+    for level, count in by_level.items():
+        take = min(count, n)
+        n -= take
+        if count - take:
+            out[level] = count - take
+    return out
