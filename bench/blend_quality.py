@@ -40,6 +40,7 @@ from pml_quality import FIRST, LAST, make_dataset, normalise, plain_token_ids  #
 from kvreuse import LLM, SamplingParams  # noqa: E402
 from kvreuse.engine.document_cache import DocumentPrompt  # noqa: E402
 from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
+from kvreuse.pml.prepared import prepare_prompt  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs
@@ -79,10 +80,11 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     return schema, items
 
 
-def document_prompt(llm: LLM, pml: str) -> DocumentPrompt:
+def document_prompt(llm: LLM, pml: str, schemas) -> DocumentPrompt:
     """The PML prompt's token ids as documents: the schema's head text, each selected module's
-    stored tokens as a document, then the question (the prompt's new tokens)."""
-    prepared = llm.engine.prepare_prompt(pml)
+    stored tokens as a document, then the question (the prompt's new tokens). ``schemas``:
+    compiled, not registered (documents mode never computes module KV)."""
+    prepared = prepare_prompt(pml, schemas, llm.tokenizer)
     schema = prepared.plan.schema
     if prepared.plan.dropped is not None:
         raise SystemExit("documents mode: a prompt with no text after its last module is not supported")
@@ -91,17 +93,21 @@ def document_prompt(llm: LLM, pml: str) -> DocumentPrompt:
     return DocumentPrompt.of([*parts, (list(prepared.token_ids), False)])
 
 
-def run_set(llm: LLM, name: str, items: list[dict], args) -> dict:
+def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     first = SamplingParams(max_tokens=1, temperature=0)
-    plain = [plain_token_ids(llm, it["prompt"]) for it in items]
     if args.mode == "documents":
-        prompts = [document_prompt(llm, it["prompt"]) for it in items]
+        compiled = llm.engine.modules.compile(schema)
+        schemas = {compiled.name: compiled}
+        plain = [plain_token_ids(llm, it["prompt"], schemas) for it in items]
+        prompts = [document_prompt(llm, it["prompt"], schemas) for it in items]
         for p, ids in zip(prompts, plain):
             assert [t for part, _ in p.parts for t in part] == ids, "documents mode: token ids differ from PML's"
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))  # every document computed once
         module_tokens = [p.layout().num_document_tokens for p in prompts]
     else:
+        llm.register_schema(schema)
+        plain = [plain_token_ids(llm, it["prompt"]) for it in items]
         prompts = [it["prompt"] for it in items]
         module_tokens = [llm.engine.modules.source(llm.engine.prepare_prompt(p).plan).num_tokens for p in prompts]
     full = llm.generate(plain, params)
@@ -167,8 +173,7 @@ def main() -> None:
         "single": make_dataset(args.questions, args.slots, args.seed),
         "pair": make_pair_dataset(args.questions, 4, args.seed),
     }.items():
-        llm.register_schema(schema)
-        result["sets"][name] = run_set(llm, name, items, args)
+        result["sets"][name] = run_set(llm, name, schema, items, args)
         llm.engine.check_integrity()
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q")

@@ -84,9 +84,10 @@ def make_dataset(num_docs: int, slots: int, seed: int) -> tuple[str, list[dict]]
     return schema, items
 
 
-def plain_token_ids(llm: LLM, pml: str) -> list[int]:
-    """The token ids a PML prompt stands for, in position order: what full prefill computes."""
-    schema = llm.engine.modules.schemas
+def plain_token_ids(llm: LLM, pml: str, schemas=None) -> list[int]:
+    """The token ids a PML prompt stands for, in position order: what full prefill computes
+    (``schemas``: compiled schemas by name; default the registered ones)."""
+    schema = llm.engine.modules.schemas if schemas is None else schemas
     prompt = compile_prompt(parse_prompt(pml), schema, llm.tokenizer)
     compiled = schema[prompt.schema_name]
     by_pos = {p: t for _, ts, ps in compiled.assembled(prompt) for t, p in zip(ts, ps)}

@@ -60,14 +60,21 @@ def test_chat_documents_reused_in_any_order(served):
     first = chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])
     assert first.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens_details.cached_tokens + \
         one.usage.prompt_tokens - own_tokens(engine, [SYSTEM, doc(0), QUESTION])  # the system turn and doc 0
+    reused = [one.usage.prompt_tokens_details.cached_tokens, first.usage.prompt_tokens_details.cached_tokens]
     for order in ([2, 0, 1], [1, 2, 0], [2, 1]):
         messages = [SYSTEM, *map(doc, order), QUESTION]
         out = chat(client, messages)
+        reused.append(out.usage.prompt_tokens_details.cached_tokens)
         # every piece of the context was computed before (the documents, the template text
         # between them, the system turn): only the text after the last document is computed
         assert out.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - own_tokens(engine, messages)
+    stats = engine.stats()
     metrics = httpx.get(url + "/metrics").text
-    assert 'kvreuse:document_tokens_reused_total{model_name="tiny"}' in metrics
+    assert stats.document_tokens_reused == sum(reused)  # each context piece found cached, as usage said
+    assert stats.document_tokens_computed > 0
+    assert f'kvreuse:document_tokens_reused_total{{model_name="tiny"}} {float(stats.document_tokens_reused)}' in metrics
+    assert f'kvreuse:document_tokens_computed_total{{model_name="tiny"}} {float(stats.document_tokens_computed)}' \
+        in metrics
     asyncio.run(engine.check_integrity())
 
 

@@ -69,6 +69,10 @@ def test_every_spec_metric_has_its_exact_value(tiny_llama):
     assert _value(m, "kvreuse:prompt_tokens_reused_total") == 96
     assert _value(m, "kvreuse:tokens_computed_total") == 40 + 40 + 100 + 4 + 2
     assert _value(m, "kvreuse:generation_tokens_total") == 1 + 1 + 1 + 3
+    # no documents and no seam repair in this story (tests/server/test_document_routes.py counts them)
+    assert _value(m, "kvreuse:seam_repair_tokens_total") == 0
+    assert _value(m, "kvreuse:document_tokens_computed_total") == 0
+    assert _value(m, "kvreuse:document_tokens_reused_total") == 0
     assert _value(m, "kvreuse:request_success_total", finished_reason="length") == 4
     # events dropped: every event but the newest EVENT_BUFFER ones
     assert events["last_event_id"] + 1 > EVENT_BUFFER
