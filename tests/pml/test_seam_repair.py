@@ -169,3 +169,58 @@ def test_repaired_requests_under_preemption_match_a_single_run(tiny_llama, blend
     assert [o.token_ids for o in outs] == [want] * 4
     llm.engine.check_integrity()
     assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_repair_of_modules_over_half_the_pool_waits_and_runs(tiny_llama):
+    """While the pool is busy the repaired context is not held, and the capacity check uses its
+    bound: modules + at most one private copy per token the repair can choose. Modules over half
+    the pool with first_tokens 1 wait and run (the old bound, twice the module blocks, refused
+    them as never fitting)."""
+    per_block = 4 * make(tiny_llama).engine.runner.layout.bytes_per_token(torch.float32)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * per_block / 2**30, block_size=4)  # 40 blocks
+    engine = llm.engine
+    words = " ".join(f"w{i}" for i in range(20))
+    llm.register_schema(f'<schema name="big"><module name="a">{words}</module><module name="b">{words} again'
+                        "</module></schema>")
+    prompt = '<prompt schema="big"><a/><b/>Why?</prompt>'
+    source = engine.modules.source(engine.prepare_prompt(prompt).plan)
+    assert source.num_blocks > engine.pool.num_blocks // 2
+    engine.add_request("busy", list(range(10, 10 + 4 * 30)), SamplingParams(max_tokens=8, temperature=0))
+    engine.step()  # the busy request holds 31 blocks: the modules cannot be held now
+    engine.check_integrity()
+    engine.add_prepared_request("r", engine.prepare_prompt(prompt), SamplingParams(max_tokens=2, temperature=0),
+                                blend={"first_tokens": 1})
+    engine.check_integrity()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+        engine.check_integrity()
+    assert outs["r"].finished and outs["r"].num_recomputed_tokens == 2  # the two modules, one token each
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_the_deviation_pass_runs_once_while_a_request_waits(tiny_llama, monkeypatch):
+    """A repaired request that cannot acquire its copies yet waits and tries again each step;
+    the selection (and the deviation pass behind it) is made once."""
+    llm = make(tiny_llama)
+    llm.register_schema(SCHEMA)
+    engine = llm.engine
+    calls = []
+    real = engine.runner.seam_deviation
+    monkeypatch.setattr(engine.runner, "seam_deviation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    blend = {"ratio": 0.5}
+    engine.add_prepared_request("r", engine.prepare_prompt(PROMPT), GREEDY, blend=blend)
+    (seq,) = engine.requests()
+    source = seq.context._source
+    held = seq.context._held
+    for _ in range(3):  # let go and acquire again, as a waiting request does under pressure
+        seq.context.release()
+        engine.check_integrity()
+        assert seq.context.acquire()
+        engine.check_integrity()
+    assert len(calls) == 1 and source._chosen is not None and held is not None
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0

@@ -95,12 +95,24 @@ class RepairedSource:
         self.runner = runner
         self.kv = kv
         self.on_repair = on_repair
+        self._chosen: np.ndarray | None = None  # the selection, made at the first acquisition
+        self._num_blocks: int | None = None
 
     @property
     def num_blocks(self) -> int:
-        """At most every segment block plus a private copy of each (the selection, made
-        after the acquisition, is not known yet)."""
-        return self.inner.num_blocks * (1 if self.inner.private_blocks else 2)
+        """Every segment block plus at most one private copy per token the repair can choose
+        (``first_tokens`` of each segment + the ratio's share; the selection itself is made at
+        the first acquisition), and no copy of blocks that are already the caller's own."""
+        if self._num_blocks is None:
+            inner = self.inner.num_blocks
+            if self.inner.private_blocks:
+                self._num_blocks = inner
+            else:
+                token_ids, starts = self.inner.assembled_tokens()
+                n = len(token_ids)
+                most = min(n, min(self.repair.first_tokens, n) * len(starts) + self.repair.num_by_deviation(n))
+                self._num_blocks = inner + min(inner, most)
+        return self._num_blocks
 
     @property
     def num_tokens(self) -> int:
@@ -133,10 +145,15 @@ class RepairedSource:
         token_ids, starts = self.inner.assembled_tokens()
         if len(token_ids) != len(slots):
             raise RuntimeError(f"seam repair: {len(token_ids)} assembled tokens for {len(slots)} context keys")
-        deviation = None
-        if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
-            deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
-        chosen = self.repair.select(starts, len(slots), deviation)  # [m]
+        if self._chosen is None:
+            # Chosen once: the context KV is the same at every acquisition (a module or document
+            # recomputed after an eviction is recomputed alike), so a request that waits for
+            # room and acquires again does not run the deviation pass again.
+            deviation = None
+            if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
+                deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
+            self._chosen = self.repair.select(starts, len(slots), deviation)  # [m]
+        chosen = self._chosen
         blocks = tuple(held.blocks)
         # what the inner acquisition found cached, less what is recomputed now (a recomputed
         # key may also be one the inner source computed: then this undercounts, never over)
