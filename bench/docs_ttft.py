@@ -9,8 +9,8 @@ computed once). Then, ``--reps`` times, interleaved, against each server:
 
 - ``full``: the same messages unmarked under a fresh ``cache_salt`` (nothing cached: full prefill);
 - ``documents``: marked, ``blend`` ``{"first_tokens": 0, "ratio": 0}`` (no seam repair);
-- ``repaired``: marked, with the repair given by ``--blend-first-tokens`` / ``--blend-ratio``
-  (the server default chosen from bench/blend_quality.py).
+- ``repair k/r``: marked, with each seam repair of ``--repairs`` (``k:r,...``: first_tokens k,
+  ratio r; the default's choice is bench/blend_quality.py's).
 
 TTFT is the wall time of a ``max_tokens=1`` request (HTTP, template, tokenizing, the KV copy to
 the request's positions, repair, the question's prefill, one token). ``cached_tokens`` is
@@ -73,8 +73,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=500)
-    ap.add_argument("--blend-first-tokens", type=int, default=1)
-    ap.add_argument("--blend-ratio", type=float, default=0.05)
+    ap.add_argument("--repairs", default="1:0,1:0.05,1:0.1", help="seam repairs to time, first_tokens:ratio,...")
     ap.add_argument("--servers", default="fp32,quick")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -85,8 +84,10 @@ def main() -> None:
     names = args.servers.split(",")
     tokenizer = load_model(args.model, dtype="float32").tokenizer
     docs = [doc_text(tokenizer, i, args.doc_tokens) for i in range(args.docs)]
-    repair = {"first_tokens": args.blend_first_tokens, "ratio": args.blend_ratio}
     off = {"first_tokens": 0, "ratio": 0.0}
+    repairs = {f"repair {k}/{r}": {"first_tokens": int(k), "ratio": float(r)}
+               for k, r in (item.split(":") for item in args.repairs.split(","))}
+    kinds = ("full", "documents", *repairs)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         specs = [(free_port(), ["--model", args.model, "--served-model-name", "m", "--kv-cache-memory", "1.5",
@@ -96,30 +97,31 @@ def main() -> None:
             for n, client in clients.items():  # every document's KV computed once; warm the paths
                 timed(client, messages(docs, list(range(args.docs)), True), blend=off)
                 timed(client, messages(docs, list(range(args.docs)), False), cache_salt="warm")
-            samples = {n: {"full": [], "documents": [], "repaired": []} for n in names}
-            usage = {n: {"full": [], "documents": [], "repaired": []} for n in names}
+            samples = {n: {k: [] for k in kinds} for n in names}
+            usage = {n: {k: [] for k in kinds} for n in names}
             for rep in range(args.reps):
                 order = rng.sample(range(args.docs), args.docs)
-                runs = [(n, kind) for n in names for kind in ("full", "documents", "repaired")]
+                runs = [(n, kind) for n in names for kind in kinds]
                 rng.shuffle(runs)  # interleaved, in a new order each repetition
                 for n, kind in runs:
                     if kind == "full":
                         wall, u = timed(clients[n], messages(docs, order, False), cache_salt=f"cold-{rep}-{time.time()}")
                     else:
-                        wall, u = timed(clients[n], messages(docs, order, True), blend=off if kind == "documents" else repair)
+                        wall, u = timed(clients[n], messages(docs, order, True),
+                                        blend=off if kind == "documents" else repairs[kind])
                     samples[n][kind].append(wall)
                     usage[n][kind].append(u)
                     print(rep, n, kind, f"{wall:.3f}s", u, flush=True)
     result = {"model": args.model, "docs": args.docs, "doc_tokens": args.doc_tokens, "reps": args.reps,
-              "repair": repair, "servers": {}}
+              "repairs": repairs, "servers": {}}
     for n in names:
         med = {k: statistics.median(v) for k, v in samples[n].items()}
         result["servers"][n] = {
             "args": SERVERS[n], "ttft_median_s": med, "ttft_samples_s": samples[n], "usage": usage[n],
-            "speedup_documents": med["full"] / med["documents"], "speedup_repaired": med["full"] / med["repaired"],
+            "speedup_vs_full": {k: med["full"] / med[k] for k in kinds if k != "full"},
             "prompt_tokens": usage[n]["full"][0]["prompt_tokens"],
-            "cached_tokens_documents": usage[n]["documents"][0]["cached_tokens"],
-            "recomputed_tokens_repaired": usage[n]["repaired"][0]["recomputed_tokens"],
+            "cached_tokens": {k: usage[n][k][0]["cached_tokens"] for k in kinds},
+            "recomputed_tokens": {k: usage[n][k][0]["recomputed_tokens"] for k in kinds},
         }
         print(n, json.dumps({k: v for k, v in result["servers"][n].items() if k not in ("ttft_samples_s", "usage")}))
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -134,9 +136,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    kinds = ("full", "documents", "repaired")
-    labels = {"full": "full prefill", "documents": "documents, no repair",
-              "repaired": "documents, repair {first_tokens}/{ratio}".format(**result["repair"])}
+    kinds = ("full", "documents", *result["repairs"])
+    labels = {"full": "full prefill", "documents": "documents,\nno repair",
+              **{k: f"documents,\n{k}" for k in result["repairs"]}}
     width = 0.8 / len(result["servers"])
     for j, (name, s) in enumerate(result["servers"].items()):
         values = [s["ttft_median_s"][k] for k in kinds]
