@@ -140,8 +140,8 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
         }
         print(name, json.dumps({k2: v for k2, v in row.items() if k2 != "disagreements"}), flush=True)
         out["settings"].append(row)
-    everything = answers[(0, 1.0)]  # ratio 1.0: full prefill at the context's own positions
-    for row in out["settings"]:
+    everything = answers.get((0, 1.0))  # ratio 1.0: full prefill at the context's own positions
+    for row in out["settings"] if everything is not None else ():
         mod = answers[(row["first_tokens"], row["ratio"])]
         row["agreement_with_full_repair"] = sum(normalise(m.text) == normalise(e.text)
                                                 for m, e in zip(mod, everything)) / len(items)
@@ -166,44 +166,58 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settings", default=None, help="first_tokens:ratio,... instead of the default grid")
+    ap.add_argument("--sets", default="single,pair")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
+    if args.settings:
+        SETTINGS[:] = [(int(k), float(r)) for k, r in (x.split(":") for x in args.settings.split(","))]
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gib=2.0)
     result = {"model": llm.engine.model_id, "dtype": args.dtype, "mode": args.mode, "sets": {}}
-    for name, (schema, items) in {
-        "single": make_dataset(args.questions, args.slots, args.seed),
-        "pair": make_pair_dataset(args.questions, 4, args.seed),
-    }.items():
+    sets = {"single": lambda: make_dataset(args.questions, args.slots, args.seed),
+            "pair": lambda: make_pair_dataset(args.questions, 4, args.seed)}
+    for name in args.sets.split(","):
+        schema, items = sets[name]()
         result["sets"][name] = run_set(llm, name, schema, items, args)
         llm.engine.check_integrity()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q")
+    stem = f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q") + args.tag
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / f"{stem}.png")
 
 
 def plot(result: dict, path: Path) -> None:
+    """Answer agreement against the cost of the repair: the recomputed share of the document
+    tokens (top) and the median TTFT of these short prompts (bottom), one column per set."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(result["sets"]), figsize=(12, 4.5))
-    for ax, (name, s) in zip(axes, result["sets"].items()):
-        for k, marker in ((0, "o"), (1, "s"), (2, "^"), (4, "D")):
-            rows = [r for r in s["settings"] if r["first_tokens"] == k]
-            ax.plot([1000 * r["ttft_median_s"] for r in rows], [100 * r["answer_agreement"] for r in rows],
-                    marker=marker, label=f"first_tokens={k}")
-            for r in rows:
-                ax.annotate(f"{r['ratio']:g}", (1000 * r["ttft_median_s"], 100 * r["answer_agreement"]),
-                            fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.axvline(1000 * s["full"]["ttft_median_s"], ls="--", c="gray", lw=1, label="full prefill TTFT")
-        ax.set_xlabel("median TTFT (ms)")
-        ax.set_ylabel("answer agreement with full prefill (%)")
-        ax.set_title(f"{name} ({s['questions']} questions); labels: ratio")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"seam repair ({result['mode']}): quality vs TTFT, {result['model'].split('@')[0]} {result['dtype']}")
+    sets = result["sets"]
+    fig, axes = plt.subplots(2, len(sets), figsize=(6 * len(sets), 8), squeeze=False)
+    for col, (name, s) in enumerate(sets.items()):
+        for row, (key, scale, label) in enumerate((("recomputed_fraction", 100, "recomputed share of document tokens (%)"),
+                                                   ("ttft_median_s", 1000, "median TTFT (ms)"))):
+            ax = axes[row][col]
+            for k, marker in ((0, "o"), (1, "s"), (2, "^"), (4, "D")):
+                rows = sorted((r for r in s["settings"] if r["first_tokens"] == k), key=lambda r: r["ratio"])
+                if not rows:
+                    continue
+                ax.plot([scale * r[key] for r in rows], [100 * r["answer_agreement"] for r in rows],
+                        marker=marker, label=f"first_tokens={k}")
+                for r in rows:
+                    ax.annotate(f"{r['ratio']:g}", (scale * r[key], 100 * r["answer_agreement"]),
+                                fontsize=7, xytext=(3, 3), textcoords="offset points")
+            if key == "ttft_median_s":
+                ax.axvline(1000 * s["full"]["ttft_median_s"], ls="--", c="gray", lw=1, label="full prefill TTFT")
+            ax.set_xlabel(label)
+            ax.set_ylabel("answer agreement with full prefill (%)")
+            ax.set_title(f"{name} ({s['questions']} questions); point labels: ratio", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"seam repair ({result['mode']}): quality vs cost, {result['model'].split('@')[0]} {result['dtype']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
