@@ -124,7 +124,7 @@ class LLM:
         return self.generate(prompts, sampling_params, **kwargs)
 
     def _chat_prompt(self, messages: list[dict]) -> list[int] | DocumentPrompt:
-        if not any((m.get("kvreuse") or {}).get("document") for m in messages):
+        if not any("kvreuse" in m for m in messages):  # render_chat checks the marks (ValueError)
             return self.chat_token_ids(messages)
         from kvreuse.api.chat_prompt import render_chat
         from kvreuse.api.protocol import ChatMessage
@@ -133,8 +133,7 @@ class LLM:
             rendered = render_chat(self.tokenizer, [ChatMessage(**m) for m in messages])
         except Exception as exc:  # APIError, pydantic's ValidationError: the caller's messages
             raise ValueError(str(exc)) from None
-        assert rendered.documents is not None
-        return rendered.documents
+        return rendered.documents if rendered.documents is not None else rendered.token_ids
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

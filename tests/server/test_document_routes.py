@@ -156,3 +156,17 @@ def test_bad_completions_documents_are_400s(served):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=["Q1?", "Q2?"], max_tokens=2, extra_body={"documents": DOCS})
     assert "documents" in str(err.value)
+
+
+def test_review_400s_name_the_documents_part_and_content_part_marks(served):
+    """A bad id in completions documents is a 400 naming documents[i]; a kvreuse mark on a content
+    part is refused (it would reuse nothing), naming messages (review: reproduced)."""
+    _, url, engine = served
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": " Q?", "max_tokens": 2,
+                                                   "documents": ["fine", [-1, 5]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents[1]", r.json()
+    part = {"role": "user", "content": [{"type": "text", "text": DOCS[0], "kvreuse": {"document": True}}]}
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [SYSTEM, part, QUESTION],
+                                                        "max_tokens": 2})
+    assert r.status_code == 400 and "content part" in r.json()["error"]["message"], r.json()
+    asyncio.run(engine.check_integrity())

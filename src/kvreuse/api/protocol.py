@@ -223,6 +223,9 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
+            if "kvreuse" in part:  # refused rather than ignored: a mark there would reuse nothing
+                raise ValueError('messages: "kvreuse" marks a whole message as a document, beside "role"; '
+                                 "it is not accepted on a content part")
             parts.append(part["text"])
         return "".join(parts)
 

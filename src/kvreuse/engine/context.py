@@ -93,7 +93,7 @@ class PromptContext:
     recomputed elsewhere) and empty while ``RELEASED``.
     """
 
-    __slots__ = ("_source", "_held", "_num_tokens", "_arrays", "_num_recomputed")
+    __slots__ = ("_source", "_held", "_num_tokens", "_arrays", "_num_recomputed", "_reused")
 
     def __init__(self, source: ContextSource, held: HeldKV | None = None) -> None:
         self._source = source
@@ -101,6 +101,11 @@ class PromptContext:
         self._num_tokens = source.num_tokens  # asked once: it is read per output
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (slots, positions) of this acquisition
         self._num_recomputed = getattr(held, "num_recomputed", 0)  # seam repair of the last acquisition
+        # (reused keys, by tier) of the acquisition that found the fewest cached; None: not acquired yet
+        self._reused: tuple[int, dict[str, int] | None] | None = None
+        if held is not None:
+            by_level = getattr(held, "reused_by_level", None)
+            self._reused = (getattr(held, "num_reused", self._num_tokens), None if by_level is None else dict(by_level))
 
     @property
     def state(self) -> ContextState:
@@ -157,14 +162,23 @@ class PromptContext:
     @property
     def num_reused(self) -> int:
         """Of ``num_tokens``, the keys found cached rather than computed for this request (PML
-        modules: all of them; documents: what their acquisition found), counted as cached tokens."""
-        return getattr(self._held, "num_reused", self._num_tokens)
+        modules: all of them; documents: what their acquisitions found, the fewest of any, as a
+        re-acquisition finds the request's own documents cached), counted as cached tokens."""
+        return self._num_tokens if self._reused is None else self._reused[0]
 
     def reused_by_level(self, device_level: str) -> dict[str, int]:
         """``num_reused`` by the tier the keys were found in (``HeldKV.reused_by_level`` when
         the source says; otherwise all in the device pool, ``device_level``)."""
-        by_level = getattr(self._held, "reused_by_level", None)
+        by_level = None if self._reused is None else self._reused[1]
         return dict(by_level) if by_level is not None else {device_level: self.num_reused}
+
+    @property
+    def capacity_blocks(self) -> tuple[int, int]:
+        """``(held, peak)``: blocks the context holds once acquired, and the most an acquisition
+        holds at once (documents: their own blocks beside the copies), whatever the pool holds
+        now, so whether a request can ever run does not depend on the load when it arrived."""
+        peak = self._source.num_blocks
+        return getattr(self._source, "held_blocks", peak), peak
 
     @property
     def num_blocks(self) -> int:
@@ -181,6 +195,12 @@ class PromptContext:
             self._arrays = None
             if self._held is not None:
                 self._num_recomputed = getattr(self._held, "num_recomputed", 0)
+                # A later acquisition finds cached what an earlier one computed for this very
+                # request: the request reused only what its first acquisition found.
+                by_level = getattr(self._held, "reused_by_level", None)
+                reused = getattr(self._held, "num_reused", self._num_tokens)
+                if self._reused is None or reused < self._reused[0]:
+                    self._reused = (reused, None if by_level is None else dict(by_level))
         return self._held is not None
 
     @property

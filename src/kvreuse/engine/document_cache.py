@@ -232,6 +232,11 @@ class DocumentSource:
         return self.layout.num_document_tokens
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks an acquisition keeps: the request's copies."""
+        return cdiv(self.num_tokens, self.cache.pool.block_size)
+
+    @property
     def num_blocks(self) -> int:
         """The request's copies plus the documents' own blocks (held while copying)."""
         bs = self.cache.pool.block_size
@@ -254,21 +259,31 @@ class DocumentSource:
             if not cache.pool.can_allocate(cdiv(n, bs)):
                 return None
             own = cache.kv.allocate(cdiv(n, bs))
-            dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
-            src = np.concatenate([np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
-                                  for blocks, doc in zip(held, layout.documents)])  # [n]
-            positions = np.concatenate([np.arange(p, p + len(doc), dtype=np.int64)
-                                        for p, doc in zip(layout.document_positions, layout.documents)])  # [n]
-            encoded = np.concatenate([np.arange(len(after), len(after) + len(doc), dtype=np.int64)
-                                      for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
-            cache.runner.copy_shifted(src, dst, positions - encoded)
-            cache.tokens_reused += reused
-            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level)
+            try:
+                return self._copy(own, held, reused, by_level)
+            except BaseException:
+                cache.pool.release(reversed(own))
+                raise
         except DocumentPoolBusy:
             return None
         finally:
             for blocks in reversed(held):
                 cache.pool.release(reversed(blocks))
+
+    def _copy(self, own: list[KVBlock], held: list[list[KVBlock]], reused: int,
+              by_level: dict[str, int]) -> DocumentContext:
+        """Every piece copied from its blocks (``held``) into ``own`` at its request positions."""
+        cache, layout, bs, n = self.cache, self.layout, self.cache.pool.block_size, self.num_tokens
+        dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
+        src = np.concatenate([np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
+                              for blocks, doc in zip(held, layout.documents)])  # [n]
+        positions = np.concatenate([np.arange(p, p + len(doc), dtype=np.int64)
+                                    for p, doc in zip(layout.document_positions, layout.documents)])  # [n]
+        encoded = np.concatenate([np.arange(len(after), len(after) + len(doc), dtype=np.int64)
+                                  for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
+        cache.runner.copy_shifted(src, dst, positions - encoded)
+        cache.tokens_reused += reused
+        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level)
 
     def release(self, held: DocumentContext) -> None:
         self.cache.pool.release(reversed(held.blocks))

@@ -154,7 +154,7 @@ class LLMEngine:
         """
         try:
             self._check_request(request_id, prompt_token_ids, params, prompt_positions,
-                                0 if context is None else context.num_blocks)
+                                (0, 0) if context is None else context.capacity_blocks)
             retention = checked_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -233,6 +233,14 @@ class LLMEngine:
         pool cannot hold it, at the head of the queue. Raises ``ValueError`` naming the field
         if the request can never run or ``blend`` is invalid."""
         layout = prompt.layout()
+        vocab = self.loaded.shape.vocab_size
+        for i, piece in enumerate(layout.documents):  # checked before any of it runs through the model
+            if any(not 0 <= t < vocab for t in piece):
+                raise ValueError(f"documents: part {i} holds token ids outside the vocabulary [0, {vocab})")
+        if self.max_model_len is not None and prompt.num_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(f"documents: the prompt ({prompt.num_tokens} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the context length {self.max_model_len}; shorten it or lower max_tokens")
+        self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
         source = self._repaired(self.documents.source(layout, cache_salt), blend)
         context = PromptContext(source, None)
         context.acquire()
@@ -259,7 +267,7 @@ class LLMEngine:
 
     def _check_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None,
-        context_blocks: int = 0,
+        context_blocks: tuple[int, int] = (0, 0),
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -283,7 +291,9 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: ids must be in the vocabulary [0, {vocab}) (one could never match)")
         # the last sampled token is never fed back, so it needs no slot
-        needed = self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks
+        # the context's blocks once held beside the request's own, or an acquisition's peak
+        needed = max(self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks[0],
+                     context_blocks[1])
         if needed > self.pool.num_blocks:
             raise ValueError(
                 f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "

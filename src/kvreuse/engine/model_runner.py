@@ -183,18 +183,24 @@ class ModelRunner:
         # [layers, 2, n, kv_heads, head_dim] -> [layers, 2, kv_heads, n, head_dim]
         self.kv_cache[:, :, :, index] = kv[:, :, first_token:].transpose(2, 3).to(self.device, self.dtype)
 
+    def rope_shift(self) -> RopeShift:
+        """The model's ``RopeShift`` (built once). Raises ``ValueError`` naming the rope type when
+        its keys cannot be moved (documents are then refused before any work)."""
+        if self._rope_shift is None:
+            self._rope_shift = RopeShift.of(self.model)
+        return self._rope_shift
+
     @torch.inference_mode()
     def copy_shifted(self, src_slots: np.ndarray, dst_slots: np.ndarray, delta: np.ndarray) -> None:
         """Copy the K/V of ``src_slots`` into ``dst_slots`` (each ``[n]`` int64), every key moved
         by ``delta`` (``[n]`` int64) RoPE positions (``engine/rope_shift.py``): one indexed read,
         one rotation, one indexed write for the whole batch. The two slot sets must not overlap."""
-        if self._rope_shift is None:
-            self._rope_shift = RopeShift.of(self.model)  # raises ValueError for a rope type it cannot move
+        shift = self.rope_shift()
         src = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(self.device)  # [n]
         dst = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(self.device)  # [n]
         k = self.kv_cache[:, 0].index_select(2, src)  # [layers, kv_heads, n, head_dim]
         v = self.kv_cache[:, 1].index_select(2, src)
-        moved = self._rope_shift.rotate(k, torch.from_numpy(np.asarray(delta, dtype=np.int64)))
+        moved = shift.rotate(k, torch.from_numpy(np.asarray(delta, dtype=np.int64)))
         self.kv_cache[:, 0].index_copy_(2, dst, moved)
         self.kv_cache[:, 1].index_copy_(2, dst, v)
 

@@ -115,8 +115,19 @@ class RepairedSource:
         return self._num_blocks
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks an acquisition keeps (``num_blocks`` less what the inner source lets go)."""
+        inner = getattr(self.inner, "held_blocks", self.inner.num_blocks)
+        return self.num_blocks - self.inner.num_blocks + inner
+
+    @property
     def num_tokens(self) -> int:
         return self.inner.num_tokens
+
+    @property
+    def segments(self):
+        """The inner source's segments (documents' layout; none for modules)."""
+        return getattr(self.inner, "segments", ())
 
     def acquire(self) -> RepairedKV | None:
         held = self.inner.acquire()

@@ -124,10 +124,14 @@ def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> Do
         raise APIError("documents: give one plain prompt (the question) with documents", param="documents")
     tokenizer = ctx.engine.tokenizer
     parts = []
+    vocab = ctx.engine.vocab_size
     for i, doc in enumerate(body.documents or ()):
         if isinstance(doc, str):
             check_text(doc, f"documents[{i}]")
-        parts.append((list(tokenizer.encode(doc)) if isinstance(doc, str) else doc, True))
+        ids = list(tokenizer.encode(doc)) if isinstance(doc, str) else doc
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"documents[{i}]: token ids must be in the vocabulary [0, {vocab})", param=f"documents[{i}]")
+        parts.append((ids, True))
     question = prompts[0]
     parts.append((list(tokenizer.encode(question)) if isinstance(question, str) else question, False))
     try:
