@@ -170,3 +170,19 @@ def test_review_400s_name_the_documents_part_and_content_part_marks(served):
                                                         "max_tokens": 2})
     assert r.status_code == 400 and "content part" in r.json()["error"]["message"], r.json()
     asyncio.run(engine.check_integrity())
+
+
+def test_chat_with_documents_and_no_max_tokens_fills_the_pool(tiny_llama):
+    """Without max_tokens the reply may fill the pool (as for plain chat); the documents sit in
+    blocks of their own, and the default counts that rounding (it was a 400; review: reproduced)."""
+    from .fresh_app import fresh_client
+
+    bpt = tiny_llama.kv_bytes_per_token() if callable(tiny_llama.kv_bytes_per_token) else tiny_llama.kv_bytes_per_token
+    with fresh_client(tiny_llama, kv_cache_memory_gib=(4 * 100 * bpt) / 2**30, block_size=4,
+                      max_model_len=1024) as (c, engine):
+        for k in range(4):  # every context length mod the block size
+            msgs = [{"role": "system", "content": "word " * k}, doc(0), doc(1), QUESTION]
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "temperature": 0})
+            assert r.status_code == 200, r.json()
+            assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+            asyncio.run(engine.check_integrity())
