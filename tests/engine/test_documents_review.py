@@ -105,3 +105,15 @@ def test_a_reacquired_context_counts_only_what_the_first_acquisition_found(tiny_
             outs[out.request_id] = out
         engine.check_integrity()
     assert outs["r"].num_cached_tokens == 0
+
+
+def test_ttft_includes_the_context_acquisition_and_repair(tiny_llama, monkeypatch):
+    """ttft_s starts when the request is added, before its documents are copied and repaired
+    (it started after them; review: reproduced with a slowed recompute)."""
+    import time
+
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4)
+    real = llm.engine.runner.recompute
+    monkeypatch.setattr(llm.engine.runner, "recompute", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
+    out = llm.generate(prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})[0]
+    assert out.num_recomputed_tokens == 3 and out.ttft_s >= 0.3  # one per piece: head text, two documents

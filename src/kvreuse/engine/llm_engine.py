@@ -142,8 +142,11 @@ class LLMEngine:
         retention: KvCacheRetentionConfig | None = None,
         prompt_positions: list[int] | None = None,
         context: PromptContext | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` (naming the field) if it can never run.
+        ``arrival_time`` (``time.perf_counter``; default now): where its TTFT starts, set by
+        callers that did work for it first (a context's acquisition, seam repair).
 
         ``retention``: a ``KvCacheRetentionConfig`` or ``None`` (the JSON form is converted at
         the edge, ``as_retention``; anything else is a ``ValueError``).
@@ -172,6 +175,8 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
             context=context,
         )
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         if self.config.speculative_tokens and params.greedy and params.speculative:
             seq.spec = SpecState()
         self._requests[request_id] = seq
@@ -203,11 +208,13 @@ class LLMEngine:
         if isinstance(prompt, DocumentPrompt):
             return self.add_document_request(request_id, prompt, params, cache_salt=cache_salt, retention=retention,
                                              blend=blend)
+        arrival = time.perf_counter()  # the TTFT includes the modules' acquisition and repair
         source = self._repaired(self.modules.source(prompt.plan), blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
-                         prompt_positions=list(prompt.position_ids), context=context)  # own copy: shared prompt
+                         prompt_positions=list(prompt.position_ids), context=context,  # own copy: shared prompt
+                         arrival_time=arrival)
 
     def _repaired(self, source, blend):
         """``source`` seam-repaired as ``blend`` asks (``SeamRepair.from_json``; ``None``: the
@@ -232,6 +239,7 @@ class LLMEngine:
         request's own, so repair writes them in place). The KV is acquired now or, when the
         pool cannot hold it, at the head of the queue. Raises ``ValueError`` naming the field
         if the request can never run or ``blend`` is invalid."""
+        arrival = time.perf_counter()  # the TTFT includes the documents' copy and repair
         layout = prompt.layout()
         vocab = self.loaded.shape.vocab_size
         for i, piece in enumerate(layout.documents):  # checked before any of it runs through the model
@@ -245,7 +253,7 @@ class LLMEngine:
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, list(layout.token_ids), params, cache_salt=cache_salt, retention=retention,
-                         prompt_positions=list(layout.positions), context=context)
+                         prompt_positions=list(layout.positions), context=context, arrival_time=arrival)
 
     def _restore_context(self) -> None:
         """The first waiting request, if its context KV was let go, acquires it again
