@@ -67,6 +67,20 @@ def timed(client, msgs: list[dict], **extra) -> tuple[float, dict]:
                   "recomputed_tokens": (details.model_extra or {}).get("recomputed_tokens", 0)}
 
 
+def check(u: dict, seen: dict[str, list[dict]]) -> None:
+    """What the docstring promises: full prefill reuses nothing; a documents request reuses
+    its whole context less what repair recomputed; every kind sends the same prompt."""
+    prompts = {x["prompt_tokens"] for runs in seen.values() for x in runs} | {u["prompt_tokens"]}
+    if len(prompts) != 1:
+        raise SystemExit(f"docs_ttft: the kinds sent different prompts ({sorted(prompts)} tokens)")
+    context = [x["cached_tokens"] for x in seen["documents"]]
+    if u["recomputed_tokens"] == 0 and u["cached_tokens"] == 0:
+        return  # full prefill (or the first request of a kind: checked against documents below)
+    if context and u["cached_tokens"] + u["recomputed_tokens"] != context[0]:
+        raise SystemExit(f"docs_ttft: cached {u['cached_tokens']} + recomputed {u['recomputed_tokens']} is not "
+                         f"the {context[0]} context tokens reused without repair")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
@@ -109,6 +123,7 @@ def main() -> None:
                     else:
                         wall, u = timed(clients[n], messages(docs, order, True),
                                         blend=off if kind == "documents" else repairs[kind])
+                    check(u, usage[n])
                     samples[n][kind].append(wall)
                     usage[n][kind].append(u)
                     print(rep, n, kind, f"{wall:.3f}s", u, flush=True)
