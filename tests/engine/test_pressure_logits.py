@@ -31,8 +31,8 @@ class RowsByRequest:
         eng = llm.engine
         chunk, execute = eng._chunk, eng.runner.execute
 
-        def spy_chunk(seq, n):
-            c = chunk(seq, n)
+        def spy_chunk(seq, n, *rest):
+            c = chunk(seq, n, *rest)
             self._order.append((seq.request_id, c))
             return c
 
