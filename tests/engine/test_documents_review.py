@@ -11,6 +11,7 @@ import pytest
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.models.tiny import tiny_model
+from tests.engine_helpers import step_to_end
 
 DOCS = ["The lighthouse keeper on Varn island logs every passing ship in a green ledger.",
         "Copper kettles were traded for salt at the northern market every spring."]
@@ -48,11 +49,7 @@ def test_the_capacity_check_does_not_depend_on_the_load_at_arrival(tiny_llama):
             engine.add_request("other", ids(rng, 300), SamplingParams(max_tokens=5, temperature=0))
             engine.step()
         engine.add_document_request("doc", prompt_, params)  # accepted either way
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = out
-            engine.check_integrity()
+        done = step_to_end(engine)
         assert done["doc"].finished and len(done["doc"].output_token_ids) == 90
         assert engine.pool.num_used_blocks == 0
 
@@ -99,11 +96,7 @@ def test_a_reacquired_context_counts_only_what_the_first_acquisition_found(tiny_
     seq.context.release()
     assert seq.context.acquire()
     engine.check_integrity()
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id] = out
-        engine.check_integrity()
+    outs = step_to_end(engine)
     assert outs["r"].num_cached_tokens == 0
 
 

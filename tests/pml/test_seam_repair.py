@@ -9,7 +9,7 @@ import torch
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.pml import compile_prompt, parse_prompt
-from tests.engine_helpers import LogitsSpy
+from tests.engine_helpers import LogitsSpy, step_to_end
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 SCHEMA = """<schema name="s">Notes:
@@ -191,11 +191,7 @@ def test_a_repair_of_modules_over_half_the_pool_waits_and_runs(tiny_llama):
     engine.add_prepared_request("r", engine.prepare_prompt(prompt), SamplingParams(max_tokens=2, temperature=0),
                                 blend={"first_tokens": 1})
     engine.check_integrity()
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id] = out
-        engine.check_integrity()
+    outs = step_to_end(engine)
     assert outs["r"].finished and outs["r"].num_recomputed_tokens == 2  # the two modules, one token each
     assert engine.pool.num_used_blocks == 0
 
