@@ -194,18 +194,25 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     assert agree >= 0.95, f"{dtype}/{mode}: answers agree on {agree:.0%}"
     assert abs(ppl / ref_ppl - 1) <= 0.03, f"{dtype}/{mode}: perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f}"
     # reuse vs no reuse, top-1 on >= 99% of positions: the shipped text's first 200 tokens
-    # shared, then 3 continuations of 40 tokens each (120 positions)
-    # (no reuse: one full forward per sequence, as the fp32 exactness tests do; 120 prompts
-    # with prefix caching off would prefill 26k tokens, past the test timeout on a busy CPU)
+    # shared, then 3 continuations of 40 tokens each (120 positions). No reuse is the same
+    # engine with prefix caching off (26k prefill tokens: ~20 s on 2 idle cores).
     ids = loaded.tokenizer(DATA.joinpath("perplexity_text.txt").read_text()).input_ids
     shared, tails = ids[:200], [ids[200:240], ids[300:340], ids[400:440]]
+    prompts = [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)]
     reuse = LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16)
     _next_tokens(reuse, [shared])  # warm the shared blocks
-    cached = _next_tokens(reuse, [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)])
-    fresh = [int(t) for tail in tails
-             for t in reference_logits(loaded.model, shared + tail)[len(shared):].argmax(-1)]
-    agree = sum(a == b for a, b in zip(cached, fresh)) / len(fresh)
+    cached = _next_tokens(reuse, prompts)
+    reuse.engine.pool.check_integrity()
+    plain = _next_tokens(LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16,
+                             enable_prefix_caching=False), prompts)
+    agree = sum(a == b for a, b in zip(cached, plain)) / len(plain)
     assert agree >= 0.99, f"{dtype}/{mode}: reuse agrees with no reuse on {agree:.1%}"
+    # and with a plain transformers forward, where a tie counts for either token: bf16
+    # logits near 16 are spaced 0.0625 apart, so exact ties are common (3 of 120 here, each
+    # broken by argmax's first index, a coin flip between implementations)
+    ref = torch.cat([reference_logits(loaded.model, shared + tail)[len(shared):] for tail in tails])
+    on_top = ref[torch.arange(len(cached)), torch.tensor(cached)] == ref.max(-1).values
+    assert on_top.float().mean() >= 0.99, f"{dtype}/{mode}: transformers' top-1 on {on_top.float().mean():.1%}"
 
 
 # --------------------------------------------------------------------------- fused projections
