@@ -67,7 +67,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default=C.dtype,
                    choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
-                   help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16, else float32)")
+                   help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16 and on any CPU with --quantization int8|int4, else float32)")
     p.add_argument("--quantization", default=C.quantization, choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (pair with --dtype bfloat16 or auto)")
     p.add_argument("--device", default=C.device, choices=["auto", "cpu", "cuda"], help="auto: cuda when available")

@@ -66,6 +66,13 @@ def test_auto_dtype_is_bf16_only_on_a_cpu_with_native_bf16():
     assert parse_dtype("auto", "cuda") is torch.float32
 
 
+def test_auto_dtype_is_bf16_on_any_cpu_for_quantized_weights():
+    # the int4 / int8 CPU kernels are only fast with bf16 activations, native bf16 or not
+    assert parse_dtype("auto", "cpu", quantized=True) is torch.bfloat16
+    assert parse_dtype("auto", "cuda", quantized=True) is torch.float32
+    assert parse_dtype("float32", "cpu", quantized=True) is torch.float32  # asked by name: kept
+
+
 @pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])
 def test_parse_dtype_rejects(bad):
     with pytest.raises(ValueError, match="dtype"):

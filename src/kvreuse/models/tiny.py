@@ -111,7 +111,7 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
     from transformers import AutoModelForCausalLM
 
     dev = ml.parse_device(device)
-    torch_dtype = ml.parse_dtype(dtype, dev)
+    torch_dtype = ml.parse_dtype(dtype, dev, quantized=ml.parse_quantization(quantization) is not ml.QuantMode.NONE)
     tok_dir = tokenizer_dir(cache_dir)
     tokenizer = _load_tokenizer(str(tok_dir))
     config = tiny_config(arch, vocab_size=len(tokenizer), **config_kwargs)

@@ -1,0 +1,80 @@
+"""Issue 12's before/after decode measurements, in one process, interleaved, median of reps.
+
+    PYTHONPATH=src .venv/bin/python bench/decode12_ab.py settings [--tokens 16] [--reps 3] [--threads 1]
+    PYTHONPATH=src .venv/bin/python bench/decode12_ab.py attention [--tokens 48] [--reps 5] [--threads 1]
+
+Batch 1, greedy, ``ignore_eos``, a 16-token prompt, CPU. Prints per variant: decode tok/s,
+wall ms per decode step ((wall - TTFT) / steps) and CPU ms per token (process time, which
+the machine's load inflates less than wall time), and whether the tokens equal the first
+variant's.
+
+- ``settings``: one engine per setting: ``float32:none`` (serve's default), ``bfloat16:int4``
+  (what ``--dtype auto --quantization int4`` now picks on any CPU), ``float32:int4`` (what it
+  picked on a CPU without native bf16 before).
+- ``attention``: one ``auto:int4`` engine; ``before`` routes a decode that merges nothing
+  through ``_flash`` and drops its log-sum-exp (the code before), ``after`` takes
+  ``_attention`` (softmax, no log-sum-exp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.engine import attention
+from kvreuse.models.loader import load_model
+
+PROMPT = list(range(200, 216))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["settings", "attention"])
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.what == "settings":
+        tokens, reps = args.tokens or 16, args.reps or 3
+        llms = {s: LLM(loaded=load_model("default", dtype=s.split(":")[0], device="cpu", quantization=s.split(":")[1]),
+                       kv_cache_memory_gib=0.1) for s in ("float32:none", "bfloat16:int4", "float32:int4")}
+        variants = {s: (llm, lambda: None) for s, llm in llms.items()}
+    else:
+        tokens, reps = args.tokens or 48, args.reps or 5
+        llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="int4"), kv_cache_memory_gib=0.1)
+        new = attention._attention
+        old = lambda q, k, v, scale: attention._flash(q, k, v, scale)[0]  # noqa: E731 (the code before)
+        variants = {"before": (llm, lambda: setattr(attention, "_attention", old)),
+                    "after": (llm, lambda: setattr(attention, "_attention", new))}
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    names = list(variants)
+    for llm, use in variants.values():  # warm-up
+        use()
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    toks: dict[str, list[int]] = {}
+    for rep in range(reps):
+        for n in names[rep % len(names):] + names[: rep % len(names)]:
+            llm, use = variants[n]
+            use()
+            c, t = time.process_time(), time.perf_counter()
+            out = llm.generate(PROMPT, params)[0]
+            w, c = time.perf_counter() - t, time.process_time() - c
+            steps = len(out.token_ids) - 1
+            wall[n].append((w - out.ttft_s) / steps * 1e3)
+            cpu[n].append(c / len(out.token_ids) * 1e3)
+            toks[n] = out.token_ids
+    print(f"{args.what}: threads={torch.get_num_threads()} tokens={tokens} reps={reps}")
+    for n in names:
+        print(f"{n:>14}: {1e3 / statistics.median(wall[n]):6.1f} tok/s  wall {statistics.median(wall[n]):7.2f} ms/step"
+              f"  cpu {statistics.median(cpu[n]):7.2f} ms/token  same tokens as {names[0]}: {toks[n] == toks[names[0]]}")
+
+
+if __name__ == "__main__":
+    main()
