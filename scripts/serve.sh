@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# int4 weights with bf16 activations where the CPU has native bf16 (passes the quality guard:
+# kvreuse serve's defaults (int4 weights from the Q4 GGUF, bf16 activations; they pass the quality guard:
 # tests/models/test_quant.py), and a 4 GiB host tier below the KV pool (evicted prefixes are
 # kept in RAM, not dropped). Flags given to this script come after and win.
-exec .venv/bin/kvreuse serve --dtype auto --quantization int4 --host-cache-memory 4 "$@"
+exec .venv/bin/kvreuse serve --host-cache-memory 4 "$@"

@@ -73,6 +73,22 @@ def test_auto_dtype_is_bf16_on_any_cpu_for_quantized_weights():
     assert parse_dtype("float32", "cpu", quantized=True) is torch.float32  # asked by name: kept
 
 
+def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
+    from kvreuse.models.quant import QuantMode
+    from kvreuse.models.sources import ModelSource, resolve_source
+
+    src = resolve_source("default")  # SmolLM2 Q4_1: general.file_type 3
+    assert ml.auto_quantization(src) is QuantMode.INT4
+    assert ml.auto_quantization(src, torch.device("cuda")) is QuantMode.NONE  # the kernels are CPU ones
+    assert ml.auto_quantization(resolve_source("gemma3-270m")) is QuantMode.INT4  # assembled: by name (Q4_K_M)
+    hf = ModelSource("m", "hf", tmp_path, "1")
+    assert ml.auto_quantization(hf) is QuantMode.NONE
+    for name, mode in [("m.Q8_0.gguf", QuantMode.INT8), ("m.F16.gguf", QuantMode.NONE), ("m.Q4_K_M.gguf", QuantMode.INT4)]:
+        bad = tmp_path / name
+        bad.write_bytes(b"not a gguf header")  # unreadable: judged by its name
+        assert ml.auto_quantization(ModelSource("m", "gguf", bad, "1", name)) is mode, name
+    assert tiny_model("llama", seed=0, quantization="auto").quantization is QuantMode.NONE
+
 @pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])
 def test_parse_dtype_rejects(bad):
     with pytest.raises(ValueError, match="dtype"):

@@ -13,8 +13,11 @@ class EngineConfig:
     """Engine settings; each maps to a ``kvreuse serve`` flag of the same name."""
 
     model: str = "default"
-    dtype: str = "float32"
-    quantization: str = "none"  # weight-only: none | int8 | int4 (kvreuse.models.quant)
+    # auto/auto: the fastest setting that passes the quality guard (tests/models/test_quant.py):
+    # a GGUF's linear layers stay as compact as in the file (Q4 -> int4), bf16 activations on CPU.
+    # float32 / none is the exact reference (prefix reuse within 1e-4).
+    dtype: str = "auto"
+    quantization: str = "auto"  # weight-only: auto | none | int8 | int4 (kvreuse.models.quant)
     device: str = "auto"
     kv_cache_memory_gib: float = 1.0
     block_size: int = 16

@@ -275,6 +275,39 @@ def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, to
     )
 
 
+# GGUF ``general.file_type`` (llama.cpp's LLAMA_FTYPE) -> the weight-only scheme that keeps that
+# file's linear layers as compact as they are on disk: 8-bit files int8, 4-bit (and smaller) int4,
+# float files unquantized.
+_FLOAT_FTYPES = {0, 1, 32}  # F32, F16, BF16
+_INT8_FTYPES = {7}  # Q8_0
+
+
+def auto_quantization(src: ModelSource, device: torch.device | None = None) -> QuantMode:
+    """The quantization ``--quantization auto`` picks for ``src`` on ``device`` (None: cpu):
+    none off the CPU (the int4 / int8 kernels are CPU ones; elsewhere the layers dequantize on
+    the fly) and for a Hugging Face folder (its weights are float: quantize it by asking for
+    int8/int4), else from the GGUF's
+    file type (Q8_0 -> int8, F32/F16/BF16 -> none, 4-bit and K-quants -> int4). An assembled
+    package (Gemma 3's split GGUF) and an unreadable header are judged by the file name."""
+    if src.kind == "hf" or (device is not None and device.type != "cpu"):
+        return QuantMode.NONE
+    ftype = None
+    if src.kind == "gguf":
+        try:
+            import gguf
+
+            field = gguf.GGUFReader(str(src.path)).fields.get("general.file_type")
+            ftype = None if field is None else int(field.parts[field.data[0]][0])
+        except Exception:  # noqa: BLE001 - a header we cannot read falls back to the name
+            ftype = None
+    if ftype is None:
+        name = (src.gguf_name or src.path.name).lower()
+        return (QuantMode.INT8 if "q8" in name else QuantMode.NONE if any(f in name for f in ("f16", "f32", "bf16"))
+                else QuantMode.INT4)
+    return (QuantMode.NONE if ftype in _FLOAT_FTYPES else QuantMode.INT8 if ftype in _INT8_FTYPES
+            else QuantMode.INT4)
+
+
 def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                cache_dir: str | Path | None = None, attn_implementation: str | None = None,
                quantization: str | QuantMode = "none") -> LoadedModel:
@@ -284,7 +317,8 @@ def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", d
     ``~/.cache/kvreuse/models``); later loads read safetensors. ``attn_implementation`` is
     passed to ``from_pretrained`` (e.g. a name registered with transformers'
     ``AttentionInterface``); None keeps transformers' default (sdpa). ``quantization``
-    (``none|int8|int4``, see :mod:`kvreuse.models.quant`) quantizes the linear layers from the
+    (``none|int8|int4``, see :mod:`kvreuse.models.quant`; ``auto``: :func:`auto_quantization`,
+    what ``kvreuse serve`` runs by default) quantizes the linear layers from the
     fp32 weights after loading; activations, norms and KV then run in ``dtype`` (``auto``:
     bf16 where the CPU has native bf16, the only dtype in which the int8 kernel is fast).
     Raises ValueError for an unresolvable spec, unsupported dtype or quantization, or an
@@ -293,6 +327,8 @@ def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = parse_device(device)
+    if isinstance(quantization, str) and quantization.strip().lower() == "auto":
+        quantization = auto_quantization(resolve_source(spec), dev)
     quant = parse_quantization(quantization)
     torch_dtype = parse_dtype(dtype, dev, quantized=quant is not QuantMode.NONE)
     src, folder = prepare_folder(spec, cache_dir)

@@ -105,12 +105,14 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
 
     ``config_kwargs`` go to :func:`tiny_config`. The name is ``tiny-<arch>-s<seed>`` and the
     ``model_id`` hashes the actual tensors, so it differs by arch, seed, sizes, dtype and
-    ``quantization`` (``none|int8|int4``).
+    ``quantization`` (``none|int8|int4``; ``auto`` is none: the weights are float).
     Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
 
     dev = ml.parse_device(device)
+    if str(quantization).strip().lower() == "auto":  # random float weights: nothing compact to keep
+        quantization = "none"
     torch_dtype = ml.parse_dtype(dtype, dev, quantized=ml.parse_quantization(quantization) is not ml.QuantMode.NONE)
     tok_dir = tokenizer_dir(cache_dir)
     tokenizer = _load_tokenizer(str(tok_dir))

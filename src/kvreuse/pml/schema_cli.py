@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--url", default=None, help="precompute on a running server instead (POST /v1/schemas)")
     pre.add_argument("--model", default=C.model)
     pre.add_argument("--dtype", default=C.dtype, help="as the server's --dtype (module files are keyed to it)")
-    pre.add_argument("--quantization", default=C.quantization, choices=["none", "int8", "int4"],
+    pre.add_argument("--quantization", default=C.quantization, choices=["auto", "none", "int8", "int4"],
                      help="as the server's --quantization (module files are keyed to it)")
     pre.add_argument("--device", default=C.device)
     pre.add_argument("--kv-cache-memory", type=float, default=C.kv_cache_memory_gib, metavar="GIB")
