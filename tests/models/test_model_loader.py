@@ -87,7 +87,8 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
         bad = tmp_path / name
         bad.write_bytes(b"not a gguf header")  # unreadable: judged by its name
         assert ml.auto_quantization(ModelSource("m", "gguf", bad, "1", name)) is mode, name
-    assert tiny_model("llama", seed=0, quantization="auto").quantization is QuantMode.NONE
+    tiny = tiny_model("llama", seed=0, dtype="auto", quantization="auto")  # a test fixture: the same on every CPU
+    assert tiny.quantization is QuantMode.NONE and tiny.dtype == torch.float32
 
 @pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])
 def test_parse_dtype_rejects(bad):

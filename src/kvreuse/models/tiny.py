@@ -105,7 +105,9 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
 
     ``config_kwargs`` go to :func:`tiny_config`. The name is ``tiny-<arch>-s<seed>`` and the
     ``model_id`` hashes the actual tensors, so it differs by arch, seed, sizes, dtype and
-    ``quantization`` (``none|int8|int4``; ``auto`` is none: the weights are float).
+    ``quantization`` (``none|int8|int4``). ``auto`` (the server's defaults) is none, and ``auto``
+    dtype with no quantization float32, here: a tiny model is a test fixture, and its tests must size pools and compare values the
+    same way on every CPU (``auto`` dtype would be bf16 on some and fp32 on others).
     Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
@@ -113,6 +115,8 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
     dev = ml.parse_device(device)
     if str(quantization).strip().lower() == "auto":  # random float weights: nothing compact to keep
         quantization = "none"
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto" and ml.parse_quantization(quantization) is ml.QuantMode.NONE:
+        dtype = "float32"  # the same on every CPU (docstring); quantized weights keep auto's bf16 (the fast kernels)
     torch_dtype = ml.parse_dtype(dtype, dev, quantized=ml.parse_quantization(quantization) is not ml.QuantMode.NONE)
     tok_dir = tokenizer_dir(cache_dir)
     tokenizer = _load_tokenizer(str(tok_dir))
