@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python bench/decode12_ab.py settings [--tokens 16] [--reps 3] [--threads 1]
     PYTHONPATH=src .venv/bin/python bench/decode12_ab.py attention [--tokens 48] [--reps 5] [--threads 1]
+    PYTHONPATH=src .venv/bin/python bench/decode12_ab.py flash-bf16 [--tokens 48] [--reps 5] [--threads 1]
 
 Batch 1, greedy, ``ignore_eos``, a 16-token prompt, CPU. Prints per variant: decode tok/s,
 wall ms per decode step ((wall - TTFT) / steps) and CPU ms per token (process time, which
@@ -14,6 +15,9 @@ variant's.
 - ``attention``: one ``auto:int4`` engine; ``before`` routes a decode that merges nothing
   through ``_flash`` and drops its log-sum-exp (the code before), ``after`` takes
   ``_attention`` (softmax, no log-sum-exp).
+- ``flash-bf16``: one ``auto:auto`` engine; ``softmax`` runs a decode that merges nothing as
+  fp32-score matmuls (``_softmax_attention``, the code before), ``flash`` through PyTorch's CPU
+  flash kernel in bf16 (``_attention`` now).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ PROMPT = list(range(200, 216))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["settings", "attention"])
+    ap.add_argument("what", choices=["settings", "attention", "flash-bf16"])
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
@@ -44,13 +48,19 @@ def main() -> None:
         llms = {s: LLM(loaded=load_model("default", dtype=s.split(":")[0], device="cpu", quantization=s.split(":")[1]),
                        kv_cache_memory_gib=0.1) for s in ("float32:none", "bfloat16:int4", "float32:int4")}
         variants = {s: (llm, lambda: None) for s, llm in llms.items()}
-    else:
+    elif args.what == "attention":
         tokens, reps = args.tokens or 48, args.reps or 5
         llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="int4"), kv_cache_memory_gib=0.1)
         new = attention._attention
         old = lambda q, k, v, scale: attention._flash(q, k, v, scale)[0]  # noqa: E731 (the code before)
         variants = {"before": (llm, lambda: setattr(attention, "_attention", old)),
                     "after": (llm, lambda: setattr(attention, "_attention", new))}
+    if args.what == "flash-bf16":
+        tokens, reps = args.tokens or 48, args.reps or 5
+        llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="auto"), kv_cache_memory_gib=0.1)
+        new = attention._attention
+        variants = {"softmax": (llm, lambda: setattr(attention, "_attention", attention._softmax_attention)),
+                    "flash": (llm, lambda: setattr(attention, "_attention", new))}
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     names = list(variants)
     for llm, use in variants.values():  # warm-up

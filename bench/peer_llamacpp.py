@@ -58,11 +58,28 @@ def gguf_path() -> Path:
 class LlamaCpp:
     name = "llama.cpp"
 
-    def __init__(self, path: Path, n_ctx: int, threads: int) -> None:
-        from llama_cpp import Llama
+    def __init__(self, path: Path, n_ctx: int, threads: int, repack: bool = False) -> None:
+        import llama_cpp
+        import llama_cpp.llama as llama_module
 
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, verbose=False, seed=0)
+        # llama.cpp's weight repacking (its default; ``--no-repack`` turns it off) crashed with
+        # SIGSEGV here on any batch of more than one token (llama-cpp-python 0.3.36 built with
+        # -DGGML_AMX=OFF on a Xeon with AMX and AVX512: a 1-token eval ran, a 16-token one
+        # crashed, with or without mmap, flash attention or a small n_batch). llama-cpp-python
+        # has no argument for it, so the default model params are patched for this load only.
+        default_params = llama_cpp.llama_model_default_params
+
+        def params():
+            p = default_params()
+            p.use_extra_bufts = repack
+            return p
+
+        llama_module.llama_cpp.llama_model_default_params = params
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                       n_batch=512, verbose=False, seed=0)
+        finally:
+            llama_module.llama_cpp.llama_model_default_params = default_params
 
     def ttft(self, tokens: list[int], *, keep_cache: bool) -> float:
         if not keep_cache:
@@ -195,6 +212,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp.json"))
+    ap.add_argument("--llamacpp-repack", action="store_true",
+                    help="keep llama.cpp's weight repacking on (its default; it crashed on this machine: see LlamaCpp)")
     args = ap.parse_args()
 
     import torch
@@ -205,7 +224,7 @@ def main() -> None:
     path = gguf_path()
     n_ctx = args.prefix + 64 + args.decode
     contenders = [
-        LlamaCpp(path, n_ctx, args.threads),
+        LlamaCpp(path, n_ctx, args.threads, repack=args.llamacpp_repack),
         Kvreuse("kvreuse fp32", load_model("default", dtype="float32", device="cpu"), n_ctx),
         Kvreuse("kvreuse default", load_model("default", dtype="auto", device="cpu", quantization="auto"), n_ctx),
     ]
@@ -265,7 +284,7 @@ def main() -> None:
                           "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2)}
         limits["decode_ceiling_tok_s"][c.name] = round(floor["read_gb_s"] * 1e9 / wb, 1)
     doc = {
-        "gguf": path.name, "threads": args.threads, "reps": args.reps, "prefix_tokens": args.prefix,
+        "gguf": path.name, "threads": args.threads, "llamacpp_repack": args.llamacpp_repack, "reps": args.reps, "prefix_tokens": args.prefix,
         "decode_tokens": args.decode, "median": med, "limits": limits,
         "vs_llamacpp": {name: {"decode": round(m["decode_tok_s"] / peer["decode_tok_s"], 3),
                                "cold_prefill_speedup": round(peer["cold_prefill_s"] / m["cold_prefill_s"], 3),

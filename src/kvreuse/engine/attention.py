@@ -316,12 +316,18 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``_flash``'s output alone, for a caller that merges nothing (a decode over one run, or
-    gathered): ``[B, H, n, d]``. The same kernel on CPU in fp32; elsewhere the same fp32-score
-    math as ``_math_attention`` with a softmax in place of the log-sum-exp (no ``lse``, no
-    ``exp(s - lse)`` pass: 6 ops fewer per layer; one bf16 call over 40 keys measured 186 -> 101
-    us of CPU on an AVX2 EPYC)."""
-    if q.device.type == "cpu" and q.dtype == torch.float32:
+    gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype (one call; it
+    accumulates a bf16 row in fp32: a decode has one query row, so the precision concern of
+    ``_flash`` does not arise; one call replaces ~9 ops and 4 dtype casts per layer); elsewhere
+    ``_softmax_attention``."""
+    if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
+    return _softmax_attention(q, k, v, scale)
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The fp32-score math of ``_math_attention`` with a softmax in place of the log-sum-exp
+    (no ``lse``, no ``exp(s - lse)`` pass): ``[B, H, n, d]``; cuBLAS on CUDA."""
     b, heads, n, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, heads // kv * n, d).float() * scale  # [B, kv, g*n, d]: scaling the few queries
