@@ -2,6 +2,7 @@
 prefill throughput of kvreuse vs a plain transformers forward, side by side in one run.
 
     .venv/bin/python bench/ttft.py [--sizes 512 2048 4096 8192] [--reps 5] [--model default]
+        [--dtype float32|bfloat16|auto] [--quantization none|auto|int8|int4] [--out PATH]
 
 Writes bench/results/ttft.json and bench/results/ttft.png. Every repetition measures all
 three variants for every size back to back (interleaved), so machine noise hits them alike;
@@ -37,16 +38,19 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting) or bfloat16 (CPUs with native bf16: AMX or avx512_bf16)")
+    ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting), bfloat16 or auto (CPUs with native bf16: AMX or avx512_bf16)")
+    ap.add_argument("--quantization", default="none",
+                    help="none (the issue's setting) or auto|int8|int4; --dtype auto --quantization auto is kvreuse serve's default")
     ap.add_argument("--cached-per-rep", type=int, default=3,
                     help="cached requests per repetition, each with a new suffix (cheap; steadies the median)")
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))
     args = ap.parse_args()
 
-    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     # The baseline gets its own copy with transformers' own SDPA attention: nothing kvreuse
     # registers or changes on its model can touch "plain".
-    plain_model = load_model(args.model, dtype=args.dtype, device="cpu", attn_implementation="sdpa").model
+    plain_model = load_model(args.model, dtype=args.dtype, device="cpu", attn_implementation="sdpa",
+                             quantization=args.quantization).model
     vocab = loaded.shape.vocab_size
     max_len = max(args.sizes) + args.suffix + 16
     gib = 2 * max_len * loaded.kv_bytes_per_token() / 2**30 + 0.05
@@ -111,7 +115,7 @@ def main() -> None:
     doc = {
         "model": loaded.name,
         "model_id": loaded.model_id,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "quantization": args.quantization,
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "suffix_tokens": args.suffix,
@@ -122,7 +126,8 @@ def main() -> None:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=2))
-    plot(summary, out_path.with_suffix(".png"), loaded.name, args.dtype)
+    setting = args.dtype if args.quantization == "none" else f"{args.dtype}/{args.quantization}"
+    plot(summary, out_path.with_suffix(".png"), loaded.name, setting)
     for s in summary:
         print(
             f"{s['prefix_tokens']:>5} + {args.suffix}: cached {s['ttft_cached_s'] * 1e3:7.1f} ms  uncached "
