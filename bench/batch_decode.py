@@ -63,13 +63,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     ap.add_argument("--out", default=str(RESULTS / "batch_decode.json"))
     args = ap.parse_args()
+    if args.tokens < 2:
+        ap.error("--tokens must be at least 2 (decode speed is measured after the first token)")
     if args.threads:
         torch.set_num_threads(args.threads)
     llms = {}
     for name in args.settings:
         dtype, quant = SETTINGS[name]
         loaded = load_model("default", dtype=dtype, device="cpu", quantization=quant)
-        llms[name] = LLM(loaded=loaded, kv_cache_memory_gib=0.25)  # the serve defaults: max_num_seqs 32
+        # every stream admitted at once (serve's default max_num_seqs is 32): with fewer slots than
+        # streams some would start late and the "decode from the last first token" window would
+        # count tokens made before it
+        llms[name] = LLM(loaded=loaded, kv_cache_memory_gib=0.25 * max(1, max(args.streams) / 32),
+                         max_num_seqs=max(32, max(args.streams)))
     rng = random.Random(0)
     cells = [(s, n) for s in args.settings for n in args.streams]
     for s, n in cells:  # warm-up: kernels and allocator at every batch size

@@ -9,7 +9,7 @@ wall ms per decode step ((wall - TTFT) / steps) and CPU ms per token (process ti
 the machine's load inflates less than wall time), and whether the tokens equal the first
 variant's.
 
-- ``settings``: one engine per setting: ``float32:none`` (serve's default), ``bfloat16:int4``
+- ``settings``: one engine per setting: ``float32:none`` (the exact fp32 reference), ``bfloat16:int4``
   (what ``--dtype auto --quantization int4`` now picks on any CPU), ``float32:int4`` (what it
   picked on a CPU without native bf16 before).
 - ``attention``: one ``auto:int4`` engine; ``before`` routes a decode that merges nothing
@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    if args.tokens is not None and args.tokens < 2:
+        ap.error("--tokens must be at least 2 (decode speed is measured after the first token)")
     torch.set_num_threads(args.threads)
     if args.what == "settings":
         tokens, reps = args.tokens or 16, args.reps or 3

@@ -126,16 +126,24 @@ class Kvreuse:
         return (len(out.token_ids) - 1) / (time.perf_counter() - start - out.ttft_s)
 
 
-def kernel_ms(model) -> float:
-    """Milliseconds of one pass over every quantized matmul of ``model`` (each layer once with
-    one row of its input width, in its activation dtype): a decode step's matmul floor."""
+def kernel_ms(llm) -> float:
+    """Milliseconds of one pass over the weight matmuls a decode step of ``llm`` runs (the own
+    forward's fused q/k/v, o_proj, fused gate/up and down_proj of every layer, then lm_head; each
+    once with one row of its input width, in the activation dtype): the step's matmul floor."""
     import torch
 
-    from kvreuse.models.quant import Int4Linear, Int8Linear
-
-    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
-    dtype = next(b.dtype for b in model.buffers() if b.is_floating_point())
-    rows = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+    forward = llm.engine.runner._llama
+    model = llm.engine.loaded.model
+    if forward is None:
+        raise SystemExit("kernel_ms needs the own Llama forward (models/llama.py)")
+    widths = (forward.hidden, forward.num_heads * forward.head_dim)
+    layers = [(proj, width) for layer in forward.layers
+              for proj, width in ((layer.qkv, widths[0]), (layer.o_proj, widths[1]), (layer.gate_up, widths[0]),
+                                  (layer.down_proj, layer.inter))]
+    layers.append((model.lm_head, widths[0]))
+    dtype = llm.engine.loaded.dtype
+    rows = [torch.randn(1, width, dtype=dtype) for _, width in layers]
+    layers = [proj for proj, _ in layers]
 
     def one_pass() -> None:
         for m, x in zip(layers, rows):
@@ -215,6 +223,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-repack", action="store_true",
                     help="keep llama.cpp's weight repacking on (its default; it crashed on this machine: see LlamaCpp)")
     args = ap.parse_args()
+    if args.decode < 2 or args.reps < 1:
+        ap.error("--decode must be at least 2 (decode speed is measured after the first token) and --reps at least 1")
 
     import torch
 
@@ -250,7 +260,7 @@ def main() -> None:
             floors["gemm_gflops_bf16"].append(gemm_gflops(torch.bfloat16, shape.hidden_size))
             floors["gemm_gflops_fp32"].append(gemm_gflops(torch.float32, shape.hidden_size))
             floors["read_gb_s"].append(read_gb_s())
-            floors["kernel_ms"].append(kernel_ms(contenders[2].llm.engine.loaded.model))
+            floors["kernel_ms"].append(kernel_ms(contenders[2].llm))
         for c in order:
             r = results[c.name]
             decode = c.decode(short, args.decode)
