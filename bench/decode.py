@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096, 8000])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    llm = LLM(args.model, kv_cache_memory_gib=1.0, max_model_len=max(args.contexts) + 64)
+    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory_gib=1.0, max_model_len=max(args.contexts) + 64)
     runner = llm.engine.runner
     own, in_place_min = runner._llama, runner.decode_in_place_min
     if own is None:

@@ -16,7 +16,7 @@ TTFT is the wall time of a ``max_tokens=1`` request (HTTP, template, tokenizing,
 the request's positions, repair, the question's prefill, one token). ``cached_tokens`` is
 checked: every context token (documents and the template text between them) is reused.
 
-Servers: ``fp32`` (``kvreuse serve``'s defaults: ``--dtype float32 --quantization none``) and
+Servers: ``fp32`` (``--dtype float32 --quantization none``, the exact reference) and
 ``quick`` (the quick start's ``--dtype auto --quantization int4``), the default model each.
 
     PYTHONPATH=src .venv/bin/python bench/docs_ttft.py [--reps 5] [--servers fp32,quick]

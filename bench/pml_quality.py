@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=5, help="unions of documents = most documents per prompt")
     ap.add_argument("--max-tokens", type=int, default=4)
     args = ap.parse_args()
-    llm = LLM(args.model, kv_cache_memory_gib=2.0)
+    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory_gib=2.0)
     schema, items = make_dataset(args.docs, args.slots, args.seed)
     info = llm.register_schema(schema, use_tqdm=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)

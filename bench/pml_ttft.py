@@ -60,7 +60,7 @@ def main() -> None:
                     help="PML samples per run (cheap; steadies the median on a noisy machine)")
     ap.add_argument("--kv-cache-memory", type=float, default=4.0)
     args = ap.parse_args()
-    llm = LLM(args.model, kv_cache_memory_gib=args.kv_cache_memory, max_model_len=NUM_DOCS * DOC_TOKENS + 512,
+    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory_gib=args.kv_cache_memory, max_model_len=NUM_DOCS * DOC_TOKENS + 512,
               max_num_batched_tokens=16384)
     tok = llm.tokenizer
     docs = [doc_text(tok, i, DOC_TOKENS - 8) for i in range(NUM_DOCS)]

@@ -39,7 +39,8 @@ def free_port() -> int:
 def start_server(policy: str, kv_blocks: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     gib = kv_blocks * BLOCK * BYTES_PER_TOKEN / 2**30
-    cmd = [sys.executable, "-m", "kvreuse", "serve", "--port", str(port), "--kv-cache-memory", f"{gib:.9f}",
+    cmd = [sys.executable, "-m", "kvreuse", "serve", "--dtype", "float32", "--quantization", "none",  # BYTES_PER_TOKEN is fp32's
+           "--port", str(port), "--kv-cache-memory", f"{gib:.9f}",
            "--eviction-policy", policy, "--max-num-seqs", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

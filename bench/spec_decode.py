@@ -165,7 +165,7 @@ def main() -> None:
         "gguf": gguf_path().name, "threads": args.threads, "reps": args.reps, "prompts_per_set": args.prompts,
         "max_tokens": args.max_tokens, "speculative_tokens": args.k,
         "ngram": [llm.engine.config.speculative_ngram_min, llm.engine.config.speculative_ngram_max],
-        "settings": "kvreuse serve defaults (float32, no quantization, block 16) + --speculative-tokens",
+        "settings": "fp32 (--dtype float32 --quantization none, block 16) + --speculative-tokens",
         "median_decode_tok_s": med,
         "spec_on_vs_off": {s: round(on[s] / off[s], 3) for s in sets},
         "same_tokens_on_and_off": {s: outputs["kvreuse spec on"][s] == outputs["kvreuse spec off"][s] for s in sets},

@@ -204,7 +204,7 @@ def main() -> None:
                  "reuses_beyond_device_pool": round(sum(d >= args.device_blocks for d in distances) / len(distances), 3)}
     print(json.dumps(workload), file=sys.stderr)
 
-    common = ["--model", args.model, "--kv-cache-memory", gib_for(args.device_blocks, per_token), "--log-level", "warning"]
+    common = ["--model", args.model, "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", gib_for(args.device_blocks, per_token), "--log-level", "warning"]
     server_args = {"device_only": common, "host_tier": [*common, "--host-cache-memory", repr(args.host_gib)]}
     load_start = os.getloadavg()
     started = time.monotonic()

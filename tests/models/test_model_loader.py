@@ -83,10 +83,28 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
     assert ml.auto_quantization(resolve_source("gemma3-270m")) is QuantMode.INT4  # assembled: by name (Q4_K_M)
     hf = ModelSource("m", "hf", tmp_path, "1")
     assert ml.auto_quantization(hf) is QuantMode.NONE
-    for name, mode in [("m.Q8_0.gguf", QuantMode.INT8), ("m.F16.gguf", QuantMode.NONE), ("m.Q4_K_M.gguf", QuantMode.INT4)]:
+    for name, mode in [("m.Q8_0.gguf", QuantMode.INT8), ("m.F16.gguf", QuantMode.NONE), ("m.Q4_K_M.gguf", QuantMode.INT4),
+                       ("m.Q6_K.gguf", QuantMode.INT8), ("m-fp16.gguf", QuantMode.NONE)]:
         bad = tmp_path / name
         bad.write_bytes(b"not a gguf header")  # unreadable: judged by its name
         assert ml.auto_quantization(ModelSource("m", "gguf", bad, "1", name)) is mode, name
+    import gguf
+    import numpy as np
+
+    def written(name: str, tensor_type, ftype: int | None) -> ModelSource:
+        path = tmp_path / name
+        w = gguf.GGUFWriter(str(path), "llama")
+        if ftype is not None:
+            w.add_file_type(ftype)
+        data = np.zeros((32, 32), np.float32) if tensor_type is None else np.zeros((32, 34), np.uint8)
+        w.add_tensor("blk.0.attn_q.weight", data, raw_dtype=tensor_type)
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        return ModelSource("m", "gguf", path, "1", name)
+
+    assert ml.auto_quantization(written("a.gguf", None, 8)) is QuantMode.INT8  # Q5_0: int4 would lose bits
+    assert ml.auto_quantization(written("b.gguf", None, 18)) is QuantMode.INT8  # Q6_K
+    assert ml.auto_quantization(written("c.gguf", None, 1)) is QuantMode.NONE  # F16
+    assert ml.auto_quantization(written("d.gguf", None, None)) is QuantMode.NONE  # no file_type, F32 tensors
     tiny = tiny_model("llama", seed=0, dtype="auto", quantization="auto")  # a test fixture: the same on every CPU
     assert tiny.quantization is QuantMode.NONE and tiny.dtype == torch.float32
 

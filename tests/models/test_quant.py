@@ -102,7 +102,7 @@ def test_fingerprint_differs_by_dtype_and_quantization():
 
 
 def test_unknown_quantization_is_refused():
-    with pytest.raises(ValueError, match="none, int8 or int4"):
+    with pytest.raises(ValueError, match="auto, none, int8 or int4"):
         quant.parse_quantization("int3")
 
 

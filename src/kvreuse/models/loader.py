@@ -275,37 +275,48 @@ def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, to
     )
 
 
-# GGUF ``general.file_type`` (llama.cpp's LLAMA_FTYPE) -> the weight-only scheme that keeps that
-# file's linear layers as compact as they are on disk: 8-bit files int8, 4-bit (and smaller) int4,
-# float files unquantized.
+# GGUF ``general.file_type`` (llama.cpp's LLAMA_FTYPE) -> the weight-only scheme that is never
+# lossier than the file: float files unquantized, 5- to 8-bit files int8, 4-bit and smaller int4.
 _FLOAT_FTYPES = {0, 1, 32}  # F32, F16, BF16
-_INT8_FTYPES = {7}  # Q8_0
+_INT8_FTYPES = {7, 8, 9, 16, 17, 18}  # Q8_0, Q5_0, Q5_1, Q5_K_S, Q5_K_M, Q6_K
+_FLOAT_TENSOR_TYPES = {0, 1, 30}  # GGMLQuantizationType F32, F16, BF16
 
 
 def auto_quantization(src: ModelSource, device: torch.device | None = None) -> QuantMode:
     """The quantization ``--quantization auto`` picks for ``src`` on ``device`` (None: cpu):
     none off the CPU (the int4 / int8 kernels are CPU ones; elsewhere the layers dequantize on
     the fly) and for a Hugging Face folder (its weights are float: quantize it by asking for
-    int8/int4), else from the GGUF's
-    file type (Q8_0 -> int8, F32/F16/BF16 -> none, 4-bit and K-quants -> int4). An assembled
-    package (Gemma 3's split GGUF) and an unreadable header are judged by the file name."""
+    int8/int4), else never lossier than the GGUF: its ``general.file_type`` (F32/F16/BF16 ->
+    none, Q5/Q6/Q8 -> int8, 4-bit and K-quants below 5 bits -> int4); without that field, its
+    tensors' types (all float -> none, any 5-8 bit -> int8, else int4). An assembled package
+    (Gemma 3's split GGUF) and an unreadable header are judged by the file name."""
     if src.kind == "hf" or (device is not None and device.type != "cpu"):
         return QuantMode.NONE
-    ftype = None
     if src.kind == "gguf":
         try:
             import gguf
 
-            field = gguf.GGUFReader(str(src.path)).fields.get("general.file_type")
-            ftype = None if field is None else int(field.parts[field.data[0]][0])
+            reader = gguf.GGUFReader(str(src.path))
+            field = reader.fields.get("general.file_type")
+            if field is not None:
+                ftype = int(field.parts[field.data[0]][0])
+                return (QuantMode.NONE if ftype in _FLOAT_FTYPES else QuantMode.INT8 if ftype in _INT8_FTYPES
+                        else QuantMode.INT4)
+            kinds = {int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1}
+            if kinds <= _FLOAT_TENSOR_TYPES:
+                return QuantMode.NONE
+            eight = {int(q) for q in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0,
+                                      gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q5_K,
+                                      gguf.GGMLQuantizationType.Q6_K)}
+            return QuantMode.INT8 if kinds & eight else QuantMode.INT4
         except Exception:  # noqa: BLE001 - a header we cannot read falls back to the name
-            ftype = None
-    if ftype is None:
-        name = (src.gguf_name or src.path.name).lower()
-        return (QuantMode.INT8 if "q8" in name else QuantMode.NONE if any(f in name for f in ("f16", "f32", "bf16"))
-                else QuantMode.INT4)
-    return (QuantMode.NONE if ftype in _FLOAT_FTYPES else QuantMode.INT8 if ftype in _INT8_FTYPES
-            else QuantMode.INT4)
+            pass
+    name = (src.gguf_name or src.path.name).lower()
+    if any(f in name for f in ("f16", "f32", "bf16", "fp16", "fp32")):
+        return QuantMode.NONE
+    if any(f in name for f in ("q8", "q6", "q5")):
+        return QuantMode.INT8
+    return QuantMode.INT4
 
 
 def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", device: str = "cpu",

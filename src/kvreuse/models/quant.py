@@ -60,7 +60,7 @@ def parse_quantization(mode: str | QuantMode) -> QuantMode:
     try:
         return QuantMode(str(mode).strip().lower())
     except ValueError:
-        raise ValueError(f"unknown quantization '{mode}'; use none, int8 or int4") from None
+        raise ValueError(f"unknown quantization '{mode}'; use auto, none, int8 or int4") from None
 
 
 @lru_cache(maxsize=1)
