@@ -15,9 +15,9 @@ variant's.
 - ``attention``: one ``auto:int4`` engine; ``before`` routes a decode that merges nothing
   through ``_flash`` and drops its log-sum-exp (the code before), ``after`` takes
   ``_attention`` (softmax, no log-sum-exp).
-- ``flash-bf16``: one ``auto:auto`` engine; ``softmax`` runs a decode that merges nothing as
-  fp32-score matmuls (``_softmax_attention``, the code before), ``flash`` through PyTorch's CPU
-  flash kernel in bf16 (``_attention`` now).
+- ``flash-bf16``: one ``auto:auto`` engine; ``matmuls`` runs a decode that merges nothing as
+  fp32-score matmuls (``_math_attention``, as before), ``flash`` through PyTorch's CPU flash
+  kernel in bf16 (``_attention`` now).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def main() -> None:
         tokens, reps = args.tokens or 48, args.reps or 5
         llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="auto"), kv_cache_memory_gib=0.1)
         new = attention._attention
-        variants = {"softmax": (llm, lambda: setattr(attention, "_attention", attention._softmax_attention)),
+        matmuls = lambda q, k, v, scale: attention._math_attention(q, k, v, scale, False)[0]  # noqa: E731
+        variants = {"matmuls": (llm, lambda: setattr(attention, "_attention", matmuls)),
                     "flash": (llm, lambda: setattr(attention, "_attention", new))}
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     names = list(variants)

@@ -319,20 +319,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype (one call; it
     accumulates a bf16 row in fp32: a decode has one query row, so the precision concern of
     ``_flash`` does not arise; one call replaces ~9 ops and 4 dtype casts per layer); elsewhere
-    ``_softmax_attention``."""
+    ``_math_attention`` (cuBLAS on CUDA)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
-    return _softmax_attention(q, k, v, scale)
-
-
-def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The fp32-score math of ``_math_attention`` with a softmax in place of the log-sum-exp
-    (no ``lse``, no ``exp(s - lse)`` pass): ``[B, H, n, d]``; cuBLAS on CUDA."""
-    b, heads, n, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, heads // kv * n, d).float() * scale  # [B, kv, g*n, d]: scaling the few queries
-    probs = torch.softmax(torch.matmul(qg, k.float().transpose(-1, -2)), dim=-1)  # [B, kv, g*n, L] fp32
-    return torch.matmul(probs, v.float()).view(b, heads, n, d).to(q.dtype)  # [B, H, n, d]
+    return _math_attention(q, k, v, scale, False)[0]
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool

@@ -106,18 +106,19 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
     ``config_kwargs`` go to :func:`tiny_config`. The name is ``tiny-<arch>-s<seed>`` and the
     ``model_id`` hashes the actual tensors, so it differs by arch, seed, sizes, dtype and
     ``quantization`` (``none|int8|int4``). ``auto`` (the server's defaults) is none, and ``auto``
-    dtype with no quantization float32, here: a tiny model is a test fixture, and its tests must size pools and compare values the
-    same way on every CPU (``auto`` dtype would be bf16 on some and fp32 on others).
+    dtype with no quantization float32, here: a tiny model is a test fixture, and its tests must
+    size pools and compare values the same way on every CPU (``auto`` would be bf16 on some).
     Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
 
     dev = ml.parse_device(device)
-    if str(quantization).strip().lower() == "auto":  # random float weights: nothing compact to keep
-        quantization = "none"
-    if isinstance(dtype, str) and dtype.strip().lower() == "auto" and ml.parse_quantization(quantization) is ml.QuantMode.NONE:
+    # auto: random float weights have nothing compact to keep
+    quant = ml.parse_quantization("none" if str(quantization).strip().lower() == "auto" else quantization)
+    quantized = quant is not ml.QuantMode.NONE
+    if not quantized and isinstance(dtype, str) and dtype.strip().lower() == "auto":
         dtype = "float32"  # the same on every CPU (docstring); quantized weights keep auto's bf16 (the fast kernels)
-    torch_dtype = ml.parse_dtype(dtype, dev, quantized=ml.parse_quantization(quantization) is not ml.QuantMode.NONE)
+    torch_dtype = ml.parse_dtype(dtype, dev, quantized=quantized)
     tok_dir = tokenizer_dir(cache_dir)
     tokenizer = _load_tokenizer(str(tok_dir))
     config = tiny_config(arch, vocab_size=len(tokenizer), **config_kwargs)
@@ -131,4 +132,4 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
     digest = store.state_dict_digest(model)
     return ml.finish_model(model, tokenizer, name=f"tiny-{arch}-s{seed}", weights_hash=digest,
                            tokenizer_hash=store.tokenizer_digest(tok_dir), dtype=torch_dtype, device=dev,
-                           path=None, attn_implementation=attn_implementation, quantization=quantization)
+                           path=None, attn_implementation=attn_implementation, quantization=quant)
