@@ -39,6 +39,7 @@ from kvreuse.pml.registration import RegistrationQueue, Settle
 from kvreuse.pml.schema_cost import SchemaLimits
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
 from kvreuse.engine.sampler import make_generator, sample_one
+from kvreuse.engine.request_checks import check_request
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.pml.schema_store import SchemaStore
@@ -156,8 +157,10 @@ class LLMEngine:
         A released handle is acquired when the request reaches the head of the queue.
         """
         try:
-            self._check_request(request_id, prompt_token_ids, params, prompt_positions,
-                                (0, 0) if context is None else context.capacity_blocks)
+            check_request(request_id, prompt_token_ids, params, prompt_positions, in_use=self._requests,
+                          max_model_len=self.max_model_len, vocab_size=self.loaded.shape.vocab_size,
+                          pool_blocks=self.pool.num_blocks, blocks_needed=self.kv.blocks_needed,
+                          context_blocks=(0, 0) if context is None else context.capacity_blocks)
             retention = checked_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -272,41 +275,6 @@ class LLMEngine:
                 seq.context.release()
                 released = True
         return released
-
-    def _check_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None,
-        context_blocks: tuple[int, int] = (0, 0),
-    ) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        # With explicit positions (PML) the context used is the highest position + 1.
-        n = len(prompt_token_ids) if not prompt_positions else max(prompt_positions) + 1
-        if n == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
-                "(shorten the prompt or start the server with a larger --max-model-len)"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {n} tokens exceeds the model's context of "
-                f"{self.max_model_len} tokens: lower max_tokens to at most {self.max_model_len - n}"
-            )
-        vocab = self.loaded.shape.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be in the vocabulary [0, {vocab}) (one could never match)")
-        # the last sampled token is never fed back, so it needs no slot
-        # the context's blocks once held beside the request's own, or an acquisition's peak
-        needed = max(self.kv.blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks[0],
-                     context_blocks[1])
-        if needed > self.pool.num_blocks:
-            raise ValueError(
-                f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
-                f"has {self.pool.num_blocks}: lower max_tokens or raise --kv-cache-memory"
-            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
