@@ -60,15 +60,17 @@ def _context(new_slots: list[int], context_slots: list[int], runs: tuple, cache:
     return ForwardContext(cache, torch.tensor(new_slots), [item], None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_new", [1, 6])
 @pytest.mark.parametrize("layout", ["one run", "runs in place", "gathered"])
-def test_every_read_path_attends_like_plain_attention(num_new, layout, monkeypatch):
+def test_every_read_path_attends_like_plain_attention(num_new, layout, dtype, monkeypatch):
     """A decode (1 new token) and a suffix (6) after 40 context keys, with the keys as one run
     of slots, as three long runs (read in place), or scattered (gathered): plain attention's
-    result (fp32, 1e-5), and the new K/V written to their slots."""
+    result (fp32: 1e-5; bf16, whose decode over runs uses the flash kernel: 2e-2), and the new
+    K/V written to their slots."""
     g = torch.Generator().manual_seed(2)
     monkeypatch.setattr(attention, "RUN_TOKENS_IN_PLACE", 4)  # these short runs count as long
-    cache = torch.randn(2, 2, 2, 200, 16, generator=g)  # [layers, K/V, kv_heads, slots, d]
+    cache = torch.randn(2, 2, 2, 200, 16, generator=g).to(dtype)  # [layers, K/V, kv_heads, slots, d]
     if layout == "one run":
         context, new = list(range(10, 50)), list(range(50, 50 + num_new))
         runs = ((10, 40 + num_new),)
@@ -79,13 +81,15 @@ def test_every_read_path_attends_like_plain_attention(num_new, layout, monkeypat
         context = torch.randperm(140, generator=g)[:40].tolist()
         new = list(range(160, 160 + num_new))
         runs = ()  # too many runs: gathered
-    q = torch.randn(num_new, 4, 16, generator=g)  # [n, heads, d]
-    k, v = torch.randn(2, num_new, 2, 16, generator=g)  # [n, kv_heads, d]
+    q = torch.randn(num_new, 4, 16, generator=g).to(dtype)  # [n, heads, d]
+    k, v = torch.randn(2, num_new, 2, 16, generator=g).to(dtype)  # [n, kv_heads, d]
     ctx = _context(new, context, runs, cache)
     keys_k = torch.cat([cache[1, 0, :, context].transpose(0, 1), k])  # [L, kv, d] before the write
     keys_v = torch.cat([cache[1, 1, :, context].transpose(0, 1), v])
     out = attend(1, q, k, v, ctx, 0.25)
-    torch.testing.assert_close(out, _plain(q, keys_k, keys_v, 0.25, num_new).float(), rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, _plain(q, keys_k, keys_v, 0.25, num_new).to(dtype), rtol=tol, atol=tol)
     torch.testing.assert_close(cache[1, 0, :, new].transpose(0, 1), k)  # written where the table says
     torch.testing.assert_close(cache[1, 1, :, new].transpose(0, 1), v)
 
