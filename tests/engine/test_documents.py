@@ -210,6 +210,24 @@ def test_documents_first_tokens_repair_counts_each_piece(tiny_llama):
     assert llm.engine.pool.num_used_blocks == 0
 
 
+def test_repair_takes_from_the_cached_count_only_keys_that_were_cached(tiny_llama):
+    """Cached documents beside one computed now, ``first_tokens`` k: the k keys recomputed in the
+    new document were never reused, so only the 2k recomputed in the head and the cached document
+    leave ``num_cached_tokens`` (it was 2 short: every recomputed key was taken off)."""
+    tok = tiny_llama.tokenizer
+    head, question = tok.encode("System: answer."), tok.encode(QUESTION)
+    docs = [tok.encode(d) for d in DOCS[:2]]
+    llm = make(tiny_llama)
+    llm.generate(DocumentPrompt.of([(head, False), (docs[0], True), (question, False)]), ONE)  # head, docs[0]
+    mixed = DocumentPrompt.of([(head, False), (docs[0], True), (docs[1], True), (question, False)])
+    k = 2
+    out = llm.generate(mixed, ONE, blend={"first_tokens": k})[0]
+    assert out.num_recomputed_tokens == 3 * k  # head, docs[0], docs[1]
+    assert out.num_cached_tokens == len(head) + len(docs[0]) - 2 * k
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
 def cached_kv(llm: LLM) -> torch.Tensor:
     """Every cached (registered) block's KV: ``[layers, 2, kv_heads, slots, d]``."""
     bs = llm.engine.block_size

@@ -134,6 +134,9 @@ class DocumentContext:
     positions: tuple[int, ...]
     num_reused: int  # document tokens found cached (the rest were computed by this acquisition)
     reused_by_level: dict[str, int]  # num_reused by the tier each was found in (GPU, CPU, DISK, REMOTE)
+    # the num_reused keys as [start, stop) ranges of key indices: each piece's leading keys that were
+    # found cached (what seam repair may take back, engine/repaired_context.py)
+    reused_spans: tuple[tuple[int, int], ...] = ()
 
 
 class DocumentCache:
@@ -249,18 +252,22 @@ class DocumentSource:
         held: list[list[KVBlock]] = []
         try:
             by_level: dict[str, int] = {}
+            spans: list[tuple[int, int]] = []
+            start = 0
             for doc, after in zip(layout.documents, layout.encoded_after):
                 blocks, cached = cache.fill(doc, after, self.salt)
                 held.append(blocks)
                 for level, count in cached.items():
                     by_level[level] = by_level.get(level, 0) + count
+                spans.append((start, start + sum(cached.values())))  # cached blocks lead a document's chain
+                start += len(doc)
             reused = sum(by_level.values())
             n = self.num_tokens
             if not cache.pool.can_allocate(cdiv(n, bs)):
                 return None
             own = cache.kv.allocate(cdiv(n, bs))
             try:
-                return self._copy(own, held, reused, by_level)
+                return self._copy(own, held, reused, by_level, tuple(spans))
             except BaseException:
                 cache.pool.release(reversed(own))
                 raise
@@ -271,7 +278,7 @@ class DocumentSource:
                 cache.pool.release(reversed(blocks))
 
     def _copy(self, own: list[KVBlock], held: list[list[KVBlock]], reused: int,
-              by_level: dict[str, int]) -> DocumentContext:
+              by_level: dict[str, int], spans: tuple[tuple[int, int], ...]) -> DocumentContext:
         """Every piece copied from its blocks (``held``) into ``own`` at its request positions."""
         cache, layout, bs, n = self.cache, self.layout, self.cache.pool.block_size, self.num_tokens
         dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
@@ -283,7 +290,7 @@ class DocumentSource:
                                   for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
         cache.runner.copy_shifted(src, dst, positions - encoded)
         cache.tokens_reused += reused
-        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level)
+        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level, spans)
 
     def release(self, held: DocumentContext) -> None:
         self.cache.pool.release(reversed(held.blocks))

@@ -166,10 +166,9 @@ class RepairedSource:
             self._chosen = self.repair.select(starts, len(slots), deviation)  # [m]
         chosen = self._chosen
         blocks = tuple(held.blocks)
-        # what the inner acquisition found cached, less what is recomputed now (a recomputed
-        # key may also be one the inner source computed: then this undercounts, never over)
-        reused = max(0, getattr(held, "num_reused", len(slots)) - len(chosen))
-        by_level = _less(getattr(held, "reused_by_level", None), len(chosen))
+        taken = _cached_among(held, chosen)  # what the inner acquisition found cached and is recomputed now
+        reused = getattr(held, "num_reused", len(slots)) - taken
+        by_level = _less(getattr(held, "reused_by_level", None), taken)
         if not len(chosen):
             return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level)
         if self.inner.private_blocks:  # nobody else reads them: recompute in place
@@ -194,6 +193,17 @@ class RepairedSource:
             raise
         return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
                           by_level)
+
+
+def _cached_among(held: HeldKV, chosen: np.ndarray) -> int:
+    """How many of the ``chosen`` key indices the inner acquisition found cached: those in its
+    ``reused_spans`` (``[start, stop)`` ranges; documents), or all of them for a source that
+    has none (PML modules: every key counts as cached). A key the acquisition computed itself
+    was never reused, so recomputing it takes nothing off the cached count."""
+    spans = getattr(held, "reused_spans", None)
+    if spans is None:
+        return len(chosen)
+    return sum(int(np.count_nonzero((chosen >= start) & (chosen < stop))) for start, stop in spans)
 
 
 def _less(by_level: dict[str, int] | None, n: int) -> dict[str, int] | None:
