@@ -383,3 +383,141 @@ def test_unwritable_schema_dir_is_a_warning_not_a_failure(tiny_llama, tmp_path, 
     assert out.finish_reason == "length"
     fresh = restarted.register_schema(SINGLE)
     assert fresh.persisted is False and "one" in restarted.engine.modules.schemas
+
+
+INTRO = " ".join(f"rule{i}" for i in range(24))  # the root's text every member is encoded after
+LONG = f"""<schema name="long">{INTRO}
+  <union>
+    <module name="m">{" ".join(f"wax{i}" for i in range(30))}</module>
+    <module name="n">Short.</module>
+  </union>
+</schema>"""
+
+
+def _evict_tail(llm: LLM, schema_name: str, module: str) -> None:
+    """Forget the last cached block of a module's chain (eviction takes chains from the tail)."""
+    modules = llm.engine.modules
+    schema = modules.schemas[schema_name]
+    last = modules.module_hashes(schema, schema.module(module))[0][-1]
+    llm.engine.pool.remove_cached([llm.engine.pool.get_cached(last)])
+
+
+class PeakSpy:
+    """The most blocks the pool has in use while a module's precompute pass runs."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.peak = 0
+        runner, pool = llm.engine.modules.runner, llm.engine.pool
+        precompute = runner.precompute_chunk
+
+        def counted(*args, **kwargs):
+            self.peak = max(self.peak, pool.num_used_blocks)
+            return precompute(*args, **kwargs)
+
+        runner.precompute_chunk = counted
+
+
+def test_a_module_plan_counts_the_scratch_of_its_recompute(tiny_llama):
+    """``ModuleSource.num_blocks`` is what an acquisition needs at once: a member recomputed
+    after an eviction holds the root's blocks, its own and the scratch of the root's text it
+    attends to but does not keep, more than the blocks it keeps (``held_blocks``). With room,
+    a member whose chain lost only its last block recomputes its cached part into scratch too."""
+    llm = make(tiny_llama)
+    llm.register_schema(LONG)
+    plan = llm.engine.prepare_prompt('<prompt schema="long"><m/> Go on.</prompt>').plan
+    source = llm.engine.modules.source(plan)
+    assert source.held_blocks == llm.engine.modules.blocks_of(plan)
+    for evict, expected in ((lambda: llm.reset_prefix_cache(), "exact"), (lambda: _evict_tail(llm, "long", "m"), "more")):
+        evict()
+        spy = PeakSpy(llm)
+        held = source.acquire()
+        assert held is not None and len(held.blocks) == source.held_blocks
+        assert spy.peak > source.held_blocks  # the scratch mattered
+        if expected == "exact":
+            assert spy.peak == source.num_blocks
+        else:
+            assert spy.peak > source.num_blocks  # the pool had room for the scratch of the cached part
+        source.release(held)
+        llm.engine.check_integrity()
+
+
+def test_a_chain_cached_in_part_that_cannot_be_recomputed_beside_itself_is_recomputed_whole(tiny_llama):
+    """A pool with room for the request's peak but not for recomputing "m"'s cached part into
+    scratch beside it (its tail was evicted): the fill lets the cached part go and computes the
+    chain whole (it used to wait for ever, nothing else running to free a block), with the
+    tokens a roomy engine gives."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    prompt = '<prompt schema="long"><m/> Go on.</prompt>'
+    params = SamplingParams(max_tokens=2, temperature=0)
+    roomy = make(tiny_llama)
+    roomy.register_schema(LONG)
+    source = roomy.engine.modules.source(roomy.engine.prepare_prompt(prompt).plan)
+    pool_blocks = source.num_blocks + 2
+    _evict_tail(roomy, "long", "m")
+    spy = PeakSpy(roomy)
+    expected = roomy.generate(prompt, params)[0]
+    assert spy.peak > pool_blocks  # recomputed beside its cached part, it would not fit
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=pool_blocks * bytes_per_block / 2**30, block_size=4)
+    assert llm.engine.pool.num_blocks == pool_blocks
+    llm.register_schema(LONG)
+    _evict_tail(llm, "long", "m")
+    llm.engine.add_prepared_request("pml", llm.engine.prepare_prompt(prompt), params)
+    outs = []
+    for _ in range(20):
+        outs += llm.engine.step()
+        if not llm.engine.has_unfinished_requests():
+            break
+    assert outs and outs[-1].finished and outs[-1].token_ids == expected.token_ids
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_pml_request_whose_recompute_cannot_fit_is_refused_up_front(tiny_llama):
+    """A pool that holds the modules and the request's own blocks but not the scratch of
+    recomputing "m" after its tail was evicted: the request could never run (it used to be
+    queued and wait forever), so it is a ValueError naming the blocks, whatever the pool holds
+    at arrival."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    prompt = '<prompt schema="long"><m/> Go on.</prompt>'
+    probe = make(tiny_llama)
+    probe.register_schema(LONG)
+    pool_blocks = probe.engine.modules.blocks_of(probe.engine.prepare_prompt(prompt).plan) + 4  # + the request's 2
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=pool_blocks * bytes_per_block / 2**30, block_size=4)
+    assert llm.engine.pool.num_blocks == pool_blocks
+    llm.register_schema(LONG)
+    _evict_tail(llm, "long", "m")
+    with pytest.raises(ValueError, match=f"KV blocks .* but the pool has {pool_blocks}"):
+        llm.engine.add_prepared_request("pml", llm.engine.prepare_prompt(prompt),
+                                        SamplingParams(max_tokens=2, temperature=0))
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def test_a_repaired_pml_request_counts_its_copies_beside_what_the_modules_keep(tiny_llama):
+    """Seam repair's private copies are made once the modules' acquisition returned (its scratch
+    gone): a pool with room for the recompute's peak, or for the modules, their copies and the
+    request's own blocks, runs a repaired request whose "m" lost its tail (the copies were
+    counted on top of the peak, refusing it)."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    prompt = '<prompt schema="long"><m/> Go on.</prompt>'
+    blend = {"first_tokens": 1, "ratio": 0.5}
+    probe = make(tiny_llama)
+    probe.register_schema(LONG)
+    source = probe.engine.modules.source(probe.engine.prepare_prompt(prompt).plan)
+    held = source.held_blocks
+    pool_blocks = max(source.num_blocks, 2 * held) + 3
+    assert source.num_blocks + held > pool_blocks  # the peak plus a copy per module block does not fit
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=pool_blocks * bytes_per_block / 2**30, block_size=4)
+    llm.register_schema(LONG)
+    _evict_tail(llm, "long", "m")
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.engine.add_prepared_request("pml", llm.engine.prepare_prompt(prompt), params, blend=blend)
+    outs = []
+    for _ in range(20):
+        outs += llm.engine.step()
+        if not llm.engine.has_unfinished_requests():
+            break
+    assert outs and outs[-1].finished and outs[-1].num_recomputed_tokens > 0
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0

@@ -96,29 +96,31 @@ class RepairedSource:
         self.kv = kv
         self.on_repair = on_repair
         self._chosen: np.ndarray | None = None  # the selection, made at the first acquisition
-        self._num_blocks: int | None = None
+        self._held_blocks: int | None = None
 
     @property
     def num_blocks(self) -> int:
-        """Every segment block plus at most one private copy per token the repair can choose
-        (``first_tokens`` of each segment + the ratio's share; the selection itself is made at
-        the first acquisition), and no copy of blocks that are already the caller's own."""
-        if self._num_blocks is None:
-            inner = self.inner.num_blocks
+        """The most an acquisition holds at once: the inner acquisition's peak (a PML module
+        recomputed with its scratch), or what it keeps once it returned plus the private
+        copies (``held_blocks``), made after it."""
+        return max(self.inner.num_blocks, self.held_blocks)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks an acquisition keeps: the inner source's, plus at most one private copy per
+        token the repair can choose (``first_tokens`` of each segment + the ratio's share; the
+        selection itself is made at the first acquisition), and no copy of blocks that are
+        already the caller's own."""
+        if self._held_blocks is None:
+            inner = getattr(self.inner, "held_blocks", self.inner.num_blocks)
             if self.inner.private_blocks:
-                self._num_blocks = inner
+                self._held_blocks = inner
             else:
                 token_ids, starts = self.inner.assembled_tokens()
                 n = len(token_ids)
                 most = min(n, min(self.repair.first_tokens, n) * len(starts) + self.repair.num_by_deviation(n))
-                self._num_blocks = inner + min(inner, most)
-        return self._num_blocks
-
-    @property
-    def held_blocks(self) -> int:
-        """Blocks an acquisition keeps (``num_blocks`` less what the inner source lets go)."""
-        inner = getattr(self.inner, "held_blocks", self.inner.num_blocks)
-        return self.num_blocks - self.inner.num_blocks + inner
+                self._held_blocks = inner + min(inner, most)
+        return self._held_blocks
 
     @property
     def num_tokens(self) -> int:

@@ -271,9 +271,26 @@ class ModuleCache:
         self.pool.release(reversed(context.blocks))
 
     def blocks_of(self, plan: ModulePlan) -> int:
-        """Blocks ``plan``'s modules take in the pool (what ``acquire`` holds)."""
+        """Blocks ``plan``'s modules take in the pool (what ``acquire`` holds once it returns)."""
         bs = self.pool.block_size
         return sum(cdiv(len(plan.schema.module(name).stored_token_ids), bs) for name in plan.modules)
+
+    def peak_blocks_of(self, plan: ModulePlan) -> int:
+        """The blocks ``acquire`` needs at once for ``plan``, whatever the pool holds now: while
+        it fills a module it holds the modules before it, that module's blocks and, when the
+        module must be computed, the scratch of the text its pass attends to but does not keep
+        (``ModuleFill``; one that finds more room may hold more, the scratch for a part of the
+        chain still cached). The capacity check's peak for a PML request."""
+        bs = self.pool.block_size
+        held = peak = 0
+        for name in plan.modules:
+            module = plan.schema.module(name)
+            blocks = cdiv(len(module.stored_token_ids), bs)
+            run = plan.schema.precompute_input(name)
+            scratch = cdiv(len(run.token_ids) - sum(run.store), bs)  # ModuleFill._lay_out with no block cached
+            peak = max(peak, held + blocks + scratch)
+            held += blocks
+        return peak
 
     def acquire(self, plan: ModulePlan) -> ModuleContext:
         """The KV of ``plan``'s modules, one reference per block for the caller; evicted
@@ -352,6 +369,13 @@ class ModuleSource:
 
     @property
     def num_blocks(self) -> int:
+        """The blocks an acquisition needs at once, the scratch of recomputing an evicted
+        module included (``ModuleCache.peak_blocks_of``: the capacity check's peak)."""
+        return self.cache.peak_blocks_of(self.plan)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks an acquisition keeps: the modules' own."""
         return self.cache.blocks_of(self.plan)
 
     @property

@@ -77,13 +77,21 @@ class ModuleFill:
 
     @classmethod
     def begin(cls, cache: ModuleCache, schema: CompiledSchema, module: CompiledModule, *,
-              promote: bool = False) -> ModuleFill:
+              promote: bool = False, use_cached: bool = True) -> ModuleFill:
         """Hold the module's blocks and fill what the pool or the store can; what is left to
         compute is ``tokens_left``. ``promote`` (registration) lifts blocks already cached
-        back to the module priority. Raises ``PoolBusy`` (a ``ValueError``) when the pool
-        cannot hold them now; nothing is held then."""
+        back to the module priority. ``use_cached=False``: take no cached block of the chain
+        (all fresh). Raises ``PoolBusy`` (a ``ValueError``) when the pool cannot hold them
+        now; nothing is held then.
+
+        A chain cached in part (eviction takes its tail) is recomputed whole all the same, its
+        cached part into scratch beside the cached blocks; when that does not fit, the cached
+        part is let go and the whole chain computed into fresh blocks (the same pass, so the
+        same KV), which needs only the module's blocks and the scratch of the text it attends
+        to (``ModuleCache.peak_blocks_of``): a pool that cannot hold both copies of the
+        cached part must not keep a request waiting for ever."""
         hashes, pieces = cache.module_hashes(schema, module)
-        admission = cache.kv.admit_blocks(hashes, pieces, num_blocks=len(hashes),
+        admission = cache.kv.admit_blocks(hashes, pieces, num_blocks=len(hashes), max_hits=None if use_cached else 0,
                                           retention=_module_retention if promote else _keep_retention)
         if admission is None:
             needed = len(hashes) - len(cache.pool.match_prefix(hashes, pieces))
@@ -100,6 +108,11 @@ class ModuleFill:
             else:
                 fill._lay_out()
                 fill.source = FillSource.COMPUTED
+        except PoolBusy:
+            fill.abandon()
+            if not admission.num_hits:
+                raise
+            return cls.begin(cache, schema, module, promote=promote, use_cached=False)
         except BaseException:
             fill.abandon()
             raise
