@@ -195,7 +195,13 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     assert abs(ppl / ref_ppl - 1) <= 0.03, f"{dtype}/{mode}: perplexity {ppl:.3f} vs fp32 {ref_ppl:.3f}"
     # reuse vs no reuse, top-1 on >= 99% of positions: the shipped text's first 200 tokens
     # shared, then 3 continuations of 40 tokens each (120 positions). No reuse is the same
-    # engine with prefix caching off (26k prefill tokens: ~20 s on 2 idle cores).
+    # engine with prefix caching off (26k prefill tokens: ~20 s on 2 idle cores). The logits
+    # are bf16 (spaced 0.0625-0.125 apart near the top), so exact ties and one-step margins
+    # are common and any change to the arithmetic's order breaks some of them one way or the
+    # other (fp32 flash vs fp32 matmuls for the cached context's attention, both fp32
+    # accumulation: 2 and 3 of these 120 positions swapped, every one a tie or a one-step
+    # margin in the no-reuse logits). A position agrees when the reused prompt's token is
+    # no-reuse's, or scores within one bf16 step of no-reuse's top (as below for transformers).
     ids = loaded.tokenizer(DATA.joinpath("perplexity_text.txt").read_text()).input_ids
     shared, tails = ids[:200], [ids[200:240], ids[300:340], ids[400:440]]
     prompts = [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)]
@@ -203,17 +209,21 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     _next_tokens(reuse, [shared])  # warm the shared blocks
     cached = _next_tokens(reuse, prompts)
     reuse.engine.pool.check_integrity()
-    plain = _next_tokens(LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16,
-                             enable_prefix_caching=False), prompts)
-    agree = sum(a == b for a, b in zip(cached, plain)) / len(plain)
-    assert agree >= 0.99, f"{dtype}/{mode}: reuse agrees with no reuse on {agree:.1%}"
+    plain_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16, enable_prefix_caching=False)
+    plain = [o.logprobs[0] for o in plain_llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=5))]
+    ref = torch.cat([reference_logits(loaded.model, shared + tail)[len(shared):] for tail in tails])  # [120, vocab]
+    top = ref.max(-1).values  # [120]
+    step = top.abs() * torch.finfo(torch.bfloat16).eps  # one bf16 spacing at the top logit
+    exact = sum(c == p.token_id for c, p in zip(cached, plain))
+    near = sum(c == p.token_id or (c in p.top_token_ids and p.top_logprobs[0] - p.top_logprobs[p.top_token_ids.index(c)]
+                                   <= s.item())
+               for c, p, s in zip(cached, plain, step))
+    assert near / len(plain) >= 0.99, (f"{dtype}/{mode}: reuse agrees with no reuse on {near / len(plain):.1%} "
+                                       f"within one bf16 step ({exact} of {len(plain)} exactly)")
     # and with a plain transformers forward, where a token within one bf16 step of the top
     # counts: bf16 logits near 16 are spaced 0.0625 apart, so ties are common (3 of 120 here,
     # margins 0, 0 and 0.0625, each broken by argmax's first index: a coin flip between
     # implementations)
-    ref = torch.cat([reference_logits(loaded.model, shared + tail)[len(shared):] for tail in tails])
-    top = ref.max(-1).values  # [120]
-    step = top.abs() * torch.finfo(torch.bfloat16).eps  # one bf16 spacing at the top logit
     on_top = ref[torch.arange(len(cached)), torch.tensor(cached)] >= top - step
     assert on_top.float().mean() >= 0.99, f"{dtype}/{mode}: transformers' top-1 on {on_top.float().mean():.1%}"
 
