@@ -70,9 +70,10 @@ def test_a_restart_over_a_bad_store_file_starts_recomputes_and_answers_the_same(
         # The engine thread may still be finishing its last step when the response arrives:
         # read /metrics once the engine's own count has stopped moving, so the two agree.
         for _ in range(100):
-            before = engine.stats().tokens_computed
+            before = engine.stats()
             metrics = c.get("/metrics").text
-            if engine.stats().tokens_computed == before:
+            stats = engine.stats()  # the snapshot /metrics was read against (later ones may move on)
+            if stats.tokens_computed == before.tokens_computed:
                 break
             time.sleep(0.05)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -83,13 +84,12 @@ def test_a_restart_over_a_bad_store_file_starts_recomputes_and_answers_the_same(
         assert warnings == [] and refused is None
         assert restored == ["schema dir: restored schema 'docs' (4 modules: 4 loaded, 0 computed)"]
         assert _metric(metrics, "kvreuse:schema_modules_filled_total", 'source="loaded"') == 4.0 and modules is None
-        assert engine.stats().tokens_computed_modules == 0
+        assert stats.tokens_computed_modules == 0
         return
     reason = {"shape": "shape", "truncated": "unreadable", "non_finite": "non_finite"}[mode]
     assert len(warnings) == 1 and warnings[0].startswith(f"schema dir: refused {path.name} (")
     assert restored == ["schema dir: restored schema 'docs' (4 modules: 0 loaded, 4 computed)"]
     assert _metric(metrics, "kvreuse:schema_store_refused_total", f'reason="{reason}"') == 1.0
     assert modules == 4.0
-    stats = engine.stats()
     assert stats.tokens_computed_modules == cost  # the recompute is counted
     assert _metric(metrics, "kvreuse:tokens_computed_total") == stats.tokens_computed >= cost
