@@ -41,10 +41,17 @@ def check_request(
         raise ValueError(f"stop_token_ids: ids must be in the vocabulary [0, {vocab}) (one could never match)")
     # the last sampled token is never fed back, so it needs no slot
     # the context's blocks once held beside the request's own, or an acquisition's peak
-    needed = max(blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks[0],
-                 context_blocks[1])
-    if needed > pool_blocks:
+    held = blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks[0]
+    if context_blocks[1] > pool_blocks and context_blocks[1] >= held:
+        # the peak of acquiring the context (modules recomputed into scratch) alone is too big:
+        # max_tokens cannot help
         raise ValueError(
-            f"the request needs {needed} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
+            f"the request's context needs {context_blocks[1]} KV blocks at once while its modules or documents are "
+            f"computed, but the pool has {pool_blocks}: use fewer or shorter modules/documents or raise "
+            "--kv-cache-memory"
+        )
+    if held > pool_blocks:
+        raise ValueError(
+            f"the request needs {held} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
             f"has {pool_blocks}: lower max_tokens or raise --kv-cache-memory"
         )
