@@ -33,6 +33,8 @@ def points(quality: list[dict], ttft: dict, server: str) -> dict[str, list[dict]
                              "accuracy": qs["full"]["accuracy"], "recomputed_fraction": 1.0})
             for row in qs["settings"]:
                 key = (row["first_tokens"], float(row["ratio"]))
+                if (row.get("deviation_layer", 1), row.get("last_tokens", 0)) != (1, 0):  # what docs_ttft.py times
+                    continue
                 if key in timed and not any(r.get("key") == list(key) for r in rows):
                     rows.append({"key": list(key), "ttft_s": timed[key], "answer_agreement": row["answer_agreement"],
                                  "accuracy": row["accuracy"], "recomputed_fraction": row["recomputed_fraction"]})

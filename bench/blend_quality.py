@@ -45,8 +45,16 @@ from kvreuse.pml.prepared import prepare_prompt  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs
 CITIES = "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()
-# (first_tokens, ratio); documents here are ~8 tokens, so first_tokens 4 is half of each
+# (first_tokens, ratio[, deviation_layer[, last_tokens]]); documents here are ~8 tokens, so first_tokens 4 is half of each
 SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.0), (2, 0.1), (4, 0.1)]
+
+
+def setting_key(setting: tuple) -> tuple[int, float, int, int]:
+    """``(first_tokens, ratio, deviation_layer, last_tokens)`` of a SETTINGS entry, the order of
+    SeamRepair's fields (the missing ones take SeamRepair's defaults)."""
+    default = SeamRepair()
+    k, r, layer, last = (*setting, *(default.deviation_layer, default.last_tokens)[len(setting) - 2:])
+    return int(k), float(r), int(layer), int(last)
 
 
 def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, list[dict]]:
@@ -117,32 +125,34 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     # TTFT interleaved: for each timed question, full prefill then every setting, one at a time
     for i in timed:
         rows_ttft.setdefault("full", []).append(llm.generate(plain[i], first, cache_salt=f"cold-{i}-{time.time()}")[0].ttft_s)
-        for k, r in SETTINGS:
-            rows_ttft.setdefault((k, r), []).append(llm.generate(prompts[i], first, blend=SeamRepair(k, r))[0].ttft_s)
-    out["full"]["ttft_median_s"] = statistics.median(rows_ttft["full"])
+        for setting in map(setting_key, SETTINGS):
+            rows_ttft.setdefault(setting, []).append(
+                llm.generate(prompts[i], first, blend=SeamRepair(*setting))[0].ttft_s)
+    out["full"]["ttft_median_s"] = statistics.median(rows_ttft["full"]) if timed else None
     answers = {}
-    for k, r in SETTINGS:
-        blend = SeamRepair(k, r)
+    for setting in map(setting_key, SETTINGS):
+        k, r, layer, last = setting
+        blend = SeamRepair(k, r, layer, last)
         t0 = time.perf_counter()
         mod = llm.generate(prompts, params, blend=blend)
         wall = time.perf_counter() - t0
-        answers[(k, r)] = mod
+        answers[setting] = mod
         agree = [normalise(m.text) == normalise(f.text) for m, f in zip(mod, full)]
-        ttft = rows_ttft[(k, r)]
+        ttft = rows_ttft.get(setting, [])
         row = {
-            "first_tokens": k, "ratio": r,
+            "first_tokens": k, "ratio": r, "deviation_layer": layer, "last_tokens": last,
             "answer_agreement": sum(agree) / len(items),
             "token_agreement": sum(m.token_ids == f.token_ids for m, f in zip(mod, full)) / len(items),
             "accuracy": _acc(items, mod),
             "recomputed_fraction": sum(m.num_recomputed_tokens for m in mod) / sum(module_tokens),
-            "ttft_median_s": statistics.median(ttft), "batch_wall_s": wall,
+            "ttft_median_s": statistics.median(ttft) if ttft else None, "batch_wall_s": wall,
             "disagreements": [i for i, a in enumerate(agree) if not a],
         }
         print(name, json.dumps({k2: v for k2, v in row.items() if k2 != "disagreements"}), flush=True)
         out["settings"].append(row)
-    everything = answers.get((0, 1.0))  # ratio 1.0: full prefill at the context's own positions
+    everything = answers.get(setting_key((0, 1.0)))  # ratio 1.0: full prefill at the context's own positions
     for row in out["settings"] if everything is not None else ():
-        mod = answers[(row["first_tokens"], row["ratio"])]
+        mod = answers[(row["first_tokens"], row["ratio"], row["deviation_layer"], row["last_tokens"])]
         row["agreement_with_full_repair"] = sum(normalise(m.text) == normalise(e.text)
                                                 for m, e in zip(mod, everything)) / len(items)
     out["questions"] = len(items)
@@ -159,6 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (the exact reference, as every figure in docs/benchmarks.md) | auto | int8 | int4")
     ap.add_argument("--mode", default="pml", choices=["pml", "documents"],
                     help="pml: union-slot modules; documents: the same tokens as schema-free documents")
     ap.add_argument("--questions", type=int, default=100, help="per set")
@@ -166,14 +178,16 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settings", default=None, help="first_tokens:ratio,... instead of the default grid")
+    ap.add_argument("--settings", default=None,
+                    help="first_tokens:ratio[:deviation_layer[:last_tokens]],... instead of the default grid")
     ap.add_argument("--sets", default="single,pair")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     if args.settings:
-        SETTINGS[:] = [(int(k), float(r)) for k, r in (x.split(":") for x in args.settings.split(","))]
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_gib=2.0)
-    result = {"model": llm.engine.model_id, "dtype": args.dtype, "mode": args.mode, "sets": {}}
+        SETTINGS[:] = [setting_key(tuple(x.split(":"))) for x in args.settings.split(",")]
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory_gib=2.0)
+    result = {"model": llm.engine.model_id, "dtype": args.dtype, "quantization": args.quantization,
+              "mode": args.mode, "sets": {}}
     sets = {"single": lambda: make_dataset(args.questions, args.slots, args.seed),
             "pair": lambda: make_pair_dataset(args.questions, 4, args.seed)}
     for name in args.sets.split(","):
@@ -200,16 +214,23 @@ def plot(result: dict, path: Path) -> None:
         for row, (key, scale, label) in enumerate((("recomputed_fraction", 100, "recomputed share of document tokens (%)"),
                                                    ("ttft_median_s", 1000, "median TTFT (ms)"))):
             ax = axes[row][col]
-            for k, marker in ((0, "o"), (1, "s"), (2, "^"), (4, "D")):
-                rows = sorted((r for r in s["settings"] if r["first_tokens"] == k), key=lambda r: r["ratio"])
+            def series_of(r):
+                return r["first_tokens"], r.get("deviation_layer", 1), r.get("last_tokens", 0)
+
+            for k, layer, last in sorted({series_of(r) for r in s["settings"]}):
+                rows = sorted((r for r in s["settings"] if series_of(r) == (k, layer, last) and r[key] is not None),
+                              key=lambda r: r["ratio"])
                 if not rows:
                     continue
-                ax.plot([scale * r[key] for r in rows], [100 * r["answer_agreement"] for r in rows],
-                        marker=marker, label=f"first_tokens={k}")
+                marker = {0: "o", 1: "s", 2: "^", 4: "D"}.get(k, "x")
+                ax.plot([scale * r[key] for r in rows], [100 * r["answer_agreement"] for r in rows], marker=marker,
+                        ls="-" if (layer, last) == (1, 0) else "--",
+                        label=f"first_tokens={k}" + ("" if layer == 1 else f", deviation at layer {layer}")
+                        + ("" if not last else f", last_tokens={last}"))
                 for r in rows:
                     ax.annotate(f"{r['ratio']:g}", (scale * r[key], 100 * r["answer_agreement"]),
                                 fontsize=7, xytext=(3, 3), textcoords="offset points")
-            if key == "ttft_median_s":
+            if key == "ttft_median_s" and s["full"]["ttft_median_s"] is not None:
                 ax.axvline(1000 * s["full"]["ttft_median_s"], ls="--", c="gray", lw=1, label="full prefill TTFT")
             ax.set_xlabel(label)
             ax.set_ylabel("answer agreement with full prefill (%)")

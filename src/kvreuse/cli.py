@@ -123,6 +123,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blend-ratio", type=float, default=C.blend_ratio,
                    help="PML seam repair: share of assembled tokens, those whose KV deviates most, recomputed "
                         f"against the assembled context, in [0, 1] (default: {C.blend_ratio})")
+    p.add_argument("--blend-last-tokens", type=int, default=C.blend_last_tokens,
+                   help="PML seam repair: trailing tokens of each assembled module (right before a seam) "
+                        f"recomputed against the assembled context (default: {C.blend_last_tokens})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -156,7 +159,7 @@ def _engine_config(args: argparse.Namespace):
         schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
         schema_slice_tokens=args.schema_slice_tokens, schema_max_tokens=args.schema_max_tokens,
         schema_max_bytes=args.schema_max_bytes, blend_first_tokens=args.blend_first_tokens,
-        blend_ratio=args.blend_ratio,
+        blend_ratio=args.blend_ratio, blend_last_tokens=args.blend_last_tokens,
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority,

@@ -43,6 +43,7 @@ class EngineConfig:
     tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
     blend_first_tokens: int = 0  # seam repair: leading tokens of each assembled module recomputed (0: none)
     blend_ratio: float = 0.0  # seam repair: share of assembled tokens recomputed by KV deviation, in [0, 1]
+    blend_last_tokens: int = 0  # seam repair: trailing tokens of each assembled module recomputed (0: none)
     speculative_tokens: int = 0  # prompt lookup: tokens drafted per greedy decode step (0 = off)
     speculative_ngram_max: int = 4  # prompt lookup: longest n-gram matched (tried first)
     speculative_ngram_min: int = 2  # prompt lookup: shortest n-gram matched
@@ -50,14 +51,15 @@ class EngineConfig:
     @property
     def blend(self) -> SeamRepair:
         """The seam repair a request gets when it asks for none (``--blend-*``)."""
-        return SeamRepair(self.blend_first_tokens, self.blend_ratio)
+        return SeamRepair(self.blend_first_tokens, self.blend_ratio, last_tokens=self.blend_last_tokens)
 
     def __post_init__(self) -> None:
         try:
             self.blend
         except ValueError as exc:  # name the flags, not the request field
             raise ValueError(str(exc).replace("blend.first_tokens", "--blend-first-tokens")
-                             .replace("blend.ratio", "--blend-ratio")) from None
+                             .replace("blend.ratio", "--blend-ratio")
+                             .replace("blend.last_tokens", "--blend-last-tokens")) from None
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.block_size < 1 or self.block_size > 1024:

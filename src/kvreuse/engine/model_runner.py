@@ -19,9 +19,9 @@ import torch
 from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.engine.rope_shift import RopeShift
+from kvreuse.engine.seam_repair import DEVIATION_LAYER  # the default layer seam repair compares (CacheBlend)
 from kvreuse.models import llama
 
-DEVIATION_LAYER = 1  # seam repair compares this layer's recomputed K/V with the cached one (CacheBlend)
 
 @dataclass(frozen=True)
 class SeqChunk:

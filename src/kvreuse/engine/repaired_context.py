@@ -55,7 +55,8 @@ class RepairMechanics(Protocol):
 
     block_size: int
 
-    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> np.ndarray: ...
+    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+                       layer: int = ...) -> np.ndarray: ...
     def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                   selected: np.ndarray) -> None: ...
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
@@ -108,9 +109,9 @@ class RepairedSource:
     @property
     def held_blocks(self) -> int:
         """Blocks an acquisition keeps: the inner source's, plus at most one private copy per
-        token the repair can choose (``first_tokens`` of each segment + the ratio's share; the
-        selection itself is made at the first acquisition), and no copy of blocks that are
-        already the caller's own."""
+        token the repair can choose (``first_tokens`` and ``last_tokens`` of each segment + the
+        ratio's share; the selection itself is made at the first acquisition), and no copy of
+        blocks that are already the caller's own."""
         if self._held_blocks is None:
             inner = getattr(self.inner, "held_blocks", self.inner.num_blocks)
             if self.inner.private_blocks:
@@ -118,7 +119,7 @@ class RepairedSource:
             else:
                 token_ids, starts = self.inner.assembled_tokens()
                 n = len(token_ids)
-                most = min(n, min(self.repair.first_tokens, n) * len(starts) + self.repair.num_by_deviation(n))
+                most = min(n, self.repair.most_by_position(len(starts), n) + self.repair.num_by_deviation(n))
                 self._held_blocks = inner + min(inner, most)
         return self._held_blocks
 
@@ -164,7 +165,8 @@ class RepairedSource:
             # room and acquires again does not run the deviation pass again.
             deviation = None
             if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
-                deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist())
+                deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist(),
+                                                       layer=self.repair.deviation_layer)
             self._chosen = self.repair.select(starts, len(slots), deviation)  # [m]
         chosen = self._chosen
         blocks = tuple(held.blocks)

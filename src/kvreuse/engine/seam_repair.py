@@ -8,11 +8,17 @@ runner's: ``ModelRunner.seam_deviation`` / ``recompute``; the copy-on-write is
 
 - ``first_tokens`` (EPIC's attention-sink fix): the first ``k`` tokens of every segment
   (module or document);
+- ``last_tokens``: the last ``k`` tokens of every segment, the ones right before a seam;
 - ``ratio`` (CacheBlend): the ``round(ratio * n)`` tokens of the ``n`` assembled ones whose
   early-layer KV deviates most from the cached KV when recomputed against the assembled
-  context (``deviation``, one score per token, larger = more deviant).
+  context (``deviation``, one score per token, larger = more deviant);
+- ``deviation_layer``: the layer whose K/V that deviation compares (default 1, CacheBlend's
+  signal; layer 0's K/V depends on nothing but the token and its position, so it is never
+  asked for). The pass runs layers ``0..deviation_layer`` over every assembled token, so a
+  deeper layer costs ``deviation_layer + 1`` layers of the context's prefill instead of 2
+  (a layer past the model's last means its last); only read when the ratio picks a token.
 
-The chosen set is the union of the two. ``SeamRepair()`` (both 0) chooses nothing: the
+The chosen set is the union of the three. ``SeamRepair()`` (all 0) chooses nothing: the
 request runs exactly as without repair. Pure: no pool, no model.
 """
 
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+DEVIATION_LAYER = 1  # CacheBlend's: the deviation pass runs layers 0..1 over the context
+
 
 @dataclass(frozen=True)
 class SeamRepair:
@@ -31,36 +39,46 @@ class SeamRepair:
 
     first_tokens: int = 0  # leading tokens of each segment always recomputed (0: none)
     ratio: float = 0.0  # share of the assembled tokens recomputed by KV deviation, in [0, 1]
+    deviation_layer: int = DEVIATION_LAYER  # layer whose K/V deviation ranks tokens for the ratio
+    last_tokens: int = 0  # trailing tokens of each segment always recomputed (0: none)
 
     def __post_init__(self) -> None:
-        if isinstance(self.first_tokens, bool) or not isinstance(self.first_tokens, int) or self.first_tokens < 0:
-            raise ValueError(f"blend.first_tokens must be an integer >= 0, got {self.first_tokens!r}")
+        for name in ("first_tokens", "last_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"blend.{name} must be an integer >= 0, got {value!r}")
         if (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
                 or not math.isfinite(self.ratio) or not 0.0 <= self.ratio <= 1.0):
             raise ValueError(f"blend.ratio must be a number in [0, 1], got {self.ratio!r}")
+        if (isinstance(self.deviation_layer, bool) or not isinstance(self.deviation_layer, int)
+                or self.deviation_layer < 1):  # layer 0's K/V is the token's and position's alone: it never deviates
+            raise ValueError(f"blend.deviation_layer must be an integer >= 1, got {self.deviation_layer!r}")
 
     @classmethod
     def from_json(cls, obj: object, default: "SeamRepair") -> "SeamRepair":
         """A request's ``blend`` field: ``None`` -> ``default`` (the server's setting); an
-        object with ``first_tokens`` and/or ``ratio`` (a missing one takes the default's
-        value). Raises ``ValueError`` naming the field."""
+        object with any of ``first_tokens``, ``ratio``, ``deviation_layer``, ``last_tokens`` (a
+        missing one takes the default's value). Raises ``ValueError`` naming the field."""
         if obj is None:
             return default
         if isinstance(obj, SeamRepair):
             return obj
         if not isinstance(obj, Mapping):
             raise ValueError(f"blend must be an object {{\"first_tokens\": k, \"ratio\": r}}, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"first_tokens", "ratio"})
+        fields = ("first_tokens", "ratio", "deviation_layer", "last_tokens")
+        unknown = sorted(set(obj) - set(fields))
         if unknown:
-            raise ValueError(f"blend: unknown field(s) {unknown}; expected first_tokens, ratio")
-        first = obj.get("first_tokens")
-        ratio = obj.get("ratio")
-        return cls(default.first_tokens if first is None else first, default.ratio if ratio is None else ratio)
+            raise ValueError(f"blend: unknown field(s) {unknown}; expected {', '.join(fields)}")
+        return cls(**{f: getattr(default, f) if obj.get(f) is None else obj[f] for f in fields})
 
     @property
     def enabled(self) -> bool:
         """Whether anything is ever recomputed."""
-        return self.first_tokens > 0 or self.ratio > 0
+        return self.first_tokens > 0 or self.last_tokens > 0 or self.ratio > 0
+
+    def most_by_position(self, num_segments: int, num_tokens: int) -> int:
+        """An upper bound on the tokens ``first_tokens`` and ``last_tokens`` choose."""
+        return min(num_tokens, (min(self.first_tokens, num_tokens) + min(self.last_tokens, num_tokens)) * num_segments)
 
     def num_by_deviation(self, num_tokens: int) -> int:
         """How many of ``num_tokens`` assembled tokens the ratio picks."""
@@ -73,12 +91,16 @@ class SeamRepair:
         runs to the next start or ``num_tokens``). ``deviation``: ``[num_tokens]`` scores,
         needed when ``num_by_deviation(num_tokens)`` > 0 (ties: the earlier token first)."""
         chosen = np.zeros(num_tokens, dtype=bool)  # [n]
+        starts = np.asarray(segment_starts, dtype=np.int64).reshape(-1)  # [s]
+        ends = np.append(starts[1:], num_tokens)  # [s]
         if self.first_tokens > 0 and num_tokens:
-            starts = np.asarray(segment_starts, dtype=np.int64).reshape(-1)  # [s]
-            ends = np.append(starts[1:], num_tokens)  # [s]
             lengths = np.minimum(ends - starts, min(self.first_tokens, num_tokens))  # [s] (no int64 overflow)
             offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             chosen[np.repeat(starts, lengths) + offsets] = True
+        if self.last_tokens > 0 and num_tokens:
+            lengths = np.minimum(ends - starts, min(self.last_tokens, num_tokens))  # [s]
+            offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            chosen[np.repeat(ends - lengths, lengths) + offsets] = True
         k = self.num_by_deviation(num_tokens)
         if k:
             if deviation is None or len(deviation) != num_tokens:
