@@ -186,3 +186,24 @@ def test_chat_with_documents_and_no_max_tokens_fills_the_pool(tiny_llama):
             assert r.status_code == 200, r.json()
             assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
             asyncio.run(engine.check_integrity())
+
+
+def test_chat_documents_last_tokens_repair(served):
+    """``blend.last_tokens`` over HTTP: covering every token it is full prefill in the shuffled
+    order (usage counts each context token once); a bad value is a 400 naming the field."""
+    import openai
+
+    client, _, engine = served
+    chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])
+    messages = [SYSTEM, doc(1), doc(2), doc(0), QUESTION]
+    repaired = chat(client, messages, blend={"last_tokens": 10**6})
+    reference = chat(client, [SYSTEM, plain(1), plain(2), plain(0), QUESTION])
+    assert repaired.choices[0].message.content == reference.choices[0].message.content
+    context = repaired.usage.prompt_tokens - own_tokens(engine, messages)
+    assert repaired.usage.prompt_tokens_details.model_extra["recomputed_tokens"] == context
+    one = chat(client, messages, blend={"last_tokens": 1})
+    assert 0 < one.usage.prompt_tokens_details.model_extra["recomputed_tokens"] < context
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, messages, blend={"last_tokens": -1})
+    assert "blend.last_tokens" in str(err.value)
+    asyncio.run(engine.check_integrity())
