@@ -496,6 +496,27 @@ def test_a_pml_request_whose_recompute_cannot_fit_is_refused_up_front(tiny_llama
     assert llm.engine.pool.num_used_blocks == 0
 
 
+def test_a_pml_request_whose_peak_overflows_is_never_told_to_lower_max_tokens(tiny_llama):
+    """The acquisition's peak alone is over the pool: whatever max_tokens asks (even one whose
+    blocks held beside the modules are more than that peak), no max_tokens makes the request
+    fit, so the message names the context, never 'lower max_tokens'."""
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    prompt = '<prompt schema="long"><m/> Go on.</prompt>'
+    probe = make(tiny_llama)
+    probe.register_schema(LONG)
+    source = probe.engine.modules.source(probe.engine.prepare_prompt(prompt).plan)
+    pool_blocks = source.held_blocks + 4
+    assert source.num_blocks > pool_blocks
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=pool_blocks * bytes_per_block / 2**30, block_size=4)
+    llm.register_schema(LONG)
+    for max_tokens in (2, 4 * source.num_blocks):  # held below the peak, then well above it
+        with pytest.raises(ValueError, match=rf"context needs \d+ KV blocks at once .* but the pool has {pool_blocks}: "
+                                             "use fewer or shorter modules"):
+            llm.engine.add_prepared_request(f"r{max_tokens}", llm.engine.prepare_prompt(prompt),
+                                            SamplingParams(max_tokens=max_tokens, temperature=0))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_repaired_pml_request_counts_its_copies_beside_what_the_modules_keep(tiny_llama):
     """Seam repair's private copies are made once the modules' acquisition returned (its scratch
     gone): a pool with room for the recompute's peak, or for the modules, their copies and the

@@ -42,9 +42,9 @@ def check_request(
     # the last sampled token is never fed back, so it needs no slot
     # the context's blocks once held beside the request's own, or an acquisition's peak
     held = blocks_needed(len(prompt_token_ids) + params.max_tokens - 1) + context_blocks[0]
-    if context_blocks[1] > pool_blocks and context_blocks[1] >= held:
+    if context_blocks[1] > pool_blocks:
         # the peak of acquiring the context (modules recomputed into scratch) alone is too big:
-        # max_tokens cannot help
+        # no max_tokens can help, however many blocks it asks for beside the context
         raise ValueError(
             f"the request's context needs {context_blocks[1]} KV blocks at once while its modules or documents are "
             f"computed, but the pool has {pool_blocks}: use fewer or shorter modules/documents or raise "
