@@ -21,9 +21,11 @@ def points(quality: list[dict], ttft: dict, server: str) -> dict[str, list[dict]
     """Per question set: one point per repair setting found in both (no repair included, and
     full prefill at 100% agreement), with its agreement, accuracy, recomputed share and TTFT."""
     s = ttft["servers"][server]
-    timed = {(0, 0.0): s["ttft_median_s"]["documents"]}
+    # (first_tokens, ratio, deviation_layer, last_tokens) -> TTFT
+    timed = {(0, 0.0, 1, 0): s["ttft_median_s"]["documents"]}
     for kind, blend in ttft["repairs"].items():
-        timed[(blend["first_tokens"], float(blend["ratio"]))] = s["ttft_median_s"][kind]
+        key = (blend["first_tokens"], float(blend["ratio"]), blend.get("deviation_layer", 1), blend.get("last_tokens", 0))
+        timed[key] = s["ttft_median_s"][kind]
     out: dict[str, list[dict]] = {}
     for result in quality:
         for name, qs in result["sets"].items():
@@ -32,9 +34,7 @@ def points(quality: list[dict], ttft: dict, server: str) -> dict[str, list[dict]
                 rows.append({"full": True, "ttft_s": s["ttft_median_s"]["full"], "answer_agreement": 1.0,
                              "accuracy": qs["full"]["accuracy"], "recomputed_fraction": 1.0})
             for row in qs["settings"]:
-                key = (row["first_tokens"], float(row["ratio"]))
-                if (row.get("deviation_layer", 1), row.get("last_tokens", 0)) != (1, 0):  # what docs_ttft.py times
-                    continue
+                key = (row["first_tokens"], float(row["ratio"]), row.get("deviation_layer", 1), row.get("last_tokens", 0))
                 if key in timed and not any(r.get("key") == list(key) for r in rows):
                     rows.append({"key": list(key), "ttft_s": timed[key], "answer_agreement": row["answer_agreement"],
                                  "accuracy": row["accuracy"], "recomputed_fraction": row["recomputed_fraction"]})
@@ -67,14 +67,15 @@ def plot(result: dict, path: Path) -> None:
         line, = ax.plot([r["ttft_s"] for r in rows], [100 * r["answer_agreement"] for r in rows], marker="o",
                         label=f"{name} set")
         for r in rows:
-            label = "full prefill" if r.get("full") else ("no repair" if r["key"] == [0, 0.0] else
-                                                          f"{r['key'][0]}/{r['key'][1]:g}")
+            k = r.get("key")
+            label = ("full prefill" if r.get("full") else "no repair" if k == [0, 0.0, 1, 0] else
+                     f"{k[0]}/{k[1]:g}" + (f"/last {k[3]}" if k[3] else "") + (f"/layer {k[2]}" if k[2] != 1 else ""))
             ax.annotate(label, (r["ttft_s"], 100 * r["answer_agreement"]), fontsize=7, xytext=(4, -9),
                         textcoords="offset points", color=line.get_color())
     ax.set_xscale("log")
     ax.set_xlabel(f"TTFT at {result['prompt_tokens']} tokens, {result['server']}, HTTP (s, log)")
     ax.set_ylabel("answer agreement with full prefill (%)")
-    ax.set_title("schema-free documents: seam repair first_tokens/ratio, quality vs TTFT", fontsize=9)
+    ax.set_title("schema-free documents: seam repair first_tokens/ratio[/last_tokens], quality vs TTFT", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

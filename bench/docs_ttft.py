@@ -9,8 +9,9 @@ computed once). Then, ``--reps`` times, interleaved, against each server:
 
 - ``full``: the same messages unmarked under a fresh ``cache_salt`` (nothing cached: full prefill);
 - ``documents``: marked, ``blend`` ``{"first_tokens": 0, "ratio": 0}`` (no seam repair);
-- ``repair k/r``: marked, with each seam repair of ``--repairs`` (``k:r,...``: first_tokens k,
-  ratio r; the default's choice is bench/blend_quality.py's).
+- ``repair k/r[/layer/last]``: marked, with each seam repair of ``--repairs`` (``k:r[:layer[:j]],...``:
+  first_tokens k, ratio r, deviation layer, last_tokens j; the default's choice is
+  bench/blend_quality.py's).
 
 TTFT is the wall time of a ``max_tokens=1`` request (HTTP, template, tokenizing, the KV copy to
 the request's positions, repair, the question's prefill, one token). ``cached_tokens`` is
@@ -81,13 +82,28 @@ def check(u: dict, seen: dict[str, list[dict]]) -> None:
                          f"the {context[0]} context tokens reused without repair")
 
 
+def repair_spec(item: str) -> dict:
+    """``first:ratio[:deviation_layer[:last_tokens]]`` -> a request's ``blend`` object (every field
+    explicit, so the server's own default never fills one in)."""
+    parts = item.split(":")
+    if not 2 <= len(parts) <= 4:
+        raise SystemExit(f"--repairs: {item!r} is not first_tokens:ratio[:deviation_layer[:last_tokens]]")
+    spec = {"first_tokens": int(parts[0]), "ratio": float(parts[1]), "last_tokens": 0}
+    if len(parts) > 2:
+        spec["deviation_layer"] = int(parts[2])
+    if len(parts) > 3:
+        spec["last_tokens"] = int(parts[3])
+    return spec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=500)
-    ap.add_argument("--repairs", default="1:0,1:0.05,1:0.1", help="seam repairs to time, first_tokens:ratio,...")
+    ap.add_argument("--repairs", default="1:0,1:0.1,1:0.1:1:1",
+                    help="seam repairs to time, first_tokens:ratio[:deviation_layer[:last_tokens]],...")
     ap.add_argument("--servers", default="fp32,quick")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -98,9 +114,8 @@ def main() -> None:
     names = args.servers.split(",")
     tokenizer = load_model(args.model, dtype="float32").tokenizer
     docs = [doc_text(tokenizer, i, args.doc_tokens) for i in range(args.docs)]
-    off = {"first_tokens": 0, "ratio": 0.0}
-    repairs = {f"repair {k}/{r}": {"first_tokens": int(k), "ratio": float(r)}
-               for k, r in (item.split(":") for item in args.repairs.split(","))}
+    off = {"first_tokens": 0, "ratio": 0.0, "last_tokens": 0}
+    repairs = {f"repair {item.replace(':', '/')}": repair_spec(item) for item in args.repairs.split(",")}
     kinds = ("full", "documents", *repairs)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:

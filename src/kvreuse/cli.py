@@ -126,6 +126,15 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blend-last-tokens", type=int, default=C.blend_last_tokens,
                    help="PML seam repair: trailing tokens of each assembled module (right before a seam) "
                         f"recomputed against the assembled context (default: {C.blend_last_tokens})")
+    p.add_argument("--document-blend-first-tokens", type=int, default=C.document_blend_first_tokens,
+                   help="schema-free documents' seam repair: leading tokens of each document recomputed "
+                        f"(default: {C.document_blend_first_tokens})")
+    p.add_argument("--document-blend-ratio", type=float, default=C.document_blend_ratio,
+                   help="schema-free documents' seam repair: share of document tokens, those whose KV deviates "
+                        f"most, recomputed, in [0, 1] (default: {C.document_blend_ratio})")
+    p.add_argument("--document-blend-last-tokens", type=int, default=C.document_blend_last_tokens,
+                   help="schema-free documents' seam repair: trailing tokens of each document recomputed "
+                        f"(default: {C.document_blend_last_tokens}; all three 0: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -160,6 +169,8 @@ def _engine_config(args: argparse.Namespace):
         schema_slice_tokens=args.schema_slice_tokens, schema_max_tokens=args.schema_max_tokens,
         schema_max_bytes=args.schema_max_bytes, blend_first_tokens=args.blend_first_tokens,
         blend_ratio=args.blend_ratio, blend_last_tokens=args.blend_last_tokens,
+        document_blend_first_tokens=args.document_blend_first_tokens, document_blend_ratio=args.document_blend_ratio,
+        document_blend_last_tokens=args.document_blend_last_tokens,
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority,

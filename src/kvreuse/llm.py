@@ -54,7 +54,8 @@ class LLM:
         ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
         (a mapping, converted here once). ``blend`` is the seam repair of the assembled PML
         modules or documents (``SeamRepair(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``;
-        ``None``: the engine's ``blend_first_tokens`` / ``blend_ratio``); each output's
+        ``None`` or a field left out: the engine's ``document_blend_*`` for documents (on by
+        default), ``blend_*`` for PML modules (off by default)); each output's
         ``num_recomputed_tokens`` says how many it recomputed.
         Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
         retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling

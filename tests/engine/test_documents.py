@@ -20,8 +20,13 @@ DOCS = [
 QUESTION = " Question: who keeps the green ledger?"
 
 
+# the mechanics here are checked with repair off unless a request asks for one (the default
+# repair, --document-blend-*, is tests/server/test_document_routes.py's)
+NO_DEFAULT_REPAIR = {"document_blend_first_tokens": 0, "document_blend_ratio": 0.0, "document_blend_last_tokens": 0}
+
+
 def make(loaded) -> LLM:
-    return LLM(loaded=loaded, kv_cache_memory_gib=0.02, block_size=4)
+    return LLM(loaded=loaded, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
 
 
 def schema_for(order: list[int]) -> str:
@@ -239,7 +244,8 @@ def cached_kv(llm: LLM) -> torch.Tensor:
 def test_documents_evicted_to_the_host_tier_are_reused_from_it(tiny_llama):
     """A document's blocks are ordinary pool blocks: evicted, they go down to the host tier and
     come back on the next request that holds the document, as cached tokens, with the same logits."""
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001,
+              **NO_DEFAULT_REPAIR)
     engine = llm.engine
     n = engine.pool.num_blocks
     doc = [(i * 37) % 4000 + 10 for i in range(4 * (n // 4))]  # whole blocks: every one can be cached

@@ -12,6 +12,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.models.tiny import tiny_model
 from tests.engine_helpers import step_to_end
+from tests.engine.test_documents import NO_DEFAULT_REPAIR
 
 DOCS = ["The lighthouse keeper on Varn island logs every passing ship in a green ledger.",
         "Copper kettles were traded for salt at the northern market every spring."]
@@ -30,7 +31,7 @@ def prompt(tok):
 def test_an_unshiftable_rope_type_is_refused_before_any_work():
     m = tiny_model("llama", seed=0)
     m.model.model.rotary_emb.rope_type = "dynamic"  # as a rope_scaling={"rope_type": "dynamic"} checkpoint
-    llm = LLM(loaded=m, kv_cache_memory_gib=0.02, block_size=4)
+    llm = LLM(loaded=m, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
     rng = random.Random(0)
     with pytest.raises(ValueError, match="rope type"):
         llm.generate(DocumentPrompt.of([(ids(rng, 10), False), (ids(rng, 13), True), (ids(rng, 5), False)]), ONE)
@@ -44,7 +45,7 @@ def test_the_capacity_check_does_not_depend_on_the_load_at_arrival(tiny_llama):
     params = SamplingParams(max_tokens=90, temperature=0)
     bpt = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4).engine.kv_bytes_per_token
     for busy in (False, True):
-        engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=(4 * 120 * bpt) / 2**30, block_size=4).engine
+        engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=(4 * 120 * bpt) / 2**30, block_size=4, **NO_DEFAULT_REPAIR).engine
         if busy:  # another request holds blocks when this one arrives: its context cannot be held now
             engine.add_request("other", ids(rng, 300), SamplingParams(max_tokens=5, temperature=0))
             engine.step()
@@ -55,7 +56,7 @@ def test_the_capacity_check_does_not_depend_on_the_load_at_arrival(tiny_llama):
 
 
 def test_out_of_vocabulary_document_ids_are_a_value_error_and_leave_nothing_queued(tiny_llama):
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
     vocab = llm.engine.loaded.shape.vocab_size
     good = DocumentPrompt.of([([11, 12, 13], True), ([9, 10], False)])
     for bad in (vocab + 5, -1):
@@ -67,7 +68,7 @@ def test_out_of_vocabulary_document_ids_are_a_value_error_and_leave_nothing_queu
 
 
 def test_a_mark_that_is_not_an_object_is_a_value_error_in_llm_chat(tiny_llama):
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
     with pytest.raises(ValueError, match="kvreuse"):
         llm.chat([{"role": "user", "content": DOCS[0], "kvreuse": True}, {"role": "user", "content": "Q?"}], ONE)
     out = llm.chat([{"role": "user", "content": DOCS[0], "kvreuse": {"document": False}},
@@ -77,7 +78,7 @@ def test_a_mark_that_is_not_an_object_is_a_value_error_in_llm_chat(tiny_llama):
 
 
 def test_repair_keeps_the_segments(tiny_llama):
-    engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4).engine
+    engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR).engine
     engine.add_document_request("plain", prompt(tiny_llama.tokenizer), ONE)
     engine.add_document_request("rep", prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})
     seqs = {s.request_id: s for s in engine.requests()}
@@ -89,7 +90,7 @@ def test_repair_keeps_the_segments(tiny_llama):
 def test_a_reacquired_context_counts_only_what_the_first_acquisition_found(tiny_llama, blend):
     """A context let go and acquired again (a waiting request under pressure) finds the request's
     own freshly computed documents cached; they are not reported as cached tokens."""
-    engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4).engine
+    engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR).engine
     engine.add_document_request("r", prompt(tiny_llama.tokenizer), ONE, blend=blend)
     (seq,) = engine.requests()
     assert engine.documents.tokens_computed > 0
@@ -105,7 +106,7 @@ def test_ttft_includes_the_context_acquisition_and_repair(tiny_llama, monkeypatc
     (it started after them; review: reproduced with a slowed recompute)."""
     import time
 
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
     real = llm.engine.runner.recompute
     monkeypatch.setattr(llm.engine.runner, "recompute", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
     out = llm.generate(prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})[0]

@@ -24,6 +24,8 @@ SERVE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "de
          "tier_write_through_min_priority": "tier_write_through_min_priority",
          "blend_first_tokens": "blend_first_tokens", "blend_ratio": "blend_ratio",
          "blend_last_tokens": "blend_last_tokens",
+         "document_blend_first_tokens": "document_blend_first_tokens",
+         "document_blend_ratio": "document_blend_ratio", "document_blend_last_tokens": "document_blend_last_tokens",
          "speculative_tokens": "speculative_tokens", "speculative_ngram": "speculative_ngram_max",
          "speculative_ngram_min": "speculative_ngram_min"}
 PRECOMPUTE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",

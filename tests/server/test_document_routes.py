@@ -19,7 +19,10 @@ DOCS = [
 ]
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
 QUESTION = {"role": "user", "content": "Who keeps the green ledger?"}
-CONFIG = {"kv_cache_memory_gib": 0.02, "max_model_len": 1024}
+# the mechanics below are checked with repair off unless a request asks for one; the default
+# repair is checked on its own (test_documents_get_the_default_repair_unless_they_ask_otherwise)
+NO_DEFAULT_REPAIR = {"document_blend_first_tokens": 0, "document_blend_ratio": 0.0, "document_blend_last_tokens": 0}
+CONFIG = {"kv_cache_memory_gib": 0.02, "max_model_len": 1024, **NO_DEFAULT_REPAIR}
 
 
 def doc(i: int) -> dict:
@@ -114,6 +117,33 @@ def test_completions_documents_field(served):
     flat = tokenizer.encode(DOCS[1]) + tokenizer.encode(kwargs["prompt"])
     assert client.completions.create(**{**kwargs, "prompt": flat}).choices[0].text == single.choices[0].text
     asyncio.run(engine.check_integrity())
+
+
+def test_documents_get_the_default_repair_unless_they_ask_otherwise(tiny_llama):
+    """At the server's defaults a chat's documents are seam-repaired (``--document-blend-*``:
+    first 1, ratio 0.1, last 1): usage counts the recomputed keys, taken from the cached ones;
+    ``blend`` all 0 turns it off for the request (every context key reused); PML keeps
+    ``--blend-*`` (0: off)."""
+    import openai
+
+    from kvreuse.engine.config import EngineConfig
+
+    assert (EngineConfig().document_blend.first_tokens, EngineConfig().document_blend.ratio,
+            EngineConfig().document_blend.last_tokens) == (1, 0.1, 1)
+    assert not EngineConfig().blend.enabled
+    with fresh_server(tiny_llama, kv_cache_memory_gib=0.02, max_model_len=1024) as (url, engine):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])  # every document computed once
+        messages = [SYSTEM, doc(2), doc(0), doc(1), QUESTION]
+        context = chat(client, messages, blend={"first_tokens": 0, "ratio": 0, "last_tokens": 0}).usage
+        assert context.prompt_tokens_details.model_extra.get("recomputed_tokens", 0) == 0
+        reused = context.prompt_tokens_details.cached_tokens
+        assert reused == context.prompt_tokens - own_tokens(engine, messages)
+        default = chat(client, messages).usage.prompt_tokens_details
+        # 3 documents x (first + last) at least, plus a tenth of the context by deviation
+        assert default.model_extra["recomputed_tokens"] >= 6 + reused // 10
+        assert default.cached_tokens + default.model_extra["recomputed_tokens"] == reused
+        asyncio.run(engine.check_integrity())
 
 
 def test_documents_isolated_by_salt(served):

@@ -44,22 +44,34 @@ class EngineConfig:
     blend_first_tokens: int = 0  # seam repair: leading tokens of each assembled module recomputed (0: none)
     blend_ratio: float = 0.0  # seam repair: share of assembled tokens recomputed by KV deviation, in [0, 1]
     blend_last_tokens: int = 0  # seam repair: trailing tokens of each assembled module recomputed (0: none)
+    # the same for schema-free documents (a DocumentPrompt, chat messages marked as documents):
+    # on by default, the setting bench/blend_quality.py chose (docs/benchmarks.md, issue 14)
+    document_blend_first_tokens: int = 1
+    document_blend_ratio: float = 0.1
+    document_blend_last_tokens: int = 1
     speculative_tokens: int = 0  # prompt lookup: tokens drafted per greedy decode step (0 = off)
     speculative_ngram_max: int = 4  # prompt lookup: longest n-gram matched (tried first)
     speculative_ngram_min: int = 2  # prompt lookup: shortest n-gram matched
 
     @property
     def blend(self) -> SeamRepair:
-        """The seam repair a request gets when it asks for none (``--blend-*``)."""
+        """The seam repair a PML request gets when it asks for none (``--blend-*``)."""
         return SeamRepair(self.blend_first_tokens, self.blend_ratio, last_tokens=self.blend_last_tokens)
 
+    @property
+    def document_blend(self) -> SeamRepair:
+        """The seam repair a documents request gets when it asks for none (``--document-blend-*``)."""
+        return SeamRepair(self.document_blend_first_tokens, self.document_blend_ratio,
+                          last_tokens=self.document_blend_last_tokens)
+
     def __post_init__(self) -> None:
-        try:
-            self.blend
-        except ValueError as exc:  # name the flags, not the request field
-            raise ValueError(str(exc).replace("blend.first_tokens", "--blend-first-tokens")
-                             .replace("blend.ratio", "--blend-ratio")
-                             .replace("blend.last_tokens", "--blend-last-tokens")) from None
+        for prefix, attr in (("--blend-", "blend"), ("--document-blend-", "document_blend")):
+            try:
+                getattr(self, attr)
+            except ValueError as exc:  # name the flags, not the request field
+                raise ValueError(str(exc).replace("blend.first_tokens", prefix + "first-tokens")
+                                 .replace("blend.ratio", prefix + "ratio")
+                                 .replace("blend.last_tokens", prefix + "last-tokens")) from None
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.block_size < 1 or self.block_size > 1024:

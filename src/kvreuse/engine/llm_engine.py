@@ -212,17 +212,18 @@ class LLMEngine:
             return self.add_document_request(request_id, prompt, params, cache_salt=cache_salt, retention=retention,
                                              blend=blend)
         arrival = time.perf_counter()  # the TTFT includes the modules' acquisition and repair
-        source = self._repaired(self.modules.source(prompt.plan), blend)
+        source = self._repaired(self.modules.source(prompt.plan), blend, self.config.blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, prompt.token_ids, params, cache_salt=cache_salt, retention=retention,
                          prompt_positions=list(prompt.position_ids), context=context,  # own copy: shared prompt
                          arrival_time=arrival)
 
-    def _repaired(self, source, blend):
-        """``source`` seam-repaired as ``blend`` asks (``SeamRepair.from_json``; ``None``: the
-        server's ``--blend-*``), or ``source`` itself when that repairs nothing."""
-        repair = SeamRepair.from_json(blend, self.config.blend)
+    def _repaired(self, source, blend, default: SeamRepair):
+        """``source`` seam-repaired as ``blend`` asks (``SeamRepair.from_json``; ``None`` or an
+        omitted field: ``default``, the server's ``--blend-*`` for PML modules, its
+        ``--document-blend-*`` for documents), or ``source`` itself when that repairs nothing."""
+        repair = SeamRepair.from_json(blend, default)
         if not repair.enabled:
             return source
         return RepairedSource(source, repair, self.runner, self.kv, on_repair=self._count_repair)
@@ -252,7 +253,7 @@ class LLMEngine:
             raise ValueError(f"documents: the prompt ({prompt.num_tokens} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the context length {self.max_model_len}; shorten it or lower max_tokens")
         self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
-        source = self._repaired(self.documents.source(layout, cache_salt), blend)
+        source = self._repaired(self.documents.source(layout, cache_salt), blend, self.config.document_blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, list(layout.token_ids), params, cache_salt=cache_salt, retention=retention,
