@@ -223,10 +223,12 @@ def _attend_item(
                                            enable_gqa=True)  # [1, heads, n, d]
         return o[0].transpose(0, 1)
     if item.mask_full is None and mask is None:
-        # Fresh prompt, no context: the same causal SDPA call plain transformers makes.
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                           scale=scale, enable_gqa=True)  # [heads, n, d]
-        return o.transpose(0, 1)
+        # Fresh prompt, no context: the same causal SDPA call plain transformers makes. 4-D: with
+        # 3-D inputs and enable_gqa, CPU SDPA falls back to its math path (bf16, 9 heads over 3,
+        # 4,096 tokens: 0.92 s a layer against 0.026 s through the flash kernel).
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, scale=scale, enable_gqa=True)  # [1, heads, n, d]
+        return o[0].transpose(0, 1)
     if not sliding_window:
         return _flash_over_pool(item, q, k, v, k_cache, v_cache, scale)
     # Sliding-window layer: the window masks context keys too (attention order, bool mask).
