@@ -18,7 +18,8 @@ random tokens each time; figures are medians over ``--reps``:
   own KV for a common prefix, kvreuse its prefix cache): seconds to the first token;
 - decode after that long prompt (the RAG case): ``--decode`` greedy tokens after the cached
   ``--prefix`` + 32 tokens, tokens/s of the decode part; every step attends over ~2k keys, so
-  this is where attention's KV reads (the same bytes for both engines) join the weights'.
+  this is where attention's KV reads join the weights' (the same bytes for llama.cpp's f16 KV
+  and kvreuse default's bf16; twice as many for kvreuse fp32).
 
 Beside them, measured in the same run (each rep, interleaved with the contenders): the GEMM
 peak of each dtype (a 1,024 x ``hidden`` x 4,096 matmul, bf16 and fp32), which with the

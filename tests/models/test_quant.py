@@ -207,7 +207,9 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     prompts = [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)]
     reuse = LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16)
     _next_tokens(reuse, [shared])  # warm the shared blocks
-    cached = _next_tokens(reuse, prompts)
+    reused = reuse.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    cached = [o.token_ids[0] for o in reused]
+    assert min(o.num_cached_tokens for o in reused) >= 192  # the shared 200 tokens' 12 full blocks: reuse happened
     reuse.engine.pool.check_integrity()
     plain_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16, enable_prefix_caching=False)
     plain = [o.logprobs[0] for o in plain_llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=5))]
@@ -266,3 +268,42 @@ def test_projections_that_cannot_share_a_matmul_are_not_fused():
     # int4 packs rows in blocks of 64: a 32-row part would not be a row slice of the fused pack
     assert quant.fuse_linears([Int4Linear(_weight(32, 64), None, torch.float32),
                                Int4Linear(_weight(64, 64), None, torch.float32)]) is None
+
+
+# --------------------------------------------------------------------------- many-row int4 calls
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_int4_unpacked_weight_is_the_kernels_weight(fused):
+    """The packed codes unpacked with tensor ops give the weight the kernel multiplies by (its
+    identity-matrix product), for a layer and for a fused one (parts stacked in pack blocks):
+    the pack layout ``unpacked_weight`` assumes is torch's."""
+    if fused:
+        owner = torch.nn.Module()
+        for i, (name, n) in enumerate((("q", 128), ("k", 64), ("v", 64))):
+            setattr(owner, name, Int4Linear(_weight(n, 96, seed=i), None, torch.bfloat16))
+        layer = quant.fuse_linears([owner.q, owner.k, owner.v])
+    else:
+        layer = Int4Linear(_weight(192, 96, seed=3), None, torch.bfloat16)
+    assert layer.use_kernel
+    ref = layer.dequantized_weight().float()  # [out, in]
+    got = layer.unpacked_weight(torch.bfloat16).float()
+    # both are (q - 8) * scale + zero rounded to bf16 (the kernel's fused arithmetic may round once less)
+    torch.testing.assert_close(got, ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+    exact = layer.unpacked_weight(torch.float32)
+    torch.testing.assert_close(exact.bfloat16().float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+
+
+def test_int4_many_rows_take_the_dense_path_and_agree_with_the_kernel(monkeypatch):
+    """From ``DENSE_MIN_ROWS`` rows a bf16 int4 layer multiplies its unpacked weight densely;
+    the result is the kernel's within bf16 rounding; fewer rows keep the kernel."""
+    layer = Int4Linear(_weight(192, 96, seed=4), None, torch.bfloat16)
+    x = torch.randn(quant.DENSE_MIN_ROWS, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+    kernel = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.group, layer.scale_zero).float()
+    calls = []
+    real = layer.unpacked_weight
+    monkeypatch.setattr(layer, "unpacked_weight", lambda dtype: calls.append(dtype) or real(dtype))
+    dense = layer(x).float()
+    assert calls == [torch.bfloat16]
+    torch.testing.assert_close(dense, kernel, rtol=2e-2, atol=2e-2 * kernel.abs().max().item())
+    layer(x[: quant.DENSE_MIN_ROWS - 1])
+    assert calls == [torch.bfloat16]  # one row fewer: the kernel

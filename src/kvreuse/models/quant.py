@@ -36,6 +36,10 @@ __all__ = ["QuantMode", "SCHEMES", "parse_quantization", "fast_bf16_cpu", "Int8L
            "Int8Embedding", "fuse_linears", "fused_projection", "quantize_model", "weight_bytes"]
 
 INT4_GROUP = 32  # input channels per (scale, zero) group; a GGUF Q4_1 / Q8_0 block
+# From this many rows a bf16 int4 layer multiplies a transient dequantized copy instead of
+# calling the int4 kernel (whose cost is ~linear in rows): bench/int4_rows.py, one decoder
+# layer at 2 threads: 128 rows 4.97 vs 5.61 ms, 192 rows 7.41 vs 5.88 ms, 512 rows 19.9 vs 7.3 ms.
+DENSE_MIN_ROWS = 160
 EMBED_GROUP = 32
 
 
@@ -164,9 +168,29 @@ class Int4Linear(nn.Module):
         scale, zero = self.scale_zero[..., 0:1], self.scale_zero[..., 1:2]  # [out, groups, 1]
         return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
 
+    def unpacked_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[out, in]`` in ``dtype`` from the CPU-packed codes with tensor ops (a transient copy
+        for a many-row call; ``dequantized_weight`` is the reference). The pack
+        (``_convert_weight_to_int4pack_for_cpu``, torch 2.13, checked in tests/models/test_quant.py)
+        stores rows in blocks of ``INT4_PACK_ROWS``: byte ``[block, k, j]`` holds row ``j`` of the
+        block in its low nibble and row ``j + 32`` in its high one."""
+        n, k, g = self.out_features, self.in_features, self.group
+        half = INT4_PACK_ROWS // 2
+        packed = self.qweight.view(n // INT4_PACK_ROWS, k, half)
+        q = torch.cat([packed & 0xF, packed >> 4], dim=2)  # [n / 64, k, 64] codes 0..15
+        q = q.transpose(1, 2).reshape(n, k // g, g)  # [n, groups, g]
+        scale = self.scale_zero[..., 0].float()  # [groups, n]
+        low = (self.scale_zero[..., 1].float() - 8 * scale).t().unsqueeze(-1).to(dtype).contiguous()  # [n, groups, 1]
+        return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        if (x.dtype == torch.bfloat16 and x.numel() >= DENSE_MIN_ROWS * self.in_features
+                and self.out_features % INT4_PACK_ROWS == 0):
+            # a prefill chunk: the kernel's cost grows with rows (it decodes the codes per row
+            # block), one dense bf16 GEMM over a transient dequantized copy does not
+            return F.linear(x, self.unpacked_weight(x.dtype), self.bias)
         sz = self.scale_zero if self.scale_zero.dtype == x.dtype else self.scale_zero.to(x.dtype)
         if x.dim() == 2:  # the own forward's [T, in]: no reshapes
             y = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, sz)
