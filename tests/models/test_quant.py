@@ -307,3 +307,29 @@ def test_int4_many_rows_take_the_dense_path_and_agree_with_the_kernel(monkeypatc
     torch.testing.assert_close(dense, kernel, rtol=2e-2, atol=2e-2 * kernel.abs().max().item())
     layer(x[: quant.DENSE_MIN_ROWS - 1])
     assert calls == [torch.bfloat16]  # one row fewer: the kernel
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_int4_unpacked_weight_matches_the_pack_of_every_cpu_capability(capability):
+    """The pack's nibble order depends on the CPU capability torch dispatches to (AVX512, AVX2,
+    the default kernels differ): the unpacked weight must be the kernel's on each, not only on
+    the AVX512 layout (a non-AVX512 CPU would otherwise prefill with a scrambled weight)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from kvreuse.models.quant import Int4Linear\n"
+        "for n, k, g in ((64, 32, 32), (192, 96, 32), (128, 576, 64)):\n"
+        "    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))\n"
+        "    layer = Int4Linear(w, None, torch.bfloat16, group=g)\n"
+        "    ref = layer.dequantized_weight().float()\n"
+        "    got = layer.unpacked_weight(torch.bfloat16).float()\n"
+        "    torch.testing.assert_close(got, ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)\n"
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -171,14 +171,19 @@ class Int4Linear(nn.Module):
     def unpacked_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """``[out, in]`` in ``dtype`` from the CPU-packed codes with tensor ops (a transient copy
         for a many-row call; ``dequantized_weight`` is the reference). The pack
-        (``_convert_weight_to_int4pack_for_cpu``, torch 2.13, checked in tests/models/test_quant.py)
-        stores rows in blocks of ``INT4_PACK_ROWS``: byte ``[block, k, j]`` holds row ``j`` of the
-        block in its low nibble and row ``j + 32`` in its high one."""
+        (``_convert_weight_to_int4pack_for_cpu``) stores rows in blocks of ``INT4_PACK_ROWS``,
+        each block's nibbles in an order that depends on the CPU capability torch dispatches to
+        (AVX512, AVX2 and the default kernels differ): ``_int4_pack_order`` reads it off probe
+        packs, so the unpack is the kernel's on any of them."""
         n, k, g = self.out_features, self.in_features, self.group
-        half = INT4_PACK_ROWS // 2
-        packed = self.qweight.view(n // INT4_PACK_ROWS, k, half)
-        q = torch.cat([packed & 0xF, packed >> 4], dim=2)  # [n / 64, k, 64] codes 0..15
-        q = q.transpose(1, 2).reshape(n, k // g, g)  # [n, groups, g]
+        if _int4_pack_is_split(k):  # AVX512: byte [block, k, j] holds row j (low nibble) and j + 32 (high)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, k, INT4_PACK_ROWS // 2)
+            q = torch.cat([packed & 0xF, packed >> 4], dim=2)  # [n / 64, k, 64] codes 0..15
+            q = q.transpose(1, 2).reshape(n, k // g, g)  # [n, groups, g]
+        else:  # any other order: one gather by the probed order (slower)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k // 2)
+            nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k)
+            q = nibbles[:, _int4_pack_order(k)].view(n, k // g, g)  # [n, groups, g] codes 0..15
         scale = self.scale_zero[..., 0].float()  # [groups, n]
         low = (self.scale_zero[..., 1].float() - 8 * scale).t().unsqueeze(-1).to(dtype).contiguous()  # [n, groups, 1]
         return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
@@ -235,6 +240,38 @@ class Int8Embedding(nn.Module):
 # --------------------------------------------------------------------------- fused projections
 
 INT4_PACK_ROWS = 64  # the CPU int4 pack interleaves rows in blocks of 64: row slices at multiples stay packs
+
+
+@lru_cache(maxsize=16)
+def _int4_pack_order(k: int) -> torch.Tensor:
+    """For one ``INT4_PACK_ROWS`` x ``k`` block of the CPU int4 pack, the nibble (low then high
+    nibble of each byte) holding each code, in ``[row, k]`` order: ``nibbles[order]`` are the
+    block's codes row-major. Read off packs of probes whose codes are the base-16 digits of each
+    code's own index (the layout depends on the CPU capability torch dispatches to)."""
+    size = INT4_PACK_ROWS * k
+    index = torch.arange(size, dtype=torch.int64)
+    where = torch.zeros(size, dtype=torch.int64)  # nibble position -> code index
+    shift = 0
+    while (1 << shift) < size:
+        probe = ((index >> shift) & 0xF).to(torch.int32).view(INT4_PACK_ROWS, k)
+        packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1).view(-1)
+        where |= torch.stack([packed & 0xF, packed >> 4], dim=-1).view(-1).to(torch.int64) << shift
+        shift += 4
+    order = torch.empty(size, dtype=torch.int64)
+    order[where] = index
+    if not torch.equal(torch.sort(where).values, index):
+        raise RuntimeError("unexpected CPU int4 pack layout: not a permutation of its codes")
+    return order
+
+
+@lru_cache(maxsize=16)
+def _int4_pack_is_split(k: int) -> bool:
+    """True when the pack's order is AVX512's (byte ``[k, j]`` of a block: row ``j`` low, ``j + 32``
+    high), which ``Int4Linear.unpacked_weight`` unpacks with reshapes instead of a gather."""
+    half = INT4_PACK_ROWS // 2
+    rows = torch.arange(INT4_PACK_ROWS)[:, None] * k + torch.arange(k)[None, :]  # code index [row, k]
+    split = torch.stack([rows[:half].t(), rows[half:].t()], dim=-1).reshape(-1)  # nibble position -> code index
+    return torch.equal(_int4_pack_order(k)[split], torch.arange(INT4_PACK_ROWS * k))
 
 
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
