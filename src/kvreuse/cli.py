@@ -116,25 +116,19 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schema-max-bytes", type=int, default=C.schema_max_bytes,
                    help=f"PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: "
                         f"{C.schema_max_bytes})")
-    # a request's "blend" overrides these
-    p.add_argument("--blend-first-tokens", type=int, default=C.blend_first_tokens,
-                   help="PML seam repair: leading tokens of each assembled module recomputed against the "
-                        f"assembled context (default: {C.blend_first_tokens})")
-    p.add_argument("--blend-ratio", type=float, default=C.blend_ratio,
-                   help="PML seam repair: share of assembled tokens, those whose KV deviates most, recomputed "
-                        f"against the assembled context, in [0, 1] (default: {C.blend_ratio})")
-    p.add_argument("--blend-last-tokens", type=int, default=C.blend_last_tokens,
-                   help="PML seam repair: trailing tokens of each assembled module (right before a seam) "
-                        f"recomputed against the assembled context (default: {C.blend_last_tokens})")
-    p.add_argument("--document-blend-first-tokens", type=int, default=C.document_blend_first_tokens,
-                   help="schema-free documents' seam repair: leading tokens of each document recomputed "
-                        f"(default: {C.document_blend_first_tokens})")
-    p.add_argument("--document-blend-ratio", type=float, default=C.document_blend_ratio,
-                   help="schema-free documents' seam repair: share of document tokens, those whose KV deviates "
-                        f"most, recomputed, in [0, 1] (default: {C.document_blend_ratio})")
-    p.add_argument("--document-blend-last-tokens", type=int, default=C.document_blend_last_tokens,
-                   help="schema-free documents' seam repair: trailing tokens of each document recomputed "
-                        f"(default: {C.document_blend_last_tokens}; all three 0: off)")
+    # a request's "blend" overrides these; one set for PML modules, one for schema-free documents
+    for field, what, unit in (("blend", "PML seam repair", "assembled module"),
+                              ("document_blend", "schema-free documents' seam repair", "document")):
+        flag = "--" + field.replace("_", "-")
+        p.add_argument(f"{flag}-first-tokens", type=int, default=getattr(C, f"{field}_first_tokens"),
+                       help=f"{what}: leading tokens of each {unit} recomputed against the assembled context "
+                            f"(default: {getattr(C, f'{field}_first_tokens')})")
+        p.add_argument(f"{flag}-ratio", type=float, default=getattr(C, f"{field}_ratio"),
+                       help=f"{what}: share of the {unit}s' tokens, those whose KV deviates most, recomputed "
+                            f"against the assembled context, in [0, 1] (default: {getattr(C, f'{field}_ratio')})")
+        p.add_argument(f"{flag}-last-tokens", type=int, default=getattr(C, f"{field}_last_tokens"),
+                       help=f"{what}: trailing tokens of each {unit} (right before a seam) recomputed "
+                            f"(default: {getattr(C, f'{field}_last_tokens')}; all three 0: off)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -167,10 +161,9 @@ def _engine_config(args: argparse.Namespace):
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
         schema_src_dir=args.schema_src_dir, host_cache_memory_gib=args.host_cache_memory,
         schema_slice_tokens=args.schema_slice_tokens, schema_max_tokens=args.schema_max_tokens,
-        schema_max_bytes=args.schema_max_bytes, blend_first_tokens=args.blend_first_tokens,
-        blend_ratio=args.blend_ratio, blend_last_tokens=args.blend_last_tokens,
-        document_blend_first_tokens=args.document_blend_first_tokens, document_blend_ratio=args.document_blend_ratio,
-        document_blend_last_tokens=args.document_blend_last_tokens,
+        schema_max_bytes=args.schema_max_bytes,
+        **{f"{field}_{knob}": getattr(args, f"{field}_{knob}") for field in ("blend", "document_blend")
+           for knob in ("first_tokens", "ratio", "last_tokens")},
         host_offload_min_priority=args.host_offload_min_priority, disk_cache_dir=args.disk_cache_dir,
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority,

@@ -95,12 +95,10 @@ class SeamRepair:
         ends = np.append(starts[1:], num_tokens)  # [s]
         if self.first_tokens > 0 and num_tokens:
             lengths = np.minimum(ends - starts, min(self.first_tokens, num_tokens))  # [s] (no int64 overflow)
-            offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            chosen[np.repeat(starts, lengths) + offsets] = True
+            chosen[_runs(starts, lengths)] = True
         if self.last_tokens > 0 and num_tokens:
             lengths = np.minimum(ends - starts, min(self.last_tokens, num_tokens))  # [s]
-            offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            chosen[np.repeat(ends - lengths, lengths) + offsets] = True
+            chosen[_runs(ends - lengths, lengths)] = True
         k = self.num_by_deviation(num_tokens)
         if k:
             if deviation is None or len(deviation) != num_tokens:
@@ -108,3 +106,9 @@ class SeamRepair:
             order = np.argsort(-np.asarray(deviation, dtype=np.float64), kind="stable")  # [n] most deviant first
             chosen[order[:k]] = True
         return np.flatnonzero(chosen).astype(np.int64)
+
+
+def _runs(firsts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of runs ``firsts[i] .. firsts[i] + lengths[i] - 1``, concatenated: ``[sum(lengths)]``."""
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(firsts, lengths) + offsets
