@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.engine import llm_engine as engine_module
+from kvreuse.engine import logprobs as logprobs_module
 from tests.engine_helpers import reference_logits
 
 PROMPT = [(i * 53) % 3000 + 20 for i in range(37)]
@@ -74,7 +74,7 @@ def test_batch_mixes_requests_with_and_without_logprobs(llm):
 
 def test_no_logprobs_requested_means_no_log_softmax(llm, monkeypatch):
     calls = []
-    monkeypatch.setattr(engine_module, "compute_logprobs", lambda *a: calls.append(a) or [])
+    monkeypatch.setattr(logprobs_module, "compute_logprobs", lambda *a: calls.append(a) or [])  # looked up there
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0))[0]
     assert calls == [] and out.logprobs is None
 

@@ -23,7 +23,7 @@ from kvreuse.cache.host_tier import HostTier
 from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.tiers.setup import build_host_tier
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
-from kvreuse.engine.logprobs import TokenLogprobs, compute_logprobs
+from kvreuse.engine.logprobs import TokenLogprobs, requested_logprobs
 from kvreuse.engine.attention import KeyTable
 from kvreuse.engine.model_runner import KVLayout, ModelRunner, SeqChunk
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
@@ -39,7 +39,7 @@ from kvreuse.pml.registration import RegistrationQueue, Settle
 from kvreuse.pml.schema_cost import SchemaLimits
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
 from kvreuse.engine.sampler import make_generator, sample_one
-from kvreuse.engine.request_checks import check_request
+from kvreuse.engine.request_checks import check_documents, check_request
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler
 from kvreuse.pml.schema_store import SchemaStore
@@ -245,13 +245,8 @@ class LLMEngine:
         if the request can never run or ``blend`` is invalid."""
         arrival = time.perf_counter()  # the TTFT includes the documents' copy and repair
         layout = prompt.layout()
-        vocab = self.loaded.shape.vocab_size
-        for i, piece in enumerate(layout.documents):  # checked before any of it runs through the model
-            if any(not 0 <= t < vocab for t in piece):
-                raise ValueError(f"documents: part {i} holds token ids outside the vocabulary [0, {vocab})")
-        if self.max_model_len is not None and prompt.num_tokens + params.max_tokens > self.max_model_len:
-            raise ValueError(f"documents: the prompt ({prompt.num_tokens} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the context length {self.max_model_len}; shorten it or lower max_tokens")
+        check_documents(layout.documents, prompt.num_tokens, params.max_tokens,  # before any of it runs
+                        vocab_size=self.loaded.shape.vocab_size, max_model_len=self.max_model_len)
         self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
         source = self._repaired(self.documents.source(layout, cache_salt), blend, self.config.document_blend)
         context = PromptContext(source, None)
@@ -342,7 +337,7 @@ class LLMEngine:
             if chunk.sample:
                 sampled.append((item, row, [sample_one(logits[row], seq.params, seq.generator)]))
                 row += 1
-        new_logprobs = self._logprobs(logits, [(it.seq, r + j, t) for it, r, tokens in sampled
+        new_logprobs = requested_logprobs(logits, [(it.seq, r + j, t) for it, r, tokens in sampled
                                                for j, t in enumerate(tokens)])
         outputs: list[RequestOutput] = []
         for item, first_row, tokens in sampled:
@@ -419,18 +414,6 @@ class LLMEngine:
             sample=c + n - num_draft == seq.num_tokens,
             num_logits=1 + num_draft,
         )
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[tuple[Sequence, int, int]]) -> dict[tuple[str, int], TokenLogprobs]:
-        """Logprobs of the chosen tokens, keyed by (request id, logits row), for the requests
-        that asked for them (none: no work)."""
-        wanted = [(seq, row, token) for seq, row, token in rows if seq.params.logprobs is not None]
-        if not wanted:
-            return {}
-        index = torch.tensor([row for _, row, _ in wanted], dtype=torch.long, device=logits.device)
-        found = compute_logprobs(logits.index_select(0, index), [t for _, _, t in wanted],
-                                 [seq.params.logprobs for seq, _, _ in wanted])
-        return {(seq.request_id, row): lp for (seq, row, _), lp in zip(wanted, found)}
 
     def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
                 new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 
 from kvreuse.engine.sampling_params import SamplingParams
 
@@ -55,3 +55,16 @@ def check_request(
             f"the request needs {held} KV blocks (prompt {n} + max_tokens {params.max_tokens}) but the pool "
             f"has {pool_blocks}: lower max_tokens or raise --kv-cache-memory"
         )
+
+
+def check_documents(documents: Sequence[Sequence[int]], num_tokens: int, max_tokens: int, *, vocab_size: int,
+                    max_model_len: int | None) -> None:
+    """Refuse a documents prompt (``DocumentPrompt``) the engine could never run: a document
+    with token ids outside the vocabulary, or a prompt of ``num_tokens`` that with
+    ``max_tokens`` overflows the context. Pure. Raises ValueError naming the part to change."""
+    for i, piece in enumerate(documents):
+        if any(not 0 <= t < vocab_size for t in piece):
+            raise ValueError(f"documents: part {i} holds token ids outside the vocabulary [0, {vocab_size})")
+    if max_model_len is not None and num_tokens + max_tokens > max_model_len:
+        raise ValueError(f"documents: the prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) "
+                         f"exceeds the context length {max_model_len}; shorten it or lower max_tokens")
