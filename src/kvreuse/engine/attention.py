@@ -283,7 +283,7 @@ def _flash_over_pool(
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
             # long runs: read each in place (a gather would copy the whole context per layer)
-            pieces = [_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale, one_token=True)
+            pieces = [_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
                       for a, m in runs]
             return _merge(pieces).view(1, heads, d)
         slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
@@ -297,34 +297,29 @@ def _flash_over_pool(
     else:
         slots = item.context_slots_tensor
         kc, vc = k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None]  # [1, kv, c, d]
-    context = _flash(qh, kc, vc, scale)
+    # every context key is visible to every new token: stack a KV head's query heads as rows
+    # ([1, kv, groups * n, d]), so the kernel reads each context key once per KV head
+    groups = heads // kv_heads
+    qc = qh.reshape(1, kv_heads, groups * n, d)  # head h = kv head h // groups: rows (group, token)
+    out_c, lse_c = _flash(qc, kc, vc, scale)
+    context = out_c.view(1, heads, n, d), lse_c.reshape(1, heads, n)
     own = _flash(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
     return _merge([context, own])[0].transpose(0, 1)  # [n, heads, d]
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-           one_token: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q k^T * scale) v`` and each row's log-sum-exp of the scaled scores:
     ``([B, H, n, d], [B, H, n] fp32)`` for ``q [B, H, n, d]``, ``k, v [B, kv, L, d]``
     (``H`` a multiple of ``kv``, head ``h`` using kv head ``h // (H / kv)``); ``causal``
-    needs ``n == L``. On CPU: PyTorch's flash kernel, in fp32 (strided fp32 inputs read in
-    place; bf16 / fp16 ones copied to fp32 first, the output cast back): the kernel's own
-    reduced-precision path moved the top-1 token on 2 of 120 reuse positions of the bf16
-    quality guard (tests/models/test_quant.py: 98.3% < 99%). Elsewhere: matmuls with fp32
-    scores (cuBLAS on CUDA), the same contract.
-    ``one_token``: the rows are one decode token's query heads, for which the CPU flash kernel
-    is used in every dtype, as ``_attention`` does (a decode over several runs of the pool:
-    64 tokens after a cached 2,048-token prompt, in two runs, bf16: 59 vs 48 ms a step)."""
+    needs ``n == L``. On CPU: PyTorch's flash kernel in the inputs' dtype (strided inputs
+    read in place; bf16 rows accumulate in fp32 inside the kernel, and run on AMX where the
+    CPU has it: 32 queries over 4,096 keys, 2 threads, 0.81 ms in bf16 against 3.5 ms over
+    fp32 copies). Elsewhere: matmuls with fp32 scores (cuBLAS on CUDA), the same contract."""
     if q.device.type != "cpu":
         return _math_attention(q, k, v, scale, causal)
-    if q.dtype == torch.float32 or one_token:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
-    # bf16 / fp16 rows: the kernel over fp32 copies, the accumulation of ``_math_attention``
-    # at 2.5x its speed (32 queries over 2,048 keys, 1 thread: 2.0 vs 4.9 ms a layer)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0, causal,
-                                                                          scale=scale)
-    return out.to(q.dtype), lse
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
