@@ -25,7 +25,8 @@ Beside them, measured in the same run (each rep, interleaved with the contenders
 peak of each dtype (a 1,024 x ``hidden`` x 4,096 matmul, bf16 and fp32), which with the
 suffix's FLOPs (projections, MLP and attention of 32 tokens over ``--prefix`` keys, one
 ``lm_head`` row) gives the cached request's compute floor; and the memory read bandwidth (a
-256 MiB copy), which with the bytes of weights a decode step reads gives each contender's
+256 MiB copy), which with the bytes the cached request must read once (every matmul weight and
+the prefix's K/V) gives its memory floor, and with the bytes of weights a decode step reads gives each contender's
 decode ceiling (the GGUF's size for llama.cpp, the resident weights for kvreuse). Resident
 weights vs the GGUF file size are reported too.
 
@@ -193,6 +194,18 @@ def gemm_gflops(dtype, k: int) -> float:
     return 2 * 1024 * k * 4096 / best / 1e9
 
 
+def matmul_weight_bytes(model) -> int:
+    """Bytes of the distinct storages of every linear layer (plain, int8 or int4) of ``model``:
+    what one forward reads whatever its rows (a tied ``lm_head`` counted once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if "Linear" in type(module).__name__:
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                if t is not None:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def read_gb_s() -> float:
     """GB/s of one 256 MiB copy (read + write counted once each: bytes moved / 2 per direction)."""
     import torch
@@ -298,9 +311,16 @@ def main() -> None:
         loaded = c.llm.engine.loaded
         wb = weight_bytes(loaded.model)
         peak = floor["gemm_gflops_bf16" if loaded.dtype == torch.bfloat16 else "gemm_gflops_fp32"]
+        # the bytes the cached request cannot avoid reading once: every matmul weight (lm_head
+        # included; the embedding is only gathered) and the prefix's K/V in the pool's dtype
+        read_bytes = matmul_weight_bytes(loaded.model) + args.prefix * loaded.kv_bytes_per_token()
+        memory_floor = read_bytes / (floor["read_gb_s"] * 1e9)
         limits[c.name] = {"resident_weight_bytes": wb, "weights_vs_gguf": round(wb / gguf_bytes, 2),
                           "cached_ttft_floor_s": round(gflop / peak, 4),
-                          "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2)}
+                          "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2),
+                          "cached_read_bytes": read_bytes, "cached_ttft_memory_floor_s": round(memory_floor, 4),
+                          "memory_floor_vs_compute_floor": round(memory_floor / (gflop / peak), 2),
+                          "cached_ttft_vs_memory_floor": round(med[c.name]["cached_ttft_s"] / memory_floor, 2)}
         limits["decode_ceiling_tok_s"][c.name] = round(floor["read_gb_s"] * 1e9 / wb, 1)
     doc = {
         "gguf": path.name, "threads": args.threads, "llamacpp_repack": args.llamacpp_repack, "reps": args.reps, "prefix_tokens": args.prefix,
