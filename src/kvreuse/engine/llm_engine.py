@@ -38,7 +38,7 @@ from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
 from kvreuse.pml.registration import RegistrationQueue, Settle
 from kvreuse.pml.schema_cost import SchemaLimits
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
-from kvreuse.engine.sampler import make_generator, sample_one
+from kvreuse.engine.sampler import greedy_tokens, make_generator, sample_one
 from kvreuse.engine.request_checks import check_documents, check_request
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler
@@ -327,7 +327,7 @@ class LLMEngine:
             seq = item.seq
             self.tokens_computed += item.num_new_tokens
             if item.num_draft_tokens:  # committed once the kept tokens are known (_settle_draft)
-                targets = logits[row : row + chunk.num_logits].argmax(dim=-1).tolist()  # [1 + draft]
+                targets = greedy_tokens(logits[row : row + chunk.num_logits])  # [1 + draft]
                 a = accepted_length(seq.draft_token_ids, targets)
                 sampled.append((item, row, seq.draft_token_ids[:a] + [targets[a]]))
                 row += chunk.num_logits

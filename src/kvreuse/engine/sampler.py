@@ -7,11 +7,22 @@ import torch
 from kvreuse.engine.sampling_params import SamplingParams
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest logit (the first on a tie), for ``logits [n, vocab]``.
+
+    On CPU through NumPy: PyTorch's CPU argmax reads ~3 GB/s (62 us for a 49,152-entry row, 2
+    threads), NumPy's 2.9 us, and batch-1 decode and speculative verification take one or more
+    rows every step. Both return the first maximal index."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick a token from fp32 ``logits`` ``[vocab]``. A seeded ``generator`` makes the
     choice independent of what else ran in the batch."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return greedy_tokens(logits[None])[0]
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
