@@ -198,9 +198,9 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     # engine with prefix caching off (26k prefill tokens: ~20 s on 2 idle cores). The logits
     # are bf16 (spaced 0.0625-0.125 apart near the top), so exact ties and one-step margins
     # are common and any change to the arithmetic's order breaks some of them one way or the
-    # other (fp32 flash vs fp32 matmuls for the cached context's attention, both fp32
-    # accumulation: 2 and 3 of these 120 positions swapped, every one a tie or a one-step
-    # margin in the no-reuse logits). A position agrees when the reused prompt's token is
+    # other (measured once: fp32 flash vs fp32 matmuls for the cached context's attention
+    # swapped 2 and 3 of these 120 positions, every one a tie or a one-step margin in the
+    # no-reuse logits; the bf16 flash kernel now used swaps 1, 0 and 1 for none / int8 / int4). A position agrees when the reused prompt's token is
     # no-reuse's, or scores within one bf16 step of no-reuse's top (as below for transformers).
     ids = loaded.tokenizer(DATA.joinpath("perplexity_text.txt").read_text()).input_ids
     shared, tails = ids[:200], [ids[200:240], ids[300:340], ids[400:440]]

@@ -324,10 +324,9 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``_flash``'s output alone, for a caller that merges nothing (a decode over one run, or
-    gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype (one call; it
-    accumulates a bf16 row in fp32: a decode has one query row, so the precision concern of
-    ``_flash`` does not arise; one call replaces ~9 ops and 4 dtype casts per layer); elsewhere
-    ``_math_attention`` (cuBLAS on CUDA)."""
+    gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype, as ``_flash``
+    (one call replaces ~9 ops and 4 dtype casts per layer); elsewhere ``_math_attention``
+    (cuBLAS on CUDA)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
     return _math_attention(q, k, v, scale, False)[0]

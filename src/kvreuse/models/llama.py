@@ -120,28 +120,49 @@ class _Layer:
 
 
 class _NormWeight:
-    """An RMSNorm weight ``[hidden]``, and on CPU the same weight twice ``[2 * hidden]`` for
-    ``rms_norm``'s layer-norm form (a copy of 2 x hidden values per norm)."""
+    """An RMSNorm weight ``[hidden]`` (the model's own parameter, read live) and, on CPU, the
+    same weight twice ``[2 * hidden]`` for ``rms_norm``'s layer-norm form, rebuilt whenever the
+    parameter changes in place or is replaced (its version counter or storage moves)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self.doubled = torch.cat([weight, weight]) if weight.device.type == "cpu" else None
+        self._doubled: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def doubled(self) -> torch.Tensor:
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # an inference tensor has no version counter: in-place updates are not allowed on it
+            version = None
+        key = (w.data_ptr(), version, w.dtype)
+        if key != self._key:
+            self._doubled, self._key = torch.cat([w, w]), key
+        return self._doubled
 
 
 def rms_norm(x: torch.Tensor, w: _NormWeight, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (hidden,), w.weight, eps)`` for ``x [T, hidden]``.
 
-    On CPU, as the layer norm of ``[x, -x]``: that row has mean 0 and variance ``mean(x^2)``,
-    so its first half is ``x / rms(x) * w`` (the second half is dropped). Why: PyTorch's CPU
-    ``rms_norm`` is a composite of ~10 small ops (casts, pow, mean, rsqrt, ...), its
-    ``layer_norm`` one fused kernel, and a decode step runs 61 norms: 10.4 vs 5.6 us a norm
-    ([1, 576] bf16, 2 threads), the same values (both accumulate in fp32). Elsewhere (CUDA has
-    a fused ``rms_norm``) the plain call."""
-    if w.doubled is None:
+    On CPU, for a few rows, as the layer norm of ``[x, -x]``: that row has mean 0 and variance
+    ``mean(x^2)``, so its first half is ``x / rms(x) * w`` (the second half is dropped). Why:
+    PyTorch's CPU ``rms_norm`` is a composite of ~10 small ops (casts, pow, mean, rsqrt, ...),
+    its ``layer_norm`` one fused kernel, and a decode step runs 61 norms of one row: 6.7 vs 10.4
+    us a norm ([1, 576] bf16, 1 thread; both accumulate in fp32: bf16 outputs equal, fp32 ones
+    within a few ulp, the computed mean of ``[x, -x]`` being ~0 rather than 0). The doubled row
+    costs more than the composite's fixed overhead saves from 3 rows in fp32 and 9 in bf16
+    (measured), so longer inputs and other devices (CUDA has a fused ``rms_norm``) take the
+    plain call."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows > (LAYER_NORM_MAX_ROWS_FP32 if x.dtype == torch.float32 else LAYER_NORM_MAX_ROWS):
         return F.rms_norm(x, (x.shape[-1],), w.weight, eps)
     hidden = x.shape[-1]
     # contiguous: a copy only when T > 1 (the int4 kernel takes contiguous rows)
-    return F.layer_norm(torch.cat([x, -x], -1), (2 * hidden,), w.doubled, None, eps)[:, :hidden].contiguous()
+    return F.layer_norm(torch.cat([x, -x], -1), (2 * hidden,), w.doubled(), None, eps)[:, :hidden].contiguous()
+
+
+LAYER_NORM_MAX_ROWS = 8  # bf16 / fp16: up to this many rows the layer-norm form is faster on CPU
+LAYER_NORM_MAX_ROWS_FP32 = 2
 
 
 class _Concat:
