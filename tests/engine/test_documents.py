@@ -263,3 +263,45 @@ def test_documents_evicted_to_the_host_tier_are_reused_from_it(tiny_llama):
     assert again.num_cached_tokens == len(doc)
     assert again.cached_tokens_by_tier == {"CPU": len(doc)}
     assert (spy.rows[-1] - spy.rows[0]).abs().max().item() <= 1e-4
+
+
+def test_unrepaired_documents_are_read_in_place(tiny_llama):
+    """Repair off on a model without sliding windows: the context holds the documents' own
+    blocks (no copies: the pool holds only those and the request's), each key with its shift
+    (request position - encoded position); a repaired request copies instead."""
+    tok = tiny_llama.tokenizer
+    head, a, b, q = tok.encode("System:"), tok.encode(DOCS[0]), tok.encode(DOCS[1]), tok.encode(QUESTION)
+    llm = make(tiny_llama)
+    engine, bs = llm.engine, llm.engine.block_size
+    prompt = DocumentPrompt.of([(head, False), (a, True), (b, True), (q, False)])
+    engine.add_document_request("r", prompt, GREEDY)
+    seq = engine.scheduler.waiting[0]
+    h, na, nb = len(head), len(a), len(b)
+    # the head is encoded after nothing (shift 0); each document after the head, at h..
+    assert seq.context.shift_array.tolist() == [0] * h + [0] * na + [na] * nb
+    doc_blocks = -(-h // bs) + -(-na // bs) + -(-nb // bs)
+    assert engine.pool.num_used_blocks == doc_blocks  # no copies
+    assert seq.context.capacity_blocks == (doc_blocks, doc_blocks)
+    engine.check_integrity()
+    engine.abort_request("r")
+    engine.check_integrity()
+    engine.add_document_request("p", prompt, GREEDY, blend={"first_tokens": 1, "ratio": 0, "last_tokens": 0})
+    repaired = engine.scheduler.waiting[0]
+    assert repaired.context.shift_array is None  # moved copies, repaired in place
+    engine.abort_request("p")
+    engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_in_place_documents_decode_alongside_others_as_alone(tiny_llama):
+    """Two document requests (documents in other orders) and a plain one decoding in the same
+    steps give exactly the tokens each gives alone."""
+    tok = tiny_llama.tokenizer
+    docs, q = [tok.encode(d) for d in DOCS], tok.encode(QUESTION)
+    prompts = [DocumentPrompt.of([(docs[i], True) for i in order] + [(q, False)]) for order in ([0, 1, 2], [2, 1])]
+    prompts.append(docs[0] + q)
+    alone = [make(tiny_llama).generate(p, GREEDY)[0].token_ids for p in prompts]
+    llm = make(tiny_llama)
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == alone
+    llm.engine.check_integrity()

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvreuse.cache.kv_block import cdiv
+from kvreuse.engine.key_frames import KeyFrames
 
 ATTN_NAME = "kvreuse"
 
@@ -38,12 +39,15 @@ class KeyTable:
 
     Slots and runs come from array arithmetic over the table, never a loop per token. The
     arrays are the sequence's own (views): valid for the step they were taken in.
+    ``context_shifts[i]``: how many RoPE positions context key ``i`` stands away from where
+    its K was computed (documents read in place, ``key_frames.py``); ``None``: none moves.
     """
 
     context_slots: np.ndarray  # [c] int64
     block_ids: np.ndarray  # [>= ceil(num_own / block_size)] int64, own blocks in token order
     block_size: int
     num_own: int  # own tokens that are keys (those computed before, then the new ones)
+    context_shifts: np.ndarray | None = None  # [c] int64
 
     @property
     def num_keys(self) -> int:
@@ -90,6 +94,9 @@ class PrefillItem:
     # repair); the keys are gathered and attended with the mask, never the implicit
     # "context all visible, new tokens causal" of the fused path.
     masked: bool = False
+    # keys in several RoPE frames (documents read in place): attended group by group, each
+    # with the query rotated into its frame (full-attention layers; never with masked)
+    frames: KeyFrames | None = None
 
     @cached_property
     def kv_slots(self) -> torch.Tensor:
@@ -185,11 +192,12 @@ def attend(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     t = query.shape[0]
     if len(ctx.prefills) == 1 and ctx.decodes is None and ctx.prefills[0].num_new == t:
-        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window)
+        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window, layer_idx)
     out = torch.empty_like(query)  # [T, heads, d]
     for item in ctx.prefills:
         span = slice(item.start, item.start + item.num_new)
-        out[span] = _attend_item(item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window)
+        out[span] = _attend_item(item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window,
+                                 layer_idx)
     if ctx.decodes is not None:
         d = ctx.decodes
         b, lmax = d.kv_slots.shape
@@ -213,8 +221,14 @@ def _attend_item(
     v_cache: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """One sequence's new tokens over its keys: ``[n, heads, d]``."""
+    if item.frames is not None:
+        if sliding_window or item.masked:
+            raise RuntimeError("attention: keys in several RoPE frames on a sliding-window or masked item "
+                               "(the runner copies such documents instead)")
+        return _flash_over_frames(item, item.frames, layer, q, k, v, k_cache, v_cache, scale)
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
     if item.masked:  # keys by position (seam repair): gather, then the mask decides alone
         kk = k_cache.index_select(1, item.kv_slots)[None]  # [1, kv_heads, L, d]
@@ -305,6 +319,42 @@ def _flash_over_pool(
     context = out_c.view(1, heads, n, d), lse_c.reshape(1, heads, n)
     own = _flash(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
     return _merge([context, own])[0].transpose(0, 1)  # [n, heads, d]
+
+
+def _flash_over_frames(
+    item: "PrefillItem",
+    frames: KeyFrames,
+    layer: int,
+    q: torch.Tensor,  # [n, heads, d]
+    k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys (already in the pool too)
+    v: torch.Tensor,  # [n, kv_heads, d]
+    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``_flash_over_pool`` over keys in several RoPE frames (``key_frames.py``): one
+    unmasked call per run of each group (in place) or per gathered group, the queries rotated
+    into the group's frame; with ``n > 1`` the new tokens' own causal call (their keys are not
+    in the groups); every piece merged by its log-sum-exp. Returns ``[n, heads, d]``."""
+    n, heads, d = q.shape
+    kv_heads = k_cache.shape[0]
+    qh = q.transpose(0, 1)  # [heads, n, d]
+    moved = frames.queries(layer, qh) if frames.cos.shape[1] else None  # [f, heads, n, d]
+    as_is = qh.contiguous()
+    pieces = []
+    for group in frames.groups:
+        qg = (as_is if group.frame < 0 else moved[group.frame]).view(1, kv_heads, heads // kv_heads * n, d)
+        if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
+            pieces.append(_flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
+                                 scale))
+        else:
+            pieces.extend(_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
+                          for a, m in group.runs)
+    pieces = [(o.view(1, heads, n, d), lse.reshape(1, heads, n)) for o, lse in pieces]
+    if n > 1:
+        pieces.append(_flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
+                             causal=True))
+    return _merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False

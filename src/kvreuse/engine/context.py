@@ -26,7 +26,7 @@ from kvreuse.cache.kv_block import KVBlock
 
 
 class SegmentKind(enum.Enum):
-    DOCUMENT = "document"  # a reusable document's KV, copied in and moved to its request positions
+    DOCUMENT = "document"  # a reusable document's KV at its request positions (read in place or moved copies)
     TEXT = "text"  # tokens computed by the request itself (its own tokens, not in the context)
 
 
@@ -93,13 +93,14 @@ class PromptContext:
     recomputed elsewhere) and empty while ``RELEASED``.
     """
 
-    __slots__ = ("_source", "_held", "_num_tokens", "_arrays", "_num_recomputed", "_reused")
+    __slots__ = ("_source", "_held", "_num_tokens", "_arrays", "_shifts", "_num_recomputed", "_reused")
 
     def __init__(self, source: ContextSource, held: HeldKV | None = None) -> None:
         self._source = source
         self._held = held
         self._num_tokens = source.num_tokens  # asked once: it is read per output
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (slots, positions) of this acquisition
+        self._shifts: np.ndarray | None = None  # [c] int64 of this acquisition (HeldKV.shifts), built once
         self._num_recomputed = getattr(held, "num_recomputed", 0)  # seam repair of the last acquisition
         # (reused keys, by tier) of the acquisition that found the fewest cached; None: not acquired yet
         self._reused: tuple[int, dict[str, int] | None] | None = None
@@ -144,6 +145,18 @@ class PromptContext:
         """``[c]`` int64 ``positions``, built once per acquisition; the same object until the
         context is released or acquired again (callers may cache on its identity)."""
         return self._array_pair()[1]
+
+    @property
+    def shift_array(self) -> np.ndarray | None:
+        """``[c]`` int64: how far each key's RoPE position is from the one its K was computed
+        at (an acquisition whose ``HeldKV`` has ``shifts``: documents read in place);
+        ``None`` when none moves, or while released."""
+        held = self._held
+        if held is None or getattr(held, "shifts", None) is None:
+            return None
+        if self._shifts is None:
+            self._shifts = np.asarray(held.shifts, dtype=np.int64).reshape(-1)  # [c]
+        return self._shifts
 
     def _array_pair(self) -> tuple[np.ndarray, np.ndarray]:
         if self._arrays is None:
@@ -192,7 +205,7 @@ class PromptContext:
         pool cannot hold it now. A held context stays as it is."""
         if self._held is None:
             self._held = self._source.acquire()
-            self._arrays = None
+            self._arrays = self._shifts = None
             if self._held is not None:
                 self._num_recomputed = getattr(self._held, "num_recomputed", 0)
                 # A later acquisition finds cached what an earlier one computed for this very
@@ -213,6 +226,6 @@ class PromptContext:
         """Let the KV go (``RELEASED``): at the request's end, or while it waits under pool
         pressure. Releasing a released context does nothing."""
         held, self._held = self._held, None
-        self._arrays = None
+        self._arrays = self._shifts = None
         if held is not None:
             self._source.release(held)

@@ -1,5 +1,7 @@
-"""Schema-free document reuse: a document's KV computed once, then copied, with its keys moved
-to the positions it takes in each request (``engine/rope_shift.py``), in any order and combination.
+"""Schema-free document reuse: a document's KV computed once, then reused at the positions it takes
+in each request, in any order and combination: read where it lies with the request's queries
+rotated per document (``engine/key_frames.py``, no copy: a request that is not seam-repaired, on a
+model without sliding windows), or copied with its keys moved (``engine/rope_shift.py``).
 
 ::
 
@@ -12,7 +14,9 @@ to the positions it takes in each request (``engine/rope_shift.py``), in any ord
                                       │ else one causal pass ``after + document`` at 0.. (``after``
                                       │ in scratch blocks), fresh blocks registered (the pool's
                                       │ ordinary priority: tiers, eviction, events as for any block)
-                  then one ``runner.copy_shifted`` of every document into fresh blocks of the
+                  in place: the documents' blocks stay held, each key's shift recorded
+                  ─▶ DocumentContext(blocks, slots, positions, shifts)
+                  else one ``runner.copy_shifted`` of every document into fresh blocks of the
                   request's own (keys moved by request position - encoded position), documents released
                   ─▶ DocumentContext(blocks, slots, positions)  read-only context of the request
 
@@ -26,7 +30,8 @@ A document's block chain is keyed like a prefix (``cache/hashing.py extend_chain
 last block included) from a first block whose extra keys are ``("doc", model id[, "salt",
 salt], sha256 of the after-text's ids)``: it never matches an ordinary prefix, a PML module,
 another tenant's copy, or the same document encoded after other text. The request's copies are
-never registered: they are its own, freed at its end.
+never registered: they are its own, freed at its end. Read in place, the documents' blocks are
+held like a PML module's (shared, never written, evictable again once released).
 
 Engine thread only (it touches the pool and, through the runner, the KV tensor).
 """
@@ -137,6 +142,9 @@ class DocumentContext:
     # the num_reused keys as [start, stop) ranges of key indices: each piece's leading keys that were
     # found cached (what seam repair may take back, engine/repaired_context.py)
     reused_spans: tuple[tuple[int, int], ...] = ()
+    # read in place: [n] int64 request position - encoded position of each key (its K was not
+    # moved; attention rotates the queries, engine/key_frames.py); None: copied, keys moved
+    shifts: np.ndarray | None = None
 
 
 class DocumentCache:
@@ -160,8 +168,11 @@ class DocumentCache:
         return extend_chain([], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm,
                             partial_tail=True)
 
-    def source(self, layout: DocumentLayout, salt: str | None) -> "DocumentSource":
-        return DocumentSource(self, layout, salt)
+    def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> "DocumentSource":
+        """The request's ``ContextSource``; ``in_place``: reference the documents' own blocks
+        (no copy; the keys stay where they were computed, so only for a request that is not
+        seam-repaired, on a model without sliding-window layers), else copy them moved."""
+        return DocumentSource(self, layout, salt, in_place)
 
     # ------------------------------------------------------------------ one document
     def fill(self, document: Sequence[int], after: Sequence[int],
@@ -214,8 +225,12 @@ class DocumentSource:
     cache: DocumentCache
     layout: DocumentLayout
     salt: str | None
+    in_place: bool = False  # hold the documents' own blocks (shifts), instead of moved copies
 
-    private_blocks = True  # acquire copies the documents into blocks of the request's own
+    @property
+    def private_blocks(self) -> bool:
+        """Copies are the request's own (repair writes them in place); in place, they are shared."""
+        return not self.in_place
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -236,18 +251,24 @@ class DocumentSource:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks an acquisition keeps: the request's copies."""
-        return cdiv(self.num_tokens, self.cache.pool.block_size)
+        """Blocks an acquisition keeps: the request's copies, or (in place) the documents' own."""
+        bs = self.cache.pool.block_size
+        if self.in_place:
+            return sum(cdiv(len(d), bs) for d in self.layout.documents)
+        return cdiv(self.num_tokens, bs)
 
     @property
     def num_blocks(self) -> int:
-        """The request's copies plus the documents' own blocks (held while copying)."""
+        """The most an acquisition holds at once: the documents' own blocks, plus the request's
+        copies (held beside them while copying) unless in place."""
         bs = self.cache.pool.block_size
-        return cdiv(self.num_tokens, bs) + sum(cdiv(len(d), bs) for d in self.layout.documents)
+        own = sum(cdiv(len(d), bs) for d in self.layout.documents)
+        return own if self.in_place else own + cdiv(self.num_tokens, bs)
 
     def acquire(self) -> DocumentContext | None:
-        """Every document filled, then copied to fresh blocks at its request positions; ``None``
-        when the pool cannot hold them now (nothing held then)."""
+        """Every document filled, then copied to fresh blocks at its request positions (in
+        place: its own blocks kept, each key's shift recorded); ``None`` when the pool cannot
+        hold them now (nothing held then)."""
         cache, layout, bs = self.cache, self.layout, self.cache.pool.block_size
         held: list[list[KVBlock]] = []
         try:
@@ -262,6 +283,9 @@ class DocumentSource:
                 spans.append((start, start + sum(cached.values())))  # cached blocks lead a document's chain
                 start += len(doc)
             reused = sum(by_level.values())
+            if self.in_place:
+                context, held = self._in_place(held, reused, by_level, tuple(spans)), []  # the context holds them now
+                return context
             n = self.num_tokens
             if not cache.pool.can_allocate(cdiv(n, bs)):
                 return None
@@ -280,17 +304,34 @@ class DocumentSource:
     def _copy(self, own: list[KVBlock], held: list[list[KVBlock]], reused: int,
               by_level: dict[str, int], spans: tuple[tuple[int, int], ...]) -> DocumentContext:
         """Every piece copied from its blocks (``held``) into ``own`` at its request positions."""
-        cache, layout, bs, n = self.cache, self.layout, self.cache.pool.block_size, self.num_tokens
+        cache, bs, n = self.cache, self.cache.pool.block_size, self.num_tokens
         dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
+        src, positions, shifts = self._placement(held)
+        cache.runner.copy_shifted(src, dst, shifts)
+        cache.tokens_reused += reused
+        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level, spans)
+
+    def _in_place(self, held: list[list[KVBlock]], reused: int, by_level: dict[str, int],
+                  spans: tuple[tuple[int, int], ...]) -> DocumentContext:
+        """The documents' own blocks as the context: keys where they were computed, each with
+        its shift (request position - encoded position)."""
+        slots, positions, shifts = self._placement(held)
+        self.cache.tokens_reused += reused
+        blocks = tuple(b for chain in held for b in chain)
+        return DocumentContext(blocks, tuple(slots.tolist()), tuple(positions.tolist()), reused, by_level, spans,
+                               shifts if shifts.any() else None)
+
+    def _placement(self, held: list[list[KVBlock]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``([n] slots the pieces' keys lie in, [n] their request positions, [n] request
+        position - encoded position)``, int64, in request order."""
+        layout, bs = self.layout, self.cache.pool.block_size
         src = np.concatenate([np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
                               for blocks, doc in zip(held, layout.documents)])  # [n]
         positions = np.concatenate([np.arange(p, p + len(doc), dtype=np.int64)
                                     for p, doc in zip(layout.document_positions, layout.documents)])  # [n]
         encoded = np.concatenate([np.arange(len(after), len(after) + len(doc), dtype=np.int64)
                                   for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
-        cache.runner.copy_shifted(src, dst, positions - encoded)
-        cache.tokens_reused += reused
-        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level, spans)
+        return src, positions, positions - encoded
 
     def release(self, held: DocumentContext) -> None:
         self.cache.pool.release(reversed(held.blocks))

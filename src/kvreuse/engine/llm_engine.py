@@ -248,7 +248,13 @@ class LLMEngine:
         check_documents(layout.documents, prompt.num_tokens, params.max_tokens,  # before any of it runs
                         vocab_size=self.loaded.shape.vocab_size, max_model_len=self.max_model_len)
         self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
-        source = self._repaired(self.documents.source(layout, cache_salt), blend, self.config.document_blend)
+        # Unrepaired documents are read where they were computed (no copy; queries rotated per
+        # document). Repair recomputes against moved keys, and sliding windows mask keys by
+        # position in one frame: those get moved copies.
+        in_place = not SeamRepair.from_json(blend, self.config.document_blend).enabled \
+            and not self.runner.layout.sliding_windows
+        source = self._repaired(self.documents.source(layout, cache_salt, in_place=in_place), blend,
+                                self.config.document_blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, list(layout.token_ids), params, cache_salt=cache_salt, retention=retention,
@@ -409,7 +415,7 @@ class LLMEngine:
         return SeqChunk(
             token_ids=token_ids,
             positions=seq.positions_between(c, c + n).tolist(),
-            keys=KeyTable(seq.context_slots, seq.block_table, self.block_size, c + n),
+            keys=KeyTable(seq.context_slots, seq.block_table, self.block_size, c + n, seq.context_shifts),
             context_positions=seq.key_positions(c),  # None unless explicit positions (PML) or module context
             sample=c + n - num_draft == seq.num_tokens,
             num_logits=1 + num_draft,

@@ -18,6 +18,7 @@ import torch
 
 from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
+from kvreuse.engine.key_frames import KeyFrames
 from kvreuse.engine.rope_shift import RopeShift
 from kvreuse.engine.seam_repair import DEVIATION_LAYER  # the default layer seam repair compares (CacheBlend)
 from kvreuse.models import llama
@@ -130,7 +131,8 @@ class ModelRunner:
                 sample_index.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
             if chunk.by_position:
                 prefills.append(self._positional_item(start, chunk))
-            elif len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min:
+            elif (len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min
+                  and chunk.keys.context_shifts is None):  # moved keys are read in place, never padded
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
@@ -275,6 +277,8 @@ class ModelRunner:
     def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         """A prefill item whose keys are visible by position: key ``j`` to new token ``i``
         iff ``pos[j] <= pos[i]`` (and inside the window on sliding layers)."""
+        if chunk.keys.context_shifts is not None:
+            raise RuntimeError("model runner: keys by position (seam repair) over moved keys; repair copies documents")
         dev = self.device
         k_pos = torch.from_numpy(_key_positions(chunk)).to(dev)[None, :]  # [1, L]
         q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
@@ -286,6 +290,8 @@ class ModelRunner:
     def _prefill_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         dev = self.device
         n, c = len(chunk.token_ids), chunk.num_context
+        if chunk.keys.context_shifts is not None:
+            return self._frames_item(start, chunk)
         length = c + n
         q_idx = torch.arange(n, device=dev)[:, None] + c  # [n, 1] index of each query among keys
         k_idx = torch.arange(length, device=dev)[None, :]  # [1, L]
@@ -306,6 +312,20 @@ class ModelRunner:
         # one run, whatever order a prompt lists them in). Masked layers need attention order.
         runs = _key_runs(chunk.keys, n, slot_order=not self.layout.sliding_windows)
         return PrefillItem(start, n, chunk.keys, mask_full, mask_sliding, runs, dev)
+
+    def _frames_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
+        """A prefill item whose context keys lie in several RoPE frames (documents read where
+        they were computed): every context key visible to every new token, the new tokens
+        causal among themselves (a lone decode token's own key joins the groups). Refused on
+        models with sliding-window layers (their masks need keys in one frame)."""
+        if self.layout.sliding_windows:
+            raise RuntimeError("model runner: moved keys on a model with sliding-window layers (documents are copied there)")
+        keys, n = chunk.keys, len(chunk.token_ids)
+        own_end = keys.num_own if n == 1 else keys.num_own - n  # own keys the groups hold
+        own_starts, own_lengths = keys.own_intervals(0, own_end)
+        frames = KeyFrames.build(keys.context_slots, keys.context_shifts, own_starts, own_lengths, self.rope_shift(),
+                                 self.device)
+        return PrefillItem(start, n, keys, None, {}, (), self.device, frames=frames)
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:
         dev = self.device

@@ -169,6 +169,12 @@ class Sequence:
         return _EMPTY if self.context is None else self.context.slot_array
 
     @property
+    def context_shifts(self) -> np.ndarray | None:
+        """``[c]`` int64 RoPE positions each context key stands away from where its K was
+        computed (documents read in place); ``None`` when every key is where it was computed."""
+        return None if self.context is None else self.context.shift_array
+
+    @property
     def context_positions(self) -> np.ndarray:
         """``[c]`` int64 RoPE positions of those keys."""
         return _EMPTY if self.context is None else self.context.position_array
