@@ -9,6 +9,7 @@ prompt) belongs to the message it introduces.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,26 +30,72 @@ class ChatPrompt:
     documents: DocumentPrompt | None = None
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-            template_kwargs: dict[str, Any]) -> list[int]:
-    text = tokenizer.apply_chat_template(
+def _render_text(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+                 template_kwargs: dict[str, Any]) -> str:
+    return tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
     )
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
+            template_kwargs: dict[str, Any]) -> list[int]:
+    text = _render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                        template_kwargs=template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_tokens: int,
-                       template_kwargs: dict[str, Any]) -> list[tuple[int, int]]:
+                       template_kwargs: dict[str, Any], text: str | None = None) -> list[tuple[int, int]]:
     """``(token_start, token_end)`` of each message in a prompt of ``num_tokens`` tokens,
     clipped to be monotonic (a template whose prefixes tokenize differently cannot
-    produce overlapping ranges)."""
+    produce overlapping ranges).
+
+    With the prompt's ``text`` and a fast tokenizer, the prompt is encoded once with character
+    offsets, and a prefix's end is the count of tokens before the prefix's last character, where
+    the prefix's text begins the prompt's and no token straddles its end. Any other prefix is
+    tokenized itself. Both give the same count: a prefix ending on a token boundary of the prompt
+    tokenizes to those tokens. (Tokenizing every prefix is quadratic: ~20 ms for 8 documents of 500
+    tokens.)"""
+    spans = _token_spans(tokenizer, text) if text is not None else None
     bounds, start = [], 0
     for i in range(len(messages)):
-        end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs))
+        end = None
+        if spans is not None:
+            prefix = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False,
+                                  template_kwargs=template_kwargs)
+            end = _aligned_count(spans, text, prefix)
+        if end is None:
+            end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False,
+                              template_kwargs=template_kwargs))
         end = min(max(end, start), num_tokens)
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def _token_spans(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:
+    """``(starts, ends)``: each token's character span in ``text`` (the prompt encoded as
+    ``_render`` encodes it), or ``None`` for a tokenizer without offsets (a slow one)."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError):
+        return None
+    return [a for a, _ in offsets], [b for _, b in offsets]
+
+
+def _aligned_count(spans: tuple[list[int], list[int]], text: str, prefix: str) -> int | None:
+    """Tokens of ``text`` that end within its first ``len(prefix)`` characters, when
+    ``prefix`` begins ``text`` and the next token starts at or after that point; else ``None``."""
+    if not text.startswith(prefix):
+        return None
+    starts, ends = spans
+    c = len(prefix)
+    j = bisect.bisect_right(ends, c)  # tokens ending at or before c (offsets ascend)
+    if j < len(starts) and starts[j] < c:  # the next token straddles the end of the prefix
+        return None
+    return j
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
@@ -71,7 +118,8 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
         dicts = [m.template_dict() for m in messages]
         for i, d in enumerate(dicts):
             check_text(d["content"], f"messages[{i}].content")
-        token_ids = _render(tokenizer, dicts, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs)
+        text = _render_text(tokenizer, dicts, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs)
+        token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     except APIError:
         raise
     except ValueError as exc:
@@ -88,7 +136,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     retentions = [m.retention for m in messages]
     if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
-    bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs)
+    bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs, text)
     documents = document_parts(token_ids, bounds, flags) if any(flags) else None
     if not any(r is not None for r in retentions):
         return ChatPrompt(token_ids, None, documents)
