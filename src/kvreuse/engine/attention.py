@@ -228,7 +228,7 @@ def _attend_item(
         if sliding_window or item.masked:
             raise RuntimeError("attention: keys in several RoPE frames on a sliding-window or masked item "
                                "(the runner copies such documents instead)")
-        return _flash_over_frames(item, item.frames, layer, q, k, v, k_cache, v_cache, scale)
+        return _flash_over_frames(item.frames, layer, q, k, v, k_cache, v_cache, scale)
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
     if item.masked:  # keys by position (seam repair): gather, then the mask decides alone
         kk = k_cache.index_select(1, item.kv_slots)[None]  # [1, kv_heads, L, d]
@@ -322,7 +322,6 @@ def _flash_over_pool(
 
 
 def _flash_over_frames(
-    item: "PrefillItem",
     frames: KeyFrames,
     layer: int,
     q: torch.Tensor,  # [n, heads, d]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvreuse.engine.rope_shift import RopeShift
+from kvreuse.engine.rope_shift import RopeShift, rotate_by
 
 IN_PLACE_RUNS = 4  # a group in at most this many runs is read in place (a kernel call each), else gathered
 
@@ -83,10 +83,7 @@ class KeyFrames:
         n, d]`` in ``q``'s dtype, contiguous (computed in fp32)."""
         cos = self.cos[layer][:, None, None, :]  # [f, 1, 1, d]
         sin = self.sin[layer][:, None, None, :]
-        x = q.float()
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half(q)
-        return (x * cos + rotated * sin).to(q.dtype).contiguous()  # [f, heads, n, d]
+        return rotate_by(q, cos, sin).contiguous()  # [f, heads, n, d]
 
 
 def _runs_by_shift(slots: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -71,10 +71,16 @@ class RopeShift:
         angle = torch.cat((angle, angle), dim=-1)  # [L, u, d]
         cos = angle.cos().float()[:, None, which]  # [L, 1, n, d]: broadcast over kv heads
         sin = angle.sin().float()[:, None, which]
-        k = keys.float()
-        half = k.shape[-1] // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half(k)
-        return (k * cos + rotated * sin).to(keys.dtype)  # [L, kv_heads, n, d]
+        return rotate_by(keys, cos, sin)  # [L, kv_heads, n, d]
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' rotate-half convention), computed in
+    fp32, returned in ``x``'s dtype; ``cos``/``sin`` broadcast against ``x`` (last dim ``d``)."""
+    k = x.float()
+    half = k.shape[-1] // 2
+    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half(x)
+    return (k * cos + rotated * sin).to(x.dtype)
 
 
 def _check_type(rope_type: str, where: str) -> None:
