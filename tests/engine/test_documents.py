@@ -265,10 +265,11 @@ def test_documents_evicted_to_the_host_tier_are_reused_from_it(tiny_llama):
     assert (spy.rows[-1] - spy.rows[0]).abs().max().item() <= 1e-4
 
 
-def test_unrepaired_documents_are_read_in_place(tiny_llama):
-    """Repair off on a model without sliding windows: the context holds the documents' own
-    blocks (no copies: the pool holds only those and the request's), each key with its shift
-    (request position - encoded position); a repaired request copies instead."""
+def test_documents_are_read_in_place_repaired_or_not(tiny_llama):
+    """On a model without sliding windows the context holds the documents' own blocks (no
+    copies: the pool holds only those and the request's), each key with its shift (request
+    position - encoded position); a repaired request holds them too, plus one private block
+    for its recomputed tokens, whose keys stand at their positions (shift 0)."""
     tok = tiny_llama.tokenizer
     head, a, b, q = tok.encode("System:"), tok.encode(DOCS[0]), tok.encode(DOCS[1]), tok.encode(QUESTION)
     llm = make(tiny_llama)
@@ -281,13 +282,21 @@ def test_unrepaired_documents_are_read_in_place(tiny_llama):
     assert seq.context.shift_array.tolist() == [0] * h + [0] * na + [na] * nb
     doc_blocks = -(-h // bs) + -(-na // bs) + -(-nb // bs)
     assert engine.pool.num_used_blocks == doc_blocks  # no copies
-    assert seq.context.capacity_blocks == (doc_blocks, doc_blocks)
+    # the peak: computing a document holds its encoding text and cached leading blocks in scratch
+    scratch = max(-(-(after + (-(-n // bs) - 1) * bs) // bs) for after, n in ((0, h), (h, na), (h, nb)))
+    assert seq.context.capacity_blocks == (doc_blocks, doc_blocks + scratch)
     engine.check_integrity()
     engine.abort_request("r")
     engine.check_integrity()
     engine.add_document_request("p", prompt, GREEDY, blend={"first_tokens": 1, "ratio": 0, "last_tokens": 0})
     repaired = engine.scheduler.waiting[0]
-    assert repaired.context.shift_array is None  # moved copies, repaired in place
+    # first_tokens 1: the first token of the head, of a and of b recomputed into one private block
+    assert repaired.context.shift_array.tolist() == [0] * h + [0] * na + [0] + [na] * (nb - 1)
+    assert engine.pool.num_used_blocks == doc_blocks + 1
+    private = {s // bs for s in repaired.context.slots} - {b.block_id for b in repaired.context.blocks[:doc_blocks]}
+    assert len(private) == 1
+    assert [repaired.context.slots[i] % bs for i in (0, h, h + na)] == [0, 1, 2]  # packed, in order
+    engine.check_integrity()
     engine.abort_request("p")
     engine.check_integrity()
     assert engine.pool.num_used_blocks == 0
@@ -305,3 +314,64 @@ def test_in_place_documents_decode_alongside_others_as_alone(tiny_llama):
     together = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == alone
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("blend", [{"first_tokens": 1, "ratio": 0.0, "last_tokens": 1},
+                                   {"first_tokens": 0, "ratio": 0.5, "last_tokens": 0},
+                                   {"first_tokens": 2, "ratio": 0.3, "last_tokens": 2}])
+def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, blend):
+    """Seam repair over documents read in place (queries rotated per document, the recomputed
+    tokens in private blocks, the deviation compared against keys rotated to their positions)
+    gives what the same repair over moved copies gives: the same recomputed count, every logits
+    row within 1e-4 (fp32), the same greedy tokens; nothing left held."""
+    from kvreuse.engine.document_cache import DocumentCache
+
+    tok = tiny_llama.tokenizer
+    prompt = DocumentPrompt.of([(tok.encode("System:"), False)] + [(tok.encode(DOCS[i]), True) for i in (2, 0, 1)]
+                               + [(tok.encode(QUESTION), False)])
+    runs = {}
+    for in_place in (True, False):
+        llm = make(tiny_llama)
+        if not in_place:  # the sliding-window models' path: every document copied to its positions
+            real = DocumentCache.source
+            monkeypatch.setattr(DocumentCache, "source", lambda self, layout, salt, in_place=True:
+                                real(self, layout, salt, in_place=False))
+        for order in ((0, 1, 2), (2, 0, 1)):  # encode each document once, then reuse it shifted
+            llm.generate(DocumentPrompt.of([(tok.encode(DOCS[i]), True) for i in order] + [(tok.encode("?"), False)]),
+                         ONE)
+        llm.engine.check_integrity()
+        spy = LogitsSpy(llm)
+        out = llm.generate(prompt, GREEDY, blend=blend)[0]
+        llm.engine.check_integrity()
+        assert llm.engine.pool.num_used_blocks == 0
+        runs[in_place] = out, torch.stack(spy.rows)
+        monkeypatch.undo()
+    (in_place, rows), (copied, copied_rows) = runs[True], runs[False]
+    assert in_place.num_recomputed_tokens == copied.num_recomputed_tokens > 0
+    assert in_place.num_cached_tokens == copied.num_cached_tokens
+    assert in_place.token_ids == copied.token_ids
+    assert (rows - copied_rows).abs().max().item() <= 1e-4
+
+
+def test_in_place_capacity_counts_a_fill_s_scratch(tiny_llama):
+    """Read in place, an acquisition holds the documents' blocks and, while a document is
+    computed, its encoding text and cached leading blocks in scratch beside them: the capacity
+    check counts that peak, so a request that could never acquire is refused up front naming
+    the setting, and one with room for exactly the peak runs (review: it waited forever)."""
+    per_block = 4 * make(tiny_llama).engine.runner.layout.bytes_per_token(torch.float32)
+    head = [11 + i for i in range(16)]  # 4 blocks: the text the document is encoded after
+    document = [300 + i for i in range(60)]  # 15 blocks
+    prompt = DocumentPrompt.of([(head, False), (document, True), ([7], False)])
+    # held: 4 + 15 blocks; computing the document: 18 scratch blocks (16 head + 14 blocks) beside them
+    peak = 4 + 15 + 18
+    small = LLM(loaded=tiny_llama, kv_cache_memory_gib=20 * per_block / 2**30, block_size=4, **NO_DEFAULT_REPAIR)
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        small.engine.add_document_request("r", prompt, ONE)
+    small.engine.check_integrity()
+    assert small.engine.pool.num_used_blocks == 0
+    exact = LLM(loaded=tiny_llama, kv_cache_memory_gib=peak * per_block / 2**30, block_size=4, **NO_DEFAULT_REPAIR)
+    assert exact.engine.pool.num_blocks == peak
+    out = exact.generate(prompt, ONE)[0]
+    assert len(out.token_ids) == 1
+    exact.engine.check_integrity()
+    assert exact.engine.pool.num_used_blocks == 0

@@ -50,8 +50,8 @@ def test_the_requested_layer_ranks_the_tokens(tiny_gemma3, monkeypatch, blend, l
     calls = []
     real = engine.runner.seam_deviation
 
-    def spy(token_ids, positions, slots, layer=DEVIATION_LAYER):
-        calls.append((layer, real(token_ids, positions, slots, layer=layer)))
+    def spy(token_ids, positions, slots, layer=DEVIATION_LAYER, shifts=None):
+        calls.append((layer, real(token_ids, positions, slots, layer=layer, shifts=shifts)))
         return calls[-1][1]
 
     monkeypatch.setattr(engine.runner, "seam_deviation", spy)
@@ -76,9 +76,9 @@ def test_deviation_at_each_layer_is_zero_on_the_exact_prefix(arch, request):
     scores = {}
     real = runner.seam_deviation
 
-    def grab(token_ids, positions, slots, layer=DEVIATION_LAYER):
+    def grab(token_ids, positions, slots, layer=DEVIATION_LAYER, shifts=None):
         for each in range(1, runner.layout.num_layers):
-            scores[each] = real(token_ids, positions, slots, layer=each)
+            scores[each] = real(token_ids, positions, slots, layer=each, shifts=shifts)
         return scores[layer]
 
     runner.seam_deviation = grab

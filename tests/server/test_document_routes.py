@@ -237,3 +237,22 @@ def test_chat_documents_last_tokens_repair(served):
         chat(client, messages, blend={"last_tokens": -1})
     assert "blend.last_tokens" in str(err.value)
     asyncio.run(engine.check_integrity())
+
+
+@pytest.mark.parametrize("repair", [NO_DEFAULT_REPAIR, {}], ids=["no-repair", "default-repair"])
+def test_no_max_tokens_counts_the_blocks_the_engine_counts(tiny_llama, repair):
+    """A pool smaller than the model's context: the default max_tokens leaves out what the
+    documents' context holds as the engine counts it (each piece in blocks of its own, read in
+    place, plus repair's private blocks), so a chat or a completion without max_tokens runs
+    (review: a 400 "needs 14 KV blocks ... the pool has 13" when one copied run was assumed)."""
+    from .fresh_app import fresh_client
+
+    msgs = [SYSTEM, doc(0), doc(1), QUESTION]
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.0001, max_model_len=4096, **repair) as (c, engine):
+        assert engine.pool_tokens < 4096
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "temperature": 0})
+        assert r.status_code == 200, r.json()
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Who keeps the green ledger?",
+                                             "documents": DOCS[:2], "temperature": 0})
+        assert r.status_code == 200, r.json()
+        asyncio.run(engine.check_integrity())

@@ -131,6 +131,7 @@ class AsyncEngine:
         self.block_size: int = engine.block_size
         self.pool_tokens: int = engine.pool.num_blocks * engine.block_size  # tokens the device pool holds
         self.vocab_size: int = engine.loaded.shape.vocab_size
+        self.document_context_blocks = engine.document_context_blocks  # pure: reads fixed settings only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only

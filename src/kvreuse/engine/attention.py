@@ -225,8 +225,8 @@ def _attend_item(
 ) -> torch.Tensor:
     """One sequence's new tokens over its keys: ``[n, heads, d]``."""
     if item.frames is not None:
-        if sliding_window or item.masked:
-            raise RuntimeError("attention: keys in several RoPE frames on a sliding-window or masked item "
+        if sliding_window:
+            raise RuntimeError("attention: keys in several RoPE frames on a sliding-window layer "
                                "(the runner copies such documents instead)")
         return _flash_over_frames(item.frames, layer, q, k, v, k_cache, v_cache, scale)
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
@@ -334,7 +334,9 @@ def _flash_over_frames(
     """``_flash_over_pool`` over keys in several RoPE frames (``key_frames.py``): one
     unmasked call per run of each group (in place) or per gathered group, the queries rotated
     into the group's frame; with ``n > 1`` the new tokens' own causal call (their keys are not
-    in the groups); every piece merged by its log-sum-exp. Returns ``[n, heads, d]``."""
+    in the groups); every piece merged by its log-sum-exp. Groups made ``by_position`` (seam
+    repair) hold every key, the new ones included: one masked call each, a row that sees none
+    of a group left out of the merge. Returns ``[n, heads, d]``."""
     n, heads, d = q.shape
     kv_heads = k_cache.shape[0]
     qh = q.transpose(0, 1)  # [heads, n, d]
@@ -342,6 +344,12 @@ def _flash_over_frames(
     as_is = qh.contiguous()
     pieces = []
     for group in frames.groups:
+        if group.mask is not None:  # by position: [1, heads, n, d] against the group's keys, the mask decides
+            qm = (as_is if group.frame < 0 else moved[group.frame]).unsqueeze(0)
+            o, lse = _flash(qm, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
+                            scale, mask=group.mask)  # [1, heads, n, d], [1, heads, n]
+            pieces.append((o, lse.masked_fill(group.blind, float("-inf"))))
+            continue
         qg = (as_is if group.frame < 0 else moved[group.frame]).view(1, kv_heads, heads // kv_heads * n, d)
         if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
             pieces.append(_flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
@@ -350,24 +358,27 @@ def _flash_over_frames(
             pieces.extend(_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
                           for a, m in group.runs)
     pieces = [(o.view(1, heads, n, d), lse.reshape(1, heads, n)) for o, lse in pieces]
-    if n > 1:
+    if n > 1 and not frames.masked:
         pieces.append(_flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
                              causal=True))
     return _merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q k^T * scale) v`` and each row's log-sum-exp of the scaled scores:
     ``([B, H, n, d], [B, H, n] fp32)`` for ``q [B, H, n, d]``, ``k, v [B, kv, L, d]``
     (``H`` a multiple of ``kv``, head ``h`` using kv head ``h // (H / kv)``); ``causal``
     needs ``n == L``. On CPU: PyTorch's flash kernel in the inputs' dtype (strided inputs
     read in place; bf16 rows accumulate in fp32 inside the kernel, and run on AMX where the
     CPU has it: 32 queries over 4,096 keys, 2 threads, 0.81 ms in bf16 against 3.5 ms over
-    fp32 copies). Elsewhere: matmuls with fp32 scores (cuBLAS on CUDA), the same contract."""
+    fp32 copies). Elsewhere: matmuls with fp32 scores (cuBLAS on CUDA), the same contract.
+    ``mask``: additive ``[n, L]`` in ``q``'s dtype (``-inf`` hides a key); a row it hides
+    entirely comes out 0 with an undefined log-sum-exp (the caller drops it)."""
     if q.device.type != "cpu":
-        return _math_attention(q, k, v, scale, causal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return _math_attention(q, k, v, scale, causal, mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                          scale=scale)
     return out, lse
 
 
@@ -381,8 +392,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return _math_attention(q, k, v, scale, False)[0]
 
 
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``_flash``'s contract with plain matmuls (any device): fp32 scores ``[B, kv, g*n, L]``."""
     b, heads, n, d = q.shape
     kv = k.shape[1]
@@ -391,8 +402,11 @@ def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if causal:
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # [n, n] True = not yet
         scores.view(b, kv, heads // kv, n, -1).masked_fill_(future, float("-inf"))
+    if mask is not None:
+        scores.view(b, kv, heads // kv, n, -1).add_(mask.float())  # [n, L] broadcast over heads
     lse = torch.logsumexp(scores, dim=-1)  # [B, kv, g*n]
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())  # [B, kv, g*n, d]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a row hidden entirely: 0, as the CPU kernel
+    out = torch.matmul(probs, v.float())  # [B, kv, g*n, d]
     return out.view(b, heads, n, d).to(q.dtype), lse.view(b, heads, n)
 
 

@@ -260,10 +260,17 @@ class DocumentSource:
     @property
     def num_blocks(self) -> int:
         """The most an acquisition holds at once: the documents' own blocks, plus the request's
-        copies (held beside them while copying) unless in place."""
+        copies (held beside them while copying) unless in place, or (in place) the largest
+        scratch a document's fill holds beside them: the text it is encoded after and the
+        cached blocks it recomputes (all but its last, partly cached at worst)."""
         bs = self.cache.pool.block_size
-        own = sum(cdiv(len(d), bs) for d in self.layout.documents)
-        return own if self.in_place else own + cdiv(self.num_tokens, bs)
+        layout = self.layout
+        own = sum(cdiv(len(d), bs) for d in layout.documents)
+        if not self.in_place:
+            return own + cdiv(self.num_tokens, bs)
+        scratch = max((cdiv(len(after) + (cdiv(len(doc), bs) - 1) * bs, bs)
+                       for doc, after in zip(layout.documents, layout.encoded_after)), default=0)
+        return own + scratch
 
     def acquire(self) -> DocumentContext | None:
         """Every document filled, then copied to fresh blocks at its request positions (in

@@ -12,6 +12,9 @@ key stored at ``n`` that stands for ``n + s`` exactly as the moved key would (up
       groups   keys by shift; each group's slots as a few runs read in place, or gathered
       cos/sin  [layers, frames, d]: the rotation of a query by -shift for each frame
     frames.queries(layer, q [heads, n, d]) -> [frames, heads, n, d]   per layer
+    KeyFrames.by_position(slots, shifts, key positions, query positions, rope, dtype, device)
+      the same with every group gathered and masked by position (key visible to a query iff its
+      position <= the query's): seam repair recomputing scattered tokens among documents read in place
 
 Attention over the groups and the log-sum-exp merge are ``attention.py``'s. Full-attention
 layers only: a sliding window masks keys by position, which the runner keeps on copied
@@ -39,6 +42,11 @@ class KeyGroup:
     frame: int
     runs: tuple[tuple[int, int], ...]
     slots: torch.Tensor | None  # [m] int64 on the pool's device, or None (runs)
+    # by position only (``KeyFrames.by_position``): additive mask [n, m] in the queries' dtype
+    # (0 visible, -inf not), and [n] bool rows that see no key of the group (their piece is
+    # left out of the merge: the kernel gives such a row a log-sum-exp of 0, not -inf)
+    mask: torch.Tensor | None = None
+    blind: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,9 +82,37 @@ class KeyFrames:
             else:
                 index = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in runs])  # [m]
                 groups.append(KeyGroup(frame, (), torch.from_numpy(index).to(device)))
-        angle = -torch.from_numpy(moved).double()[None, :, None] * rope.inv_freq.double()[:, None, :]  # [L, f, d/2]
-        angle = torch.cat((angle, angle), dim=-1)  # [L, f, d]
-        return cls(tuple(groups), angle.cos().float().to(device), angle.sin().float().to(device))
+        return cls(tuple(groups), *_rotations(moved, rope, device))
+
+    @property
+    def masked(self) -> bool:
+        """Whether the groups carry position masks (``by_position``): every key, the new tokens'
+        own included, is in some group and visible only by position."""
+        return any(g.mask is not None for g in self.groups)
+
+    @classmethod
+    def by_position(cls, slots: np.ndarray, shifts: np.ndarray, key_positions: np.ndarray,
+                    query_positions: np.ndarray, rope: RopeShift, dtype: torch.dtype,
+                    device: torch.device | str) -> "KeyFrames":
+        """Every key (``[L]`` int64 ``slots``, ``shifts``, RoPE ``key_positions``; the new
+        tokens' own keys included, shift 0) grouped by shift and gathered, each group with the
+        mask of query ``i`` (at ``query_positions[i]``) seeing key ``j`` iff ``key_positions[j]
+        <= query_positions[i]``. A group no query sees is dropped."""
+        q_pos = torch.from_numpy(np.asarray(query_positions, np.int64)).to(device)[:, None]  # [n, 1]
+        distinct = np.unique(shifts)  # [u] ascending
+        moved = distinct[distinct != 0]  # [frames]
+        groups = []
+        for shift in distinct.tolist():
+            mine = np.flatnonzero(shifts == shift)  # [m] keys of this shift
+            k_pos = torch.from_numpy(key_positions[mine]).to(device)[None, :]  # [1, m]
+            visible = k_pos <= q_pos  # [n, m]
+            if not bool(visible.any()):
+                continue
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            frame = -1 if shift == 0 else int(np.searchsorted(moved, shift))
+            groups.append(KeyGroup(frame, (), torch.from_numpy(slots[mine]).to(device), mask,
+                                   ~visible.any(dim=1)))  # [n]
+        return cls(tuple(groups), *_rotations(moved, rope, device))
 
     def queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """``q`` (``[heads, n, d]``, RoPE applied) rotated into each frame: ``[frames, heads,
@@ -84,6 +120,14 @@ class KeyFrames:
         cos = self.cos[layer][:, None, None, :]  # [f, 1, 1, d]
         sin = self.sin[layer][:, None, None, :]
         return rotate_by(q, cos, sin).contiguous()  # [f, heads, n, d]
+
+
+def _rotations(moved: np.ndarray, rope: RopeShift, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[layers, frames, d]`` fp32: the rotation by ``-moved[f]`` positions
+    (computed in fp64)."""
+    angle = -torch.from_numpy(moved).double()[None, :, None] * rope.inv_freq.double()[:, None, :]  # [L, f, d/2]
+    angle = torch.cat((angle, angle), dim=-1)  # [L, f, d]
+    return angle.cos().float().to(device), angle.sin().float().to(device)
 
 
 def _runs_by_shift(slots: np.ndarray, shifts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

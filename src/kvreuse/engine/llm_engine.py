@@ -248,17 +248,28 @@ class LLMEngine:
         check_documents(layout.documents, prompt.num_tokens, params.max_tokens,  # before any of it runs
                         vocab_size=self.loaded.shape.vocab_size, max_model_len=self.max_model_len)
         self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
-        # Unrepaired documents are read where they were computed (no copy; queries rotated per
-        # document). Repair recomputes against moved keys, and sliding windows mask keys by
-        # position in one frame: those get moved copies.
-        in_place = not SeamRepair.from_json(blend, self.config.document_blend).enabled \
-            and not self.runner.layout.sliding_windows
-        source = self._repaired(self.documents.source(layout, cache_salt, in_place=in_place), blend,
-                                self.config.document_blend)
+        source = self._document_source(layout, cache_salt, blend)
         context = PromptContext(source, None)
         context.acquire()
         self.add_request(request_id, list(layout.token_ids), params, cache_salt=cache_salt, retention=retention,
                          prompt_positions=list(layout.positions), context=context, arrival_time=arrival)
+
+    def _document_source(self, layout, cache_salt: str | None, blend):
+        """The context source of a documents request: read where computed (no copy; queries
+        rotated per document, repair's recomputed tokens in private blocks), or moved copies on
+        a model with sliding windows (a window masks keys by position in one frame). Pure."""
+        in_place = not self.runner.layout.sliding_windows
+        return self._repaired(self.documents.source(layout, cache_salt, in_place=in_place), blend,
+                              self.config.document_blend)
+
+    def document_context_blocks(self, prompt: DocumentPrompt, blend: "SeamRepair | Mapping | None" = None) -> int:
+        """Blocks the context of ``add_document_request(prompt, blend=blend)`` holds once
+        acquired (the documents' blocks, repair's private ones), as the request's capacity
+        check counts them: what a route leaves out of the pool when it sizes a default
+        ``max_tokens``. Pure (any thread): nothing is acquired. Raises ``ValueError`` for an
+        invalid ``blend``."""
+        source = self._document_source(prompt.layout(), None, blend)
+        return getattr(source, "held_blocks", source.num_blocks)
 
     def _restore_context(self) -> None:
         """The first waiting request, if its context KV was let go, acquires it again

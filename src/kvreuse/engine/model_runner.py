@@ -214,12 +214,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ seam repair
     @torch.inference_mode()
     def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                       layer: int = DEVIATION_LAYER) -> np.ndarray:
+                       layer: int = DEVIATION_LAYER, shifts: np.ndarray | None = None) -> np.ndarray:
         """How far each assembled token's cached KV (in ``slots``) is from its KV recomputed
         against the whole assembled context: layers ``0..layer`` are run over every token
         at its RoPE position, each attending to the keys at or before its position, into a
         scratch tensor (the pool is only read), and the score is the squared L2 distance of
         layer ``layer``'s K and V. Returns ``[n]`` float64 (CacheBlend's selection signal).
+        ``shifts`` (``[n]`` int64, documents read in place): how far each cached key stands
+        from where it was computed; its K is rotated by that before the comparison.
         A plain Llama runs only those layers; other families run their whole forward."""
         n = len(token_ids)
         layer = min(layer, self.layout.num_layers - 1)
@@ -227,8 +229,14 @@ class ModelRunner:
         lay = self.layout
         scratch = torch.zeros(depth, 2, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype, device=self.device)
         own = np.arange(n, dtype=np.int64)  # [n] scratch slot i holds token i
-        chunk = SeqChunk(list(token_ids), list(positions), KeyTable(own[:0], own, 1, n), None, False, by_position=True)
-        ctx = ForwardContext(scratch, torch.from_numpy(own).to(self.device), [self._positional_item(0, chunk)], None)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
+        # Positions rising in token order (documents, most plans) make "visible by position" the
+        # plain causal mask: the causal kernel skips the hidden half the masked one computes.
+        ordered = bool(np.all(pos[1:] > pos[:-1]))
+        chunk = SeqChunk(list(token_ids), list(positions), KeyTable(own[:0], own, 1, n), None, False,
+                         by_position=not ordered)
+        item = self._prefill_item(0, chunk) if ordered else self._positional_item(0, chunk)
+        ctx = ForwardContext(scratch, torch.from_numpy(own).to(self.device), [item], None)
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         position_ids = torch.tensor([list(positions)], dtype=torch.long, device=self.device)  # [1, n]
         none = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -239,47 +247,58 @@ class ModelRunner:
                        kv_context=ctx)
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
         cached = self.kv_cache[layer][:, :, index].float()  # [2, kv_heads, n, d]
+        if shifts is not None and np.any(shifts):  # keys read where computed: moved to their positions first
+            one = RopeShift(self.rope_shift().inv_freq[layer : layer + 1])  # this layer's frequencies
+            delta = torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1)).to(self.device)  # [n]
+            cached[0] = one.rotate(cached[0][None], delta)[0]  # [kv_heads, n, d]
         fresh = scratch[layer].float()  # [2, kv_heads, n, d]
         return ((fresh - cached) ** 2).sum(dim=(0, 1, 3)).cpu().numpy().astype(np.float64)  # [n]
 
     def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                  selected: np.ndarray, chunk_tokens: int = 1024) -> None:
+                  selected: np.ndarray, chunk_tokens: int = 1024, shifts: np.ndarray | None = None) -> None:
         """Recompute the assembled tokens ``selected`` (``[m]`` ascending indices) through
         every layer, writing their new KV over their ``slots`` (which the caller owns: seam
-        repair copies shared blocks first). Each attends to every assembled key at or
+        repair gives them private slots). Each attends to every assembled key at or
         before its position, the other tokens' cached KV and the selected ones' new KV.
+        ``shifts`` (``[n]`` int64, 0 for the selected): keys read where they were computed
+        (documents in place, ``key_frames.py``); ``None``: every key is at its position.
         Runs in chunks of ``chunk_tokens`` in position order, so a chunk sees the new KV of
         the chunks before it and nothing later; the result is that of one pass when
         positions are distinct."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
         slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # [n]
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [n]
+        moved = None if shifts is None else np.asarray(shifts, dtype=np.int64).reshape(-1)  # [n]
         sel = np.asarray(selected, dtype=np.int64).reshape(-1)  # [m]
         sel = sel[np.argsort(pos[sel], kind="stable")]  # position order
         for start in range(0, len(sel), chunk_tokens):
             part = sel[start : start + chunk_tokens]  # [k]
-            others = np.ones(len(pos), dtype=bool)  # [n] every assembled key but this chunk's
+            # every assembled key but this chunk's, up to the chunk's last position (no query of
+            # the chunk sees a later one, so it is not read)
+            others = pos <= pos[part].max()  # [n]
             others[part] = False
-            keys = np.flatnonzero(others)  # [n - k]
+            keys = np.flatnonzero(others)  # [<= n - k]
+            key_shifts = None if moved is None or not moved[keys].any() else moved[keys]
             chunk = SeqChunk(ids[part].tolist(), pos[part].tolist(),
-                             KeyTable(slot_arr[keys], slot_arr[part], 1, len(part)), pos[keys], False,
+                             KeyTable(slot_arr[keys], slot_arr[part], 1, len(part), key_shifts), pos[keys], False,
                              by_position=True)
             self.execute([chunk])
 
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy the KV of blocks ``src[i]`` into blocks ``dst[i]`` (every layer, whole blocks)."""
-        layers, two, heads, slots, d = self.kv_cache.shape
-        blocks = self.kv_cache.view(layers, two, heads, slots // self.block_size, self.block_size, d)
-        src_ids = torch.tensor(list(src), dtype=torch.long, device=self.device)  # [m]
-        dst_ids = torch.tensor(list(dst), dtype=torch.long, device=self.device)  # [m]
-        blocks.index_copy_(3, dst_ids, blocks.index_select(3, src_ids))  # [layers, 2, kv_heads, m, bs, d]
-
     def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         """A prefill item whose keys are visible by position: key ``j`` to new token ``i``
-        iff ``pos[j] <= pos[i]`` (and inside the window on sliding layers)."""
-        if chunk.keys.context_shifts is not None:
-            raise RuntimeError("model runner: keys by position (seam repair) over moved keys; repair copies documents")
+        iff ``pos[j] <= pos[i]`` (and inside the window on sliding layers). Context keys
+        read where they were computed (``context_shifts``: documents in place) are grouped by
+        frame, each group masked by position (``KeyFrames.by_position``)."""
         dev = self.device
+        if chunk.keys.context_shifts is not None:
+            if self.layout.sliding_windows:
+                raise RuntimeError("model runner: keys by position over moved keys on a sliding-window model "
+                                   "(documents are copied there)")
+            own = np.zeros(chunk.keys.num_own, dtype=np.int64)  # the own keys' shift: computed where they are
+            frames = KeyFrames.by_position(chunk.keys.slots(), np.concatenate((chunk.keys.context_shifts, own)),
+                                           _key_positions(chunk), np.asarray(chunk.positions, dtype=np.int64),
+                                           self.rope_shift(), self.dtype, dev)
+            return PrefillItem(start, len(chunk.token_ids), chunk.keys, None, {}, (), dev, masked=True, frames=frames)
         k_pos = torch.from_numpy(_key_positions(chunk)).to(dev)[None, :]  # [1, L]
         q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
         visible = k_pos <= q_pos  # [n, L]

@@ -7,18 +7,19 @@ tokens run::
     inner.acquire() ── shared segment blocks, one reference each
        │  runner.seam_deviation (only with a ratio: layers 0..1 into scratch, pool read-only)
        │  SeamRepair.select ── indices to recompute
-       │  copy-on-write: each block holding a chosen token is copied into a fresh private
-       │                 block (pool.allocate); the shared block stays held until release
-       │  runner.recompute ── chosen tokens through every layer, by position, into the copies
+       │  private slots: the chosen tokens get fresh blocks of their own (pool.allocate),
+       │                 packed; their keys point there (shift 0), every other key stays put
+       │  runner.recompute ── chosen tokens through every layer, by position, into those slots
        ▼
-    RepairedKV(blocks, slots, positions, num_recomputed)
+    RepairedKV(blocks, slots, positions, num_recomputed, shifts)
 
-The shared blocks are never written (other requests read them), and stay held while the
-copies are: a module's blocks form a chain the pool evicts tail first, so letting go of one
-block in the middle of a held chain would count it free while it cannot be evicted. Private
-copies carry no key, so releasing them frees them. A source whose blocks are already the
-request's own (``private_blocks``: documents, copied to their request positions) is repaired
-in place. An acquisition the pool cannot hold (the copies do
+The shared blocks are never written (other requests read them) and stay held: a module's
+blocks form a chain the pool evicts tail first, so letting go of one block in the middle of a
+held chain would count it free while it cannot be evicted. The private blocks carry no key, so
+releasing them frees them. Documents read in place (``shifts``: keys where they were computed)
+are repaired the same way, the recompute rotating its queries per document; a source whose
+blocks are already the request's own (``private_blocks``: documents copied to their request
+positions) is repaired in place. An acquisition the pool cannot hold (the private blocks do
 not fit) holds nothing and returns ``None``, like any ``ContextSource``. Engine thread only.
 """
 
@@ -30,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvreuse.cache.kv_block import KVBlock
+from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.engine.context import ContextSource, HeldKV
 from kvreuse.engine.seam_repair import SeamRepair
 
@@ -56,10 +57,9 @@ class RepairMechanics(Protocol):
     block_size: int
 
     def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                       layer: int = ...) -> np.ndarray: ...
+                       layer: int = ..., shifts: np.ndarray | None = ...) -> np.ndarray: ...
     def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                  selected: np.ndarray) -> None: ...
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+                  selected: np.ndarray, *, shifts: np.ndarray | None = ...) -> None: ...
 
 
 class BlockSource(Protocol):
@@ -73,8 +73,8 @@ class BlockSource(Protocol):
 @dataclass(frozen=True)
 class RepairedKV:
     """Held repaired context (an ``engine.context.HeldKV``): ``blocks`` each carry one
-    reference the holder owns (every shared segment block, then the private copies; the
-    slots point into the copies where there are some);
+    reference the holder owns (every shared segment block, then the private blocks; the
+    recomputed keys' slots point into those);
     ``num_recomputed`` tokens were recomputed for this acquisition."""
 
     blocks: tuple[KVBlock, ...]
@@ -83,6 +83,7 @@ class RepairedKV:
     num_recomputed: int
     num_reused: int  # keys neither computed nor recomputed for this acquisition (cached_tokens)
     reused_by_level: dict[str, int] | None = None  # num_reused by tier (None: all in the device pool)
+    shifts: np.ndarray | None = None  # [n] int64 keys read where computed (0: at their position); None: none moved
 
 
 class RepairedSource:
@@ -108,10 +109,10 @@ class RepairedSource:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks an acquisition keeps: the inner source's, plus at most one private copy per
-        token the repair can choose (``first_tokens`` and ``last_tokens`` of each segment + the
-        ratio's share; the selection itself is made at the first acquisition), and no copy of
-        blocks that are already the caller's own."""
+        """Blocks an acquisition keeps: the inner source's, plus the private blocks of the most
+        tokens the repair can choose, packed (``first_tokens`` and ``last_tokens`` of each
+        segment + the ratio's share; the selection itself is made at the first acquisition),
+        and none when the blocks are already the caller's own."""
         if self._held_blocks is None:
             inner = getattr(self.inner, "held_blocks", self.inner.num_blocks)
             if self.inner.private_blocks:
@@ -120,7 +121,7 @@ class RepairedSource:
                 token_ids, starts = self.inner.assembled_tokens()
                 n = len(token_ids)
                 most = min(n, self.repair.most_by_position(len(starts), n) + self.repair.num_by_deviation(n))
-                self._held_blocks = inner + min(inner, most)
+                self._held_blocks = inner + cdiv(most, self.runner.block_size)
         return self._held_blocks
 
     @property
@@ -152,10 +153,12 @@ class RepairedSource:
         self.kv.pool.release(reversed(tuple(held.blocks)))  # type: ignore[attr-defined]
 
     def _repair(self, held: HeldKV) -> RepairedKV | None:
-        """The repaired KV holding what ``held`` held plus the private copies, or ``None``
-        (nothing changed) when the copies do not fit in the pool now."""
+        """The repaired KV holding what ``held`` held plus the private blocks, or ``None``
+        (nothing changed) when they do not fit in the pool now."""
         slots = np.asarray(held.slots, dtype=np.int64).reshape(-1)  # [n]
         positions = np.asarray(held.positions, dtype=np.int64).reshape(-1)  # [n]
+        shifts = getattr(held, "shifts", None)
+        shifts = None if shifts is None else np.asarray(shifts, dtype=np.int64).reshape(-1)  # [n]
         token_ids, starts = self.inner.assembled_tokens()
         if len(token_ids) != len(slots):
             raise RuntimeError(f"seam repair: {len(token_ids)} assembled tokens for {len(slots)} context keys")
@@ -166,7 +169,7 @@ class RepairedSource:
             deviation = None
             if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
                 deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist(),
-                                                       layer=self.repair.deviation_layer)
+                                                       layer=self.repair.deviation_layer, shifts=shifts)
             self._chosen = self.repair.select(starts, len(slots), deviation)  # [m]
         chosen = self._chosen
         blocks = tuple(held.blocks)
@@ -174,29 +177,30 @@ class RepairedSource:
         reused = getattr(held, "num_reused", len(slots)) - taken
         by_level = _less(getattr(held, "reused_by_level", None), taken)
         if not len(chosen):
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level, shifts)
         if self.inner.private_blocks:  # nobody else reads them: recompute in place
-            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused, by_level)
-        bs = self.runner.block_size
-        touched = np.unique(slots[chosen] // bs)  # [b] shared block ids holding a chosen token
+            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
+            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused, by_level, shifts)
+        # The shared blocks are never written: the chosen tokens' new KV goes to private blocks
+        # of their own, packed, and their keys point there (computed at their positions: shift 0).
         pool = self.kv.pool
-        if not pool.can_allocate(len(touched)):  # type: ignore[attr-defined]
+        num_private = cdiv(len(chosen), self.runner.block_size)
+        if not pool.can_allocate(num_private):  # type: ignore[attr-defined]
             return None
-        copies = self.kv.allocate(len(touched))
-        copy_ids = np.asarray([b.block_id for b in copies], dtype=np.int64)  # [b]
-        self.runner.copy_blocks(touched.tolist(), copy_ids.tolist())
-        block_of = slots // bs  # [n]
-        where = np.searchsorted(touched, block_of)  # [n]
-        hit = (where < len(touched)) & (touched[np.minimum(where, len(touched) - 1)] == block_of)  # [n]
-        slots = np.where(hit, copy_ids[np.minimum(where, len(touched) - 1)] * bs + slots % bs, slots)  # [n]
+        private = self.kv.allocate(num_private)
+        slots = slots.copy()
+        slots[chosen] = block_slots([b.block_id for b in private], 0, len(chosen), self.runner.block_size)
+        if shifts is not None:
+            shifts = shifts.copy()
+            shifts[chosen] = 0
+            shifts = shifts if shifts.any() else None
         try:
-            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen)
+            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
         except BaseException:
-            pool.release(reversed(copies))  # type: ignore[attr-defined]
+            pool.release(reversed(private))  # type: ignore[attr-defined]
             raise
-        return RepairedKV(blocks + tuple(copies), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
-                          by_level)
+        return RepairedKV(blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
+                          by_level, shifts)
 
 
 def _cached_among(held: HeldKV, chosen: np.ndarray) -> int:

@@ -38,8 +38,8 @@ from kvreuse.server.logprobs_format import ChatLogprobs
 from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_blend, parse_retention,
-    reply_room, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, document_reply_room, new_request_id,
+    parse_blend, parse_retention, reply_room, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -65,14 +65,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     retention = merge_retention(prompt.retention, request_retention)
     check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
     default_max = reply_room(ctx, len(prompt.token_ids), param="messages")
-    if prompt.documents is not None:  # the context sits in blocks of its own: the own tokens' start a block
-        layout, bs = prompt.documents.layout(), ctx.engine.block_size
-        context_blocks = -(-layout.num_document_tokens // bs)
-        default_max = min(default_max, (ctx.engine.pool_tokens // bs - context_blocks) * bs - len(layout.token_ids) + 1)
-        if default_max < 1:
-            raise APIError(f"messages: the documents and the prompt do not fit in the KV pool "
-                           f"({ctx.engine.pool_tokens} tokens): shorten them or raise --kv-cache-memory",
-                           param="messages", code="context_length_exceeded")
+    if prompt.documents is not None:
+        default_max = document_reply_room(ctx, default_max, prompt.documents, blend, param="messages")
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
         EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",

@@ -40,8 +40,8 @@ from kvreuse.server.logprobs_format import CompletionLogprobs
 from kvreuse.api.protocol import CompletionRequest, default_max_tokens, now_s, usage_dict
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, new_request_id, parse_blend, parse_retention,
-    reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
+    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, document_reply_room, new_request_id,
+    parse_blend, parse_retention, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
 )
 
 router = APIRouter()
@@ -86,6 +86,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     requests = []
     for i, ids in enumerate(prompt_ids):
         default_max = default_max_tokens(False, lengths[i], ctx.engine.max_model_len, ctx.engine.pool_tokens)
+        if documents is not None:  # the documents' blocks are held beside the reply's
+            default_max = document_reply_room(ctx, default_max, documents, blend, param="documents")
         for j in range(body.n):
             index = i * body.n + j
             requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),

@@ -82,6 +82,22 @@ def reply_room(ctx: ServerContext, n: int, *, param: str) -> int:
     return room
 
 
+def document_reply_room(ctx: ServerContext, room: int, documents, blend: dict[str, Any] | None, *, param: str) -> int:
+    """``room`` (a prompt's longest reply) cut to what the KV pool leaves once a documents
+    prompt's context holds its blocks (``engine.document_context_blocks``: the documents' own
+    blocks and repair's private ones, as the engine's capacity check counts them; the own
+    tokens start a block of their own). Raises a 400 naming ``param`` when nothing is left."""
+    bs = ctx.engine.block_size
+    context_blocks = ctx.engine.document_context_blocks(documents, blend)
+    own = len(documents.layout().token_ids)
+    room = min(room, (ctx.engine.pool_tokens // bs - context_blocks) * bs - own + 1)
+    if room < 1:
+        raise APIError(f"{param}: the documents and the prompt do not fit in the KV pool "
+                       f"({ctx.engine.pool_tokens} tokens): shorten them or raise --kv-cache-memory",
+                       param=param, code="context_length_exceeded")
+    return room
+
+
 def parse_retention(raw: dict[str, Any] | None) -> KvCacheRetentionConfig | None:
     """Validate ``kv_cache_retention_config``; a 400 names the field path."""
     if raw is None:
