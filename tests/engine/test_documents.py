@@ -375,3 +375,47 @@ def test_in_place_capacity_counts_a_fill_s_scratch(tiny_llama):
     assert len(out.token_ids) == 1
     exact.engine.check_integrity()
     assert exact.engine.pool.num_used_blocks == 0
+
+
+def test_a_decoding_request_moves_its_in_place_context_to_one_run(tiny_llama):
+    """Once its prompt is done, a request over documents read in place decodes over one moved
+    copy of its context (no shifts; its own blocks, one run), the documents' blocks let go (still
+    cached for the next request); every logits row equals the same request over moved copies
+    from the start (1e-4) and nothing stays held."""
+    from kvreuse.engine.document_cache import DocumentCache
+
+    tok = tiny_llama.tokenizer
+    docs, q = [tok.encode(d) for d in DOCS], tok.encode(QUESTION)
+    prompt = DocumentPrompt.of([(docs[i], True) for i in (2, 0, 1)] + [(q, False)])
+    llm = make(tiny_llama)
+    engine, bs = llm.engine, llm.engine.block_size
+    llm.generate(DocumentPrompt.of([(d, True) for d in docs] + [(q, False)]), ONE)  # encoded in another order
+    spy = LogitsSpy(llm)
+    engine.add_document_request("r", prompt, GREEDY)
+    (seq,) = engine.requests()
+    engine.step()  # the prompt, over the documents in place
+    assert seq.context.shift_array is not None and not seq.is_prefill
+    doc_blocks = {b.block_id for b in seq.context.blocks}
+    engine.step()  # the first decode step moves the context first
+    engine.check_integrity()
+    assert seq.context.shift_array is None
+    n = sum(len(d) for d in docs)
+    assert len(seq.context.blocks) == -(-n // bs) and not doc_blocks & {b.block_id for b in seq.context.blocks}
+    assert seq.context.slot_array.tolist() == [b.block_id * bs + i for b in seq.context.blocks for i in range(bs)][:n]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+    rows = torch.stack(spy.rows)
+
+    ref = make(tiny_llama)
+    real = DocumentCache.source
+    DocumentCache.source = lambda self, layout, salt, in_place=True: real(self, layout, salt, in_place=False)
+    try:
+        ref.generate(DocumentPrompt.of([(d, True) for d in docs] + [(q, False)]), ONE)
+        ref_spy = LogitsSpy(ref)
+        ref.generate(prompt, GREEDY)
+    finally:
+        DocumentCache.source = real
+    assert len(spy.rows) == len(ref_spy.rows) == GREEDY.max_tokens
+    assert (rows - torch.stack(ref_spy.rows)).abs().max().item() <= 1e-4

@@ -222,6 +222,17 @@ class PromptContext:
         kept after the release, for the request's usage."""
         return self._num_recomputed
 
+    def swap(self, held: HeldKV) -> None:
+        """Hold ``held`` instead of the current acquisition (the same keys at the same
+        positions: one moved copy of keys read in several RoPE frames), releasing the current
+        one through the source. What the request reused and recomputed stays as counted.
+        Raises ``RuntimeError`` while released."""
+        if self._held is None:
+            raise RuntimeError("context: swap while released (nothing held to replace)")
+        old, self._held = self._held, held
+        self._arrays = self._shifts = None
+        self._source.release(old)
+
     def release(self) -> None:
         """Let the KV go (``RELEASED``): at the request's end, or while it waits under pool
         pressure. Releasing a released context does nothing."""

@@ -217,6 +217,24 @@ class DocumentCache:
         return blocks, by_level
 
 
+    def moved_copy(self, slots: np.ndarray, positions: np.ndarray, shifts: np.ndarray) -> DocumentContext | None:
+        """One copy of a context read in place (``[c]`` int64 ``slots``, ``positions`` and
+        ``shifts`` each) in fresh blocks of its own, keys rotated to their positions, one run:
+        ``DocumentContext`` holding them (the caller swaps it in and lets the original go), or
+        ``None`` when the pool cannot hold the copy now (nothing held then)."""
+        bs, n = self.pool.block_size, len(slots)
+        if not self.pool.can_allocate(cdiv(n, bs)):
+            return None
+        own = self.kv.allocate(cdiv(n, bs))
+        dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [c]
+        try:
+            self.runner.copy_shifted(slots, dst, shifts)
+        except BaseException:
+            self.pool.release(reversed(own))
+            raise
+        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(np.asarray(positions).tolist()), 0, {})
+
+
 @dataclass(frozen=True)
 class DocumentSource:
     """A document layout bound to its cache and salt: the ``engine.context.ContextSource`` of

@@ -328,6 +328,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.sync_stores()
         self._restore_context()
+        self._move_framed_contexts()
         self._draft()
         plan = self.scheduler.schedule()
         if not plan and self.scheduler.waiting and not self.scheduler.running and self._break_context_deadlock():
@@ -383,6 +384,21 @@ class LLMEngine:
         for item in plan:
             item.seq.draft_token_ids.clear()
         return outputs
+
+    def _move_framed_contexts(self) -> None:
+        """A request that has finished its prompt over documents read in place gets one moved
+        copy of its context (keys rotated to their positions, in one run of its own blocks)
+        and lets the documents' blocks go: its decode steps then read one run (a short context
+        joins the batched decode) instead of one kernel call per document per layer. The prompt
+        itself never waits for the copy (its first token comes from the keys in place). A pool
+        that cannot hold the copy now leaves the context as it is (tried again next step)."""
+        for seq in self.scheduler.running:
+            context = seq.context
+            if context is None or seq.is_prefill or context.shift_array is None:
+                continue
+            copy = self.documents.moved_copy(context.slot_array, context.position_array, context.shift_array)
+            if copy is not None:
+                context.swap(copy)
 
     def _draft(self) -> None:
         """Prompt lookup: give each greedy decoding request that speculates a draft
