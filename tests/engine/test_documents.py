@@ -323,15 +323,19 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
     """Seam repair over documents read in place (queries rotated per document, the recomputed
     tokens in private blocks, the deviation compared against keys rotated to their positions)
     gives what the same repair over moved copies gives: the same recomputed count, every logits
-    row within 1e-4 (fp32), the same greedy tokens; nothing left held."""
+    row within 1e-4 (fp32), the same greedy tokens; nothing left held. Recomputed in chunks of 2
+    tokens (each reading only the keys up to its last position), in place, it gives the same."""
+    from kvreuse.engine import model_runner
     from kvreuse.engine.document_cache import DocumentCache
 
     tok = tiny_llama.tokenizer
     prompt = DocumentPrompt.of([(tok.encode("System:"), False)] + [(tok.encode(DOCS[i]), True) for i in (2, 0, 1)]
                                + [(tok.encode(QUESTION), False)])
     runs = {}
-    for in_place in (True, False):
+    for in_place in (True, False, "chunked"):
         llm = make(tiny_llama)
+        if in_place == "chunked":
+            monkeypatch.setattr(model_runner, "RECOMPUTE_CHUNK_TOKENS", 2)
         if not in_place:  # the sliding-window models' path: every document copied to its positions
             real = DocumentCache.source
             monkeypatch.setattr(DocumentCache, "source", lambda self, layout, salt, in_place=True:
@@ -346,7 +350,9 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
         assert llm.engine.pool.num_used_blocks == 0
         runs[in_place] = out, torch.stack(spy.rows)
         monkeypatch.undo()
-    (in_place, rows), (copied, copied_rows) = runs[True], runs[False]
+    (in_place, rows), (copied, copied_rows), (chunked, chunked_rows) = runs[True], runs[False], runs["chunked"]
+    assert chunked.token_ids == in_place.token_ids and chunked.num_recomputed_tokens == in_place.num_recomputed_tokens
+    assert (chunked_rows - rows).abs().max().item() <= 1e-4
     assert in_place.num_recomputed_tokens == copied.num_recomputed_tokens > 0
     assert in_place.num_cached_tokens == copied.num_cached_tokens
     assert in_place.token_ids == copied.token_ids
