@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.serve_process
 sys.path.insert(0, str(ROOT / "bench"))
 
+from peer_llamacpp import gemm_gflops  # noqa: E402
 from pml_ttft import doc_text  # noqa: E402
 from tests.serve_process import free_port, running_servers  # noqa: E402
 
@@ -80,6 +81,61 @@ def check(u: dict, seen: dict[str, list[dict]]) -> None:
     if context and u["cached_tokens"] + u["recomputed_tokens"] != context[0]:
         raise SystemExit(f"docs_ttft: cached {u['cached_tokens']} + recomputed {u['recomputed_tokens']} is not "
                          f"the {context[0]} context tokens reused without repair")
+
+
+def repair_gflop(shape, linear_params: int, context: int, own: int, recomputed: int, deviation_layers: int) -> float:
+    """FLOPs (GFLOP) of a documents request with seam repair, the least any implementation
+    runs: the deviation pass (every linear layer of ``deviation_layers`` layers over the
+    ``context`` keys, causal attention among them; 0 without a ratio), the ``recomputed``
+    tokens through every layer (each attending to ~half the context on average: the tokens
+    are spread over it), the ``own`` tokens after the last document over the whole context,
+    one lm_head row. Attention counts QK and PV (2 x 2 FLOPs per head dim)."""
+    per_pair = 4 * shape.num_attention_heads * shape.head_dim  # FLOPs per (query, key) pair per layer
+    per_token = 2 * linear_params / shape.num_layers  # linear FLOPs per token per layer
+    deviation = deviation_layers * (context * per_token + per_pair * context * (context + 1) / 2)
+    repair = shape.num_layers * recomputed * (per_token + per_pair * context / 2)
+    question = shape.num_layers * own * (per_token + per_pair * (context + (own + 1) / 2))
+    return (deviation + repair + question + 2 * shape.hidden_size * shape.vocab_size) / 1e9
+
+
+def full_gflop(shape, linear_params: int, n: int) -> float:
+    """FLOPs (GFLOP) of a full prefill of ``n`` tokens: every linear layer per token, causal
+    attention, one lm_head row."""
+    per_pair = 4 * shape.num_attention_heads * shape.head_dim
+    return (2 * linear_params * n + shape.num_layers * per_pair * n * (n + 1) / 2
+            + 2 * shape.hidden_size * shape.vocab_size) / 1e9
+
+
+def floors(model: str, result: dict) -> dict:
+    """The compute floor of each kind at the fp32 GEMM peak measured now (2 threads, as the
+    servers ran; the servers are gone, so the machine is as idle as it gets): what no
+    implementation beats on this machine in fp32."""
+    import torch
+
+    from kvreuse.models.loader import load_model
+
+    torch.set_num_threads(2)
+    loaded = load_model(model, dtype="float32", quantization="none")
+    shape = loaded.shape
+    linear_params = sum(m.weight.numel() for name, m in loaded.model.named_modules()
+                        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+    peak = max(gemm_gflops(torch.float32, shape.hidden_size) for _ in range(3))
+    fp32 = result["servers"].get("fp32")
+    out = {"gemm_gflops_fp32": peak, "kinds": {}}
+    if fp32 is None:
+        return out
+    n, context = fp32["prompt_tokens"], fp32["cached_tokens"]["documents"]
+    for kind, med in fp32["ttft_median_s"].items():
+        if kind == "full":
+            gflop = full_gflop(shape, linear_params, n)
+        else:
+            spec = result["repairs"].get(kind, {"ratio": 0.0})
+            layers = (spec.get("deviation_layer", 1) + 1) if spec["ratio"] > 0 else 0
+            gflop = repair_gflop(shape, linear_params, context, n - context, fp32["recomputed_tokens"][kind], layers)
+        floor = gflop / peak
+        out["kinds"][kind] = {"gflop": gflop, "floor_s": floor, "ttft_s": med, "ttft_over_floor": med / floor,
+                              "best_speedup_vs_full": fp32["ttft_median_s"]["full"] / floor}
+    return out
 
 
 def repair_spec(item: str) -> dict:
@@ -154,6 +210,8 @@ def main() -> None:
             "recomputed_tokens": {k: usage[n][k][0]["recomputed_tokens"] for k in kinds},
         }
         print(n, json.dumps({k: v for k, v in result["servers"][n].items() if k not in ("ttft_samples_s", "usage")}))
+    result["fp32_floors"] = floors(args.model, result)
+    print("fp32 floors", json.dumps(result["fp32_floors"], indent=1))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "docs_ttft.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "docs_ttft.png")
