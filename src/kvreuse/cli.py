@@ -8,6 +8,7 @@ and ``kvreuse simulate`` never imports torch through us.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import logging
 import sys
@@ -204,7 +205,14 @@ def _off_main_thread(build):
 
     thread = threading.Thread(target=run, name="kvreuse-load", daemon=True)
     thread.start()
-    thread.join()
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        # Ctrl-C lands in this thread: raise it in the loader too and wait, so its cleanup runs
+        # (a GGUF conversion removes its temporary folder); a second Ctrl-C leaves at once.
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
+        thread.join()
+        raise
     if "error" in box:
         raise box["error"]
     return box["value"]

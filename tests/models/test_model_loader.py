@@ -349,3 +349,21 @@ def test_fp16_gemma_is_refused_naming_dtype(tiny_gemma3):
     with pytest.raises(ValueError, match="--dtype float16: gemma3"):
         finish_model(tiny_gemma3.model, tiny_gemma3.tokenizer, name="g", weights_hash="0", tokenizer_hash="0",
                      dtype=torch.float16, device=torch.device("cpu"), path=None)
+
+
+def test_a_build_clears_temporary_folders_an_interrupted_one_left(tmp_path):
+    """A Ctrl-C or a kill can end a conversion before its cleanup runs; the next build of the
+    same target (holding its lock) removes those ``.tmp-<name>-*`` folders, and only those."""
+    from kvreuse.models import store
+
+    target = tmp_path / "Model-abc"
+    stale = tmp_path / ".tmp-Model-abc-x1y2"
+    (stale / "_gguf").mkdir(parents=True)
+    (stale / "_gguf" / "big.gguf").write_bytes(b"\0" * 1024)
+    other = tmp_path / ".tmp-Other-abc-zz"
+    other.mkdir()
+    with store.file_lock(tmp_path / f".{target.name}.lock"):
+        fresh = store.fresh_temp_dir(target)
+    assert not stale.exists() and other.is_dir()
+    assert fresh.is_dir() and fresh.name.startswith(".tmp-Model-abc-")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == sorted([fresh.name, other.name])

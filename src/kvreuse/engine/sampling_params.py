@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit on logprobs / top_logprobs
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily

@@ -173,6 +173,16 @@ def _gguf_location(src: ModelSource, workdir: Path) -> tuple[Path, str]:
     return src.path.parent, src.path.name
 
 
+def fresh_temp_dir(target: Path) -> Path:
+    """A new temporary sibling of ``target`` (``.tmp-<name>-*``) to build it in, after removing
+    the ones an interrupted earlier build left (a Ctrl-C or a kill can end a process before its
+    cleanup runs). The caller holds ``target``'s file lock, so no live build owns one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".tmp-{target.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+
+
 def convert_gguf(src: ModelSource, target: Path) -> Path:
     """Convert a GGUF source into a safetensors HF folder at ``target`` (atomically).
 
@@ -185,8 +195,7 @@ def convert_gguf(src: ModelSource, target: Path) -> Path:
     with file_lock(target.parent / f".{target.name}.lock"):
         if (target / MARKER).is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+        tmp = fresh_temp_dir(target)
         try:
             t0 = time.monotonic()
             _status(f"converting GGUF to safetensors (one time, ~20-60 s): {src.name} -> {target}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ def tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
     with store.file_lock(target.parent / f".{target.name}.lock"):
         if (target / "tokenizer.json").is_file():
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+        tmp = store.fresh_temp_dir(target)
         try:
             converted = store.conversion_dir(src, root)
             if (converted / "tokenizer.json").is_file() and (converted / store.MARKER).is_file():
