@@ -52,9 +52,13 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
 
     With the prompt's ``text`` and a fast tokenizer, the prompt is encoded once with character
     offsets, and a prefix's end is the count of tokens before the prefix's last character, where
-    the prefix's text begins the prompt's and no token straddles its end. Any other prefix is
-    tokenized itself. Both give the same count: a prefix ending on a token boundary of the prompt
-    tokenizes to those tokens. (Tokenizing every prefix is quadratic: ~20 ms for 8 documents of 500
+    the prefix's text begins the prompt's, no token straddles its end, and the prompt's next
+    token is a special or added one (a chat template's turn marker) or there is none. Any other
+    prefix is tokenized itself. Both give the same count: pre-tokenization never merges across a
+    special token, so a prefix ending right before one tokenizes to the tokens before it. A plain
+    boundary is not enough: byte-level tokenizers split whitespace by what follows it (``" \n\n"``
+    ends a string as one token, inside a longer one as two; review: reproduced with an
+    Alpaca-style template). (Tokenizing every prefix is quadratic: ~20 ms for 8 documents of 500
     tokens.)"""
     spans = _token_spans(tokenizer, text) if text is not None else None
     bounds, start = [], 0
@@ -73,27 +77,31 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
     return bounds
 
 
-def _token_spans(tokenizer: Any, text: str) -> tuple[list[int], list[int]] | None:
-    """``(starts, ends)``: each token's character span in ``text`` (the prompt encoded as
-    ``_render`` encodes it), or ``None`` for a tokenizer without offsets (a slow one)."""
+def _token_spans(tokenizer: Any, text: str) -> tuple[list[int], list[int], list[bool]] | None:
+    """``(starts, ends, marker)``: each token's character span in ``text`` (the prompt encoded as
+    ``_render`` encodes it) and whether it is a special or added token, or ``None`` for a
+    tokenizer without offsets (a slow one)."""
     if not getattr(tokenizer, "is_fast", False):
         return None
     try:
-        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
     except (NotImplementedError, KeyError, TypeError, ValueError):
         return None
-    return [a for a, _ in offsets], [b for _, b in offsets]
+    markers = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return [a for a, _ in offsets], [b for _, b in offsets], [t in markers for t in encoded["input_ids"]]
 
 
-def _aligned_count(spans: tuple[list[int], list[int]], text: str, prefix: str) -> int | None:
+def _aligned_count(spans: tuple[list[int], list[int], list[bool]], text: str, prefix: str) -> int | None:
     """Tokens of ``text`` that end within its first ``len(prefix)`` characters, when
-    ``prefix`` begins ``text`` and the next token starts at or after that point; else ``None``."""
+    ``prefix`` begins ``text`` and the next token starts at or after that point and is a
+    special or added token (or there is none); else ``None``."""
     if not text.startswith(prefix):
         return None
-    starts, ends = spans
+    starts, ends, marker = spans
     c = len(prefix)
     j = bisect.bisect_right(ends, c)  # tokens ending at or before c (offsets ascend)
-    if j < len(starts) and starts[j] < c:  # the next token straddles the end of the prefix
+    if j < len(starts) and (starts[j] < c or not marker[j]):  # straddles the end, or plain text follows
         return None
     return j
 
