@@ -235,6 +235,12 @@ def plot(result: dict, path: Path) -> None:
             text = f"{bar.get_height():.2f}s" + ("" if k == "full" else f"\n{s['ttft_median_s']['full'] / bar.get_height():.0f}x")
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=7)
+    floors = result.get("fp32_floors", {}).get("kinds", {})
+    if floors and "fp32" in result["servers"]:  # the fp32 compute floor of each kind: a bar at it
+        j = list(result["servers"]).index("fp32")
+        xs = [i + j * width for i, k in enumerate(kinds) if k in floors]
+        ax.scatter(xs, [floors[k]["floor_s"] for k in kinds if k in floors], marker="_", s=600, color="black",
+                   zorder=3, label="fp32 compute floor")
     ax.set_xticks([i + width * (len(result["servers"]) - 1) / 2 for i in range(len(kinds))], [labels[k] for k in kinds])
     ax.set_yscale("log")
     ax.set_ylabel("TTFT, median (s, log)")
