@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=500)
-    ap.add_argument("--repairs", default="1:0,1:0.1,1:0.1:1:1",
+    ap.add_argument("--repairs", default="1:0:1:1,1:0.1:1:1",
                     help="seam repairs to time, first_tokens:ratio[:deviation_layer[:last_tokens]],...")
     ap.add_argument("--servers", default="fp32,quick")
     ap.add_argument("--seed", type=int, default=0)
