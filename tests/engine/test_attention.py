@@ -99,31 +99,3 @@ def test_context_runs_drop_the_new_tokens_from_the_end():
     item = PrefillItem(0, 5, keys, None, {}, ((20, 4), (30, 2), (40, 2)))  # the last 5 keys are new
     assert item.context_runs == ((20, 3),)
     assert PrefillItem(0, 1, keys, None, {}, ()).context_runs == ()
-
-
-def test_a_long_decode_split_into_chunks_attends_like_one_call():
-    """One decode token over one long run, read as equal chunks stacked as a batch (a strided
-    view of the pool, no copy) plus the remainder, merged by log-sum-exp: the output of one flash
-    call over the whole run (fp32, 1e-6); the split count makes chunks x KV heads a multiple of
-    the threads, and none on a run too short for chunks of SPLIT_MIN_KEYS."""
-    from kvreuse.engine import attention
-
-    g = torch.Generator().manual_seed(5)
-    cache = torch.randn(2, 3, 5000, 16, generator=g)  # [K/V, kv_heads, slots, d]
-    q = torch.randn(1, 3, 3, 16, generator=g)  # [1, kv_heads, groups, d]
-    for first, length, splits in ((7, 1024, 2), (100, 2049, 2), (3, 4101, 4), (0, 1500, 3)):
-        ref = attention._attention(q, cache[0][None, :, first:first + length], cache[1][None, :, first:first + length], 0.25)
-        out = attention._split_decode(q, cache[0], cache[1], first, length, splits, 0.25)
-        assert out.shape == ref.shape
-        assert (out - ref).abs().max().item() <= 1e-6
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert attention._decode_splits(4096, 3, torch.device("cpu")) == 2  # 6 work items for 2 threads
-        assert attention._decode_splits(4096, 2, torch.device("cpu")) == 1  # 2 KV heads already divide
-        assert attention._decode_splits(2 * attention.SPLIT_MIN_KEYS - 1, 3, torch.device("cpu")) == 1
-        torch.set_num_threads(4)
-        assert attention._decode_splits(4096, 3, torch.device("cpu")) == 4
-        assert attention._decode_splits(4096, 3, torch.device("meta")) == 1  # CPU only
-    finally:
-        torch.set_num_threads(threads)

@@ -16,7 +16,6 @@ which read the pool in place).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -263,49 +262,6 @@ def _attend_item(
 
 
 RUN_TOKENS_IN_PLACE = 512  # a decode reads its runs in place when they average this many keys, else gathers
-SPLIT_MIN_KEYS = 512  # a decode splits its run into chunks of at least this many keys (CPU, see _decode_splits)
-
-
-def _decode_splits(length: int, kv_heads: int, device: torch.device) -> int:
-    """How many chunks a one-token decode over one run of ``length`` keys is split into on CPU:
-    PyTorch's flash kernel gives each (batch, KV head) one work item for a single query row, so
-    3 KV heads on 2 threads run 2:1 and one core idles a third of the time. Chunks of the run
-    as a batch (``_split_decode``) make ``chunks x kv_heads`` items, a multiple of the threads;
-    1 (no split) elsewhere, for a run too short to give each chunk ``SPLIT_MIN_KEYS``, or when
-    the KV heads already divide among the threads."""
-    if device.type != "cpu":
-        return 1
-    threads = torch.get_num_threads()
-    splits = threads // math.gcd(kv_heads, threads)
-    return splits if splits > 1 and length >= splits * SPLIT_MIN_KEYS else 1
-
-
-def _split_decode(
-    q: torch.Tensor,  # [1, kv_heads, groups, d] one decode token, a KV head's query heads as rows
-    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
-    v_cache: torch.Tensor,
-    first: int,
-    length: int,
-    splits: int,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of ``q`` over the run ``first .. first + length`` of the pool, read in place as
-    ``splits`` equal chunks stacked as a batch (a strided view: chunk ``i`` starts ``i * m``
-    slots later; no copy) plus the remainder, merged by log-sum-exp: ``[1, kv_heads, groups, d]``."""
-    kv_heads, _, d = k_cache.shape
-    m = length // splits
-    shape = (splits, kv_heads, m, d)
-
-    def chunks(cache: torch.Tensor) -> torch.Tensor:  # [splits, kv_heads, m, d] view
-        return cache.as_strided(shape, (m * cache.stride(1), cache.stride(0), cache.stride(1), cache.stride(2)),
-                                cache.storage_offset() + first * cache.stride(1))
-
-    out, lse = _flash(q.expand(splits, *q.shape[1:]), chunks(k_cache), chunks(v_cache), scale)  # [s, kv, g, d], [s, kv, g]
-    pieces = list(zip(out.split(1), lse.split(1)))
-    rest = first + splits * m
-    if rest < first + length:  # the keys past the last whole chunk
-        pieces.append(_flash(q, k_cache[None, :, rest : first + length], v_cache[None, :, rest : first + length], scale))
-    return _merge(pieces)
 SMALL_QUERY = 128  # below this many new tokens, plain matmuls beat SDPA's kernel on CPU (sliding-window layers)
 
 
@@ -337,9 +293,6 @@ def _flash_over_pool(
         runs = item.kv_runs
         if len(runs) == 1:
             (a, length), = runs
-            splits = _decode_splits(length, kv_heads, q.device)
-            if splits > 1:
-                return _split_decode(qg, k_cache, v_cache, a, length, splits, scale).view(1, heads, d)
             o = _attention(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
