@@ -196,22 +196,27 @@ def _off_main_thread(build):
     of 500 tokens + a question: 0.247 s a request from a second thread against 0.175 s when one
     thread does all the torch work)."""
     box: dict = {}
+    done = threading.Event()  # set once build() has returned or raised, its cleanup run
 
     def run() -> None:
         try:
             box["value"] = build()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = exc
+        finally:
+            done.set()
 
     thread = threading.Thread(target=run, name="kvreuse-load", daemon=True)
     thread.start()
     try:
         thread.join()
     except KeyboardInterrupt:
-        # Ctrl-C lands in this thread: raise it in the loader too and wait, so its cleanup runs
-        # (a GGUF conversion removes its temporary folder); a second Ctrl-C leaves at once.
+        # Ctrl-C lands in this thread: raise it in the loader too and wait until its cleanup ran
+        # (a GGUF conversion removes its temporary folder). Not a second join(): an interrupted
+        # join has already marked the thread stopped (Python 3.11), so it would return at once.
+        # A second Ctrl-C leaves at once.
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
-        thread.join()
+        done.wait()
         raise
     if "error" in box:
         raise box["error"]

@@ -367,3 +367,15 @@ def test_a_build_clears_temporary_folders_an_interrupted_one_left(tmp_path):
     assert not stale.exists() and other.is_dir()
     assert fresh.is_dir() and fresh.name.startswith(".tmp-Model-abc-")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == sorted([fresh.name, other.name])
+
+
+def test_temporary_folders_of_a_name_with_brackets_are_cleared(tmp_path):
+    """A GGUF file's name becomes the target's: ``[`` ``]`` in it are not a glob class."""
+    from kvreuse.models import store
+
+    target = tmp_path / "SmolLM2[Q4_1]-0123456789ab"
+    stale = tmp_path / ".tmp-SmolLM2[Q4_1]-0123456789ab-abcd"
+    stale.mkdir()
+    with store.file_lock(tmp_path / f".{target.name}.lock"):
+        fresh = store.fresh_temp_dir(target)
+    assert not stale.exists() and fresh.is_dir()

@@ -9,6 +9,7 @@ computed from that stored digest, the canonical config and the tokenizer files, 
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -178,7 +179,7 @@ def fresh_temp_dir(target: Path) -> Path:
     the ones an interrupted earlier build left (a Ctrl-C or a kill can end a process before its
     cleanup runs). The caller holds ``target``'s file lock, so no live build owns one."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".tmp-{target.name}-*"):
+    for stale in target.parent.glob(f".tmp-{glob.escape(target.name)}-*"):  # a name may hold [ ]
         shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
 
