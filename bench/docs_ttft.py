@@ -83,16 +83,21 @@ def check(u: dict, seen: dict[str, list[dict]]) -> None:
                          f"the {context[0]} context tokens reused without repair")
 
 
-def repair_gflop(shape, linear_params: int, context: int, own: int, recomputed: int, deviation_layers: int) -> float:
+def repair_gflop(shape, linear_params: int, context: int, own: int, recomputed: int, deviation_layer: int) -> float:
     """FLOPs (GFLOP) of a documents request with seam repair, the least any implementation
-    runs: the deviation pass (every linear layer of ``deviation_layers`` layers over the
-    ``context`` keys, causal attention among them; 0 without a ratio), the ``recomputed``
-    tokens through every layer (each attending to ~half the context on average: the tokens
-    are spread over it), the ``own`` tokens after the last document over the whole context,
-    one lm_head row. Attention counts QK and PV (2 x 2 FLOPs per head dim)."""
+    runs: the deviation pass (``deviation_layer`` 0: none, no ratio; else layers
+    ``0 .. deviation_layer - 1`` over the ``context`` keys, every linear layer and causal
+    attention among them, then only the compared layer's K and V projections), the
+    ``recomputed`` tokens through every layer (each attending to ~half the context on
+    average: the tokens are spread over it), the ``own`` tokens after the last document over
+    the whole context, one lm_head row. Attention counts QK and PV (2 x 2 FLOPs per head dim)."""
     per_pair = 4 * shape.num_attention_heads * shape.head_dim  # FLOPs per (query, key) pair per layer
     per_token = 2 * linear_params / shape.num_layers  # linear FLOPs per token per layer
-    deviation = deviation_layers * (context * per_token + per_pair * context * (context + 1) / 2)
+    kv_projection = 2 * shape.hidden_size * 2 * shape.num_kv_heads * shape.head_dim  # K and V of one token, one layer
+    deviation = 0.0
+    if deviation_layer:
+        deviation = (deviation_layer * (context * per_token + per_pair * context * (context + 1) / 2)
+                     + context * kv_projection)
     repair = shape.num_layers * recomputed * (per_token + per_pair * context / 2)
     question = shape.num_layers * own * (per_token + per_pair * (context + (own + 1) / 2))
     return (deviation + repair + question + 2 * shape.hidden_size * shape.vocab_size) / 1e9
@@ -106,7 +111,7 @@ def full_gflop(shape, linear_params: int, n: int) -> float:
             + 2 * shape.hidden_size * shape.vocab_size) / 1e9
 
 
-def floors(model: str, result: dict) -> dict:
+def floors(model: str, result: dict, peak: float | None = None) -> dict:
     """The compute floor of each kind at the fp32 GEMM peak measured now (2 threads, as the
     servers ran; the servers are gone, so the machine is as idle as it gets): what no
     implementation beats on this machine in fp32."""
@@ -119,7 +124,8 @@ def floors(model: str, result: dict) -> dict:
     shape = loaded.shape
     linear_params = sum(m.weight.numel() for name, m in loaded.model.named_modules()
                         if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
-    peak = max(gemm_gflops(torch.float32, shape.hidden_size) for _ in range(3))
+    if peak is None:
+        peak = max(gemm_gflops(torch.float32, shape.hidden_size) for _ in range(3))
     fp32 = result["servers"].get("fp32")
     out = {"gemm_gflops_fp32": peak, "kinds": {}}
     if fp32 is None:
@@ -130,8 +136,8 @@ def floors(model: str, result: dict) -> dict:
             gflop = full_gflop(shape, linear_params, n)
         else:
             spec = result["repairs"].get(kind, {"ratio": 0.0})
-            layers = (spec.get("deviation_layer", 1) + 1) if spec["ratio"] > 0 else 0
-            gflop = repair_gflop(shape, linear_params, context, n - context, fp32["recomputed_tokens"][kind], layers)
+            layer = spec.get("deviation_layer", 1) if spec["ratio"] > 0 else 0
+            gflop = repair_gflop(shape, linear_params, context, n - context, fp32["recomputed_tokens"][kind], layer)
         floor = gflop / peak
         out["kinds"][kind] = {"gflop": gflop, "floor_s": floor, "ttft_s": med, "ttft_over_floor": med / floor,
                               "best_speedup_vs_full": fp32["ttft_median_s"]["full"] / floor}
