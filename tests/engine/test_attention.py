@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvreuse.engine import attention
+from kvreuse.engine import attention, flash
 from kvreuse.engine.attention import ForwardContext, KeyTable, PrefillItem, attend
 
 
@@ -32,8 +32,8 @@ def test_flash_and_the_matmul_fallback_give_the_same_output_and_log_sum_exp(caus
     n = 5
     q = torch.randn(1, 6, n, 16, generator=g)  # [B, H, n, d], 3 query heads per kv head
     k, v = torch.randn(2, 1, 2, n if causal else 9, 16, generator=g)  # [B, kv, L, d]
-    out, lse = attention._flash(q, k, v, 0.25, causal)
-    ref_out, ref_lse = attention._math_attention(q, k, v, 0.25, causal)
+    out, lse = flash.flash(q, k, v, 0.25, causal)
+    ref_out, ref_lse = flash.math_attention(q, k, v, 0.25, causal)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     scores = torch.einsum("hnd,hld->hnl", q[0], k[0].repeat_interleave(3, 0)) * 0.25  # [H, n, L]
@@ -46,9 +46,9 @@ def test_merging_pieces_by_log_sum_exp_is_attention_over_their_union():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 3, 8, generator=g)  # [B, H, n, d]
     k, v = torch.randn(2, 1, 2, 20, 8, generator=g)  # [B, kv, L, d]
-    whole = attention._flash(q, k, v, 0.3)[0]
-    pieces = [attention._flash(q, k[:, :, a:b], v[:, :, a:b], 0.3) for a, b in ((0, 7), (7, 8), (8, 20))]
-    torch.testing.assert_close(attention._merge(pieces), whole, rtol=1e-5, atol=1e-6)
+    whole = flash.flash(q, k, v, 0.3)[0]
+    pieces = [flash.flash(q, k[:, :, a:b], v[:, :, a:b], 0.3) for a, b in ((0, 7), (7, 8), (8, 20))]
+    torch.testing.assert_close(flash.merge(pieces), whole, rtol=1e-5, atol=1e-6)
 
 
 def _context(new_slots: list[int], context_slots: list[int], runs: tuple, cache: torch.Tensor) -> ForwardContext:

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvreuse.cache.kv_block import cdiv
+from kvreuse.engine.flash import attend_alone, flash, merge
 from kvreuse.engine.key_frames import KeyFrames
 
 ATTN_NAME = "kvreuse"
@@ -293,15 +294,15 @@ def _flash_over_pool(
         runs = item.kv_runs
         if len(runs) == 1:
             (a, length), = runs
-            o = _attention(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
+            o = attend_alone(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
             # long runs: read each in place (a gather would copy the whole context per layer)
-            pieces = [_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
+            pieces = [flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
                       for a, m in runs]
-            return _merge(pieces).view(1, heads, d)
+            return merge(pieces).view(1, heads, d)
         slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
-        o = _attention(qg, k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None], scale)
+        o = attend_alone(qg, k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None], scale)
         return o.view(1, heads, d)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d] (a view; the kernel takes strides)
     runs = item.context_runs
@@ -315,10 +316,10 @@ def _flash_over_pool(
     # ([1, kv, groups * n, d]), so the kernel reads each context key once per KV head
     groups = heads // kv_heads
     qc = qh.reshape(1, kv_heads, groups * n, d)  # head h = kv head h // groups: rows (group, token)
-    out_c, lse_c = _flash(qc, kc, vc, scale)
+    out_c, lse_c = flash(qc, kc, vc, scale)
     context = out_c.view(1, heads, n, d), lse_c.reshape(1, heads, n)
-    own = _flash(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
-    return _merge([context, own])[0].transpose(0, 1)  # [n, heads, d]
+    own = flash(qh, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
+    return merge([context, own])[0].transpose(0, 1)  # [n, heads, d]
 
 
 def _flash_over_frames(
@@ -346,78 +347,22 @@ def _flash_over_frames(
     for group in frames.groups:
         if group.mask is not None:  # by position: [1, heads, n, d] against the group's keys, the mask decides
             qm = (as_is if group.frame < 0 else moved[group.frame]).unsqueeze(0)
-            o, lse = _flash(qm, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
+            o, lse = flash(qm, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
                             scale, mask=group.mask)  # [1, heads, n, d], [1, heads, n]
             pieces.append((o, lse.masked_fill(group.blind, float("-inf"))))
             continue
         qg = (as_is if group.frame < 0 else moved[group.frame]).view(1, kv_heads, heads // kv_heads * n, d)
         if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
-            pieces.append(_flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
+            pieces.append(flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
                                  scale))
         else:
-            pieces.extend(_flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
+            pieces.extend(flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
                           for a, m in group.runs)
     pieces = [(o.view(1, heads, n, d), lse.reshape(1, heads, n)) for o, lse in pieces]
     if n > 1 and not frames.masked:
-        pieces.append(_flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
+        pieces.append(flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
                              causal=True))
-    return _merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
-
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention ``softmax(q k^T * scale) v`` and each row's log-sum-exp of the scaled scores:
-    ``([B, H, n, d], [B, H, n] fp32)`` for ``q [B, H, n, d]``, ``k, v [B, kv, L, d]``
-    (``H`` a multiple of ``kv``, head ``h`` using kv head ``h // (H / kv)``); ``causal``
-    needs ``n == L``. On CPU: PyTorch's flash kernel in the inputs' dtype (strided inputs
-    read in place; bf16 rows accumulate in fp32 inside the kernel, and run on AMX where the
-    CPU has it: 32 queries over 4,096 keys, 2 threads, 0.81 ms in bf16 against 3.5 ms over
-    fp32 copies). Elsewhere: matmuls with fp32 scores (cuBLAS on CUDA), the same contract.
-    ``mask``: additive ``[n, L]`` in ``q``'s dtype (``-inf`` hides a key); a row it hides
-    entirely comes out 0 with an undefined log-sum-exp (the caller drops it)."""
-    if q.device.type != "cpu":
-        return _math_attention(q, k, v, scale, causal, mask)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                          scale=scale)
-    return out, lse
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``_flash``'s output alone, for a caller that merges nothing (a decode over one run, or
-    gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype, as ``_flash``
-    (one call replaces ~9 ops and 4 dtype casts per layer); elsewhere ``_math_attention``
-    (cuBLAS on CUDA)."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
-    return _math_attention(q, k, v, scale, False)[0]
-
-
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_flash``'s contract with plain matmuls (any device): fp32 scores ``[B, kv, g*n, L]``."""
-    b, heads, n, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, heads // kv * n, d).float()  # head h = (kv head, group): rows (group, token)
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, kv, g*n, L]
-    if causal:
-        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)  # [n, n] True = not yet
-        scores.view(b, kv, heads // kv, n, -1).masked_fill_(future, float("-inf"))
-    if mask is not None:
-        scores.view(b, kv, heads // kv, n, -1).add_(mask.float())  # [n, L] broadcast over heads
-    lse = torch.logsumexp(scores, dim=-1)  # [B, kv, g*n]
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)  # a row hidden entirely: 0, as the CPU kernel
-    out = torch.matmul(probs, v.float())  # [B, kv, g*n, d]
-    return out.view(b, heads, n, d).to(q.dtype), lse.view(b, heads, n)
-
-
-def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Attention over the union of disjoint key sets from each set's ``(out [..., n, d],
-    lse [..., n])``: ``sum_i out_i * exp(lse_i - logsumexp_i lse_i)``, in the outputs' dtype."""
-    if len(pieces) == 1:
-        return pieces[0][0]
-    weights = torch.softmax(torch.stack([p[1] for p in pieces]), dim=0).unsqueeze(-1)  # [r, ..., n, 1] fp32
-    outs = torch.stack([p[0] for p in pieces]).float()  # [r, ..., n, d]
-    return (outs * weights).sum(0).to(pieces[0][0].dtype)
+    return merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
 
 
 def _grouped_attention(

@@ -222,6 +222,16 @@ class DocumentCache:
         ``shifts`` each) in fresh blocks of its own, keys rotated to their positions, one run:
         ``DocumentContext`` holding them (the caller swaps it in and lets the original go), or
         ``None`` when the pool cannot hold the copy now (nothing held then)."""
+        moved = self.moved_blocks(slots, shifts)
+        if moved is None:
+            return None
+        own, dst = moved
+        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(np.asarray(positions).tolist()), 0, {})
+
+    def moved_blocks(self, slots: np.ndarray, shifts: np.ndarray) -> tuple[list[KVBlock], np.ndarray] | None:
+        """The keys in ``slots`` (``[c]`` int64) copied into fresh blocks, each moved by its
+        ``shifts``: ``(the blocks, one reference each for the caller; [c] int64 their slots)``,
+        or ``None`` when the pool cannot hold them now (nothing held then)."""
         bs, n = self.pool.block_size, len(slots)
         if not self.pool.can_allocate(cdiv(n, bs)):
             return None
@@ -232,7 +242,7 @@ class DocumentCache:
         except BaseException:
             self.pool.release(reversed(own))
             raise
-        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(np.asarray(positions).tolist()), 0, {})
+        return own, dst
 
 
 @dataclass(frozen=True)
@@ -294,7 +304,7 @@ class DocumentSource:
         """Every document filled, then copied to fresh blocks at its request positions (in
         place: its own blocks kept, each key's shift recorded); ``None`` when the pool cannot
         hold them now (nothing held then)."""
-        cache, layout, bs = self.cache, self.layout, self.cache.pool.block_size
+        cache, layout = self.cache, self.layout
         held: list[list[KVBlock]] = []
         try:
             by_level: dict[str, int] = {}
@@ -311,30 +321,19 @@ class DocumentSource:
             if self.in_place:
                 context, held = self._in_place(held, reused, by_level, tuple(spans)), []  # the context holds them now
                 return context
-            n = self.num_tokens
-            if not cache.pool.can_allocate(cdiv(n, bs)):
+            src, positions, shifts = self._placement(held)  # every piece copied to its request positions
+            moved = cache.moved_blocks(src, shifts)
+            if moved is None:
                 return None
-            own = cache.kv.allocate(cdiv(n, bs))
-            try:
-                return self._copy(own, held, reused, by_level, tuple(spans))
-            except BaseException:
-                cache.pool.release(reversed(own))
-                raise
+            own, dst = moved
+            cache.tokens_reused += reused
+            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level,
+                                   tuple(spans))
         except DocumentPoolBusy:
             return None
         finally:
             for blocks in reversed(held):
                 cache.pool.release(reversed(blocks))
-
-    def _copy(self, own: list[KVBlock], held: list[list[KVBlock]], reused: int,
-              by_level: dict[str, int], spans: tuple[tuple[int, int], ...]) -> DocumentContext:
-        """Every piece copied from its blocks (``held``) into ``own`` at its request positions."""
-        cache, bs, n = self.cache, self.cache.pool.block_size, self.num_tokens
-        dst = np.asarray(block_slots([b.block_id for b in own], 0, n, bs), dtype=np.int64)  # [n]
-        src, positions, shifts = self._placement(held)
-        cache.runner.copy_shifted(src, dst, shifts)
-        cache.tokens_reused += reused
-        return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level, spans)
 
     def _in_place(self, held: list[list[KVBlock]], reused: int, by_level: dict[str, int],
                   spans: tuple[tuple[int, int], ...]) -> DocumentContext:
