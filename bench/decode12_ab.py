@@ -13,11 +13,12 @@ variant's.
   (what ``--dtype auto --quantization int4`` now picks on any CPU), ``float32:int4`` (what it
   picked on a CPU without native bf16 before).
 - ``attention``: one ``auto:int4`` engine; ``before`` routes a decode that merges nothing
-  through ``_flash`` and drops its log-sum-exp (the code before), ``after`` takes
-  ``_attention`` (softmax, no log-sum-exp).
+  through ``flash.flash`` and drops its log-sum-exp (the code before), ``after`` takes
+  ``flash.attend_alone`` (softmax, no log-sum-exp).
 - ``flash-bf16``: one ``auto:auto`` engine; ``matmuls`` runs a decode that merges nothing as
-  fp32-score matmuls (``_math_attention``, as before), ``flash`` through PyTorch's CPU flash
-  kernel in bf16 (``_attention`` now).
+  fp32-score matmuls (``flash.math_attention``, as before), ``flash`` through PyTorch's CPU flash
+  kernel in bf16 (``flash.attend_alone`` now). Both patch ``attention.attend_alone``, the name
+  the decode path looks up.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.engine import attention
+from kvreuse.engine import attention, flash
 from kvreuse.models.loader import load_model
 
 PROMPT = list(range(200, 216))
@@ -53,17 +54,17 @@ def main() -> None:
     elif args.what == "attention":
         tokens, reps = args.tokens or 48, args.reps or 5
         llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="int4"), kv_cache_memory_gib=0.1)
-        new = attention._attention
-        old = lambda q, k, v, scale: attention._flash(q, k, v, scale)[0]  # noqa: E731 (the code before)
-        variants = {"before": (llm, lambda: setattr(attention, "_attention", old)),
-                    "after": (llm, lambda: setattr(attention, "_attention", new))}
+        new = attention.attend_alone
+        old = lambda q, k, v, scale: flash.flash(q, k, v, scale)[0]  # noqa: E731 (the code before)
+        variants = {"before": (llm, lambda: setattr(attention, "attend_alone", old)),
+                    "after": (llm, lambda: setattr(attention, "attend_alone", new))}
     if args.what == "flash-bf16":
         tokens, reps = args.tokens or 48, args.reps or 5
         llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="auto"), kv_cache_memory_gib=0.1)
-        new = attention._attention
-        matmuls = lambda q, k, v, scale: attention._math_attention(q, k, v, scale, False)[0]  # noqa: E731
-        variants = {"matmuls": (llm, lambda: setattr(attention, "_attention", matmuls)),
-                    "flash": (llm, lambda: setattr(attention, "_attention", new))}
+        new = attention.attend_alone
+        matmuls = lambda q, k, v, scale: flash.math_attention(q, k, v, scale, False)[0]  # noqa: E731
+        variants = {"matmuls": (llm, lambda: setattr(attention, "attend_alone", matmuls)),
+                    "flash": (llm, lambda: setattr(attention, "attend_alone", new))}
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     names = list(variants)
     for llm, use in variants.values():  # warm-up
