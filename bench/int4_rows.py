@@ -1,7 +1,12 @@
-"""The CPU int4 kernel vs a transient dequantized bf16 copy + one dense GEMM, by row count.
+"""The CPU int4 kernel vs a transient dequantized copy + one dense GEMM, by row count.
 
-    PYTHONPATH=src .venv/bin/python bench/int4_rows.py [--threads 2] [--reps 7]
-    -> bench/results/int4_rows.json, bench/results/int4_rows.png
+    PYTHONPATH=src .venv/bin/python bench/int4_rows.py [--threads 2] [--reps 7] [--act float32] [--tag _epyc]
+    -> bench/results/int4_rows<tag>.json, bench/results/int4_rows<tag>.png
+
+``--act`` is the activation dtype (bf16 by default; fp32 is what ``--dtype float32`` with a
+quantized model runs). The dense product runs in bf16 and in fp32 (the activations cast to
+fp32 and back), so the plot shows where ``quant.dense_dtype`` should switch on this CPU
+(``cpu_has_fast_bf16`` in the JSON: AMX / AVX512-BF16 or not).
 
 For the default model's layer shapes (fused q/k/v 960 x 576, o_proj 576 x 576, fused gate/up
 3,072 x 576, down_proj 576 x 1,536; random weights, int4 group 32, bf16 activations), each row
@@ -21,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.models.quant import DENSE_MIN_ROWS, Int4Linear
+from kvreuse.models.quant import DENSE_MIN_ROWS, Int4Linear, dense_dtype, fast_bf16_cpu
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -39,28 +44,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--act", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
+    act = getattr(torch, args.act)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    layers = [Int4Linear(torch.randn(n, k, generator=gen), None, torch.bfloat16) for n, k in SHAPES]
-    result = {"threads": args.threads, "reps": args.reps, "dense_min_rows": DENSE_MIN_ROWS, "rows": {}}
+    layers = [Int4Linear(torch.randn(n, k, generator=gen), None, act) for n, k in SHAPES]
+    result = {"threads": args.threads, "reps": args.reps, "act": args.act, "cpu_has_fast_bf16": fast_bf16_cpu(),
+              "dense_min_rows": DENSE_MIN_ROWS, "rows": {}}
     with torch.inference_mode():
         for rows in ROWS:
-            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in SHAPES]
+            xs = [torch.randn(rows, k, generator=gen).to(act) for _, k in SHAPES]
             kernel = lambda: [torch._weight_int4pack_mm_for_cpu(x, m.qweight, m.group, m.scale_zero)  # noqa: E731
                               for m, x in zip(layers, xs)]
-            dense = lambda: [F.linear(x, m.unpacked_weight(x.dtype)) for m, x in zip(layers, xs)]  # noqa: E731
-            kernel(), dense()
-            calls = 3 if rows >= 128 else 10
-            samples = {"kernel_ms": [], "dense_ms": []}
-            for _ in range(args.reps):
+            dense = lambda: [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16))  # noqa: E731
+                             for m, x in zip(layers, xs)]
+            dense32 = lambda: [F.linear(x.float(), m.unpacked_weight(torch.float32)).to(act)  # noqa: E731
+                               for m, x in zip(layers, xs)]
+            kernel(), dense(), dense32()
+            calls = 3 if rows >= 128 or act == torch.float32 else 10
+            samples = {"kernel_ms": [], "dense_ms": [], "dense_fp32_ms": []}
+            for _ in range(args.reps):  # interleaved
                 samples["kernel_ms"].append(_ms(kernel, calls))
                 samples["dense_ms"].append(_ms(dense, calls))
+                samples["dense_fp32_ms"].append(_ms(dense32, calls))
             med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-            result["rows"][rows] = {**med, "samples": samples}
-            print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms  dequantized + dense {med['dense_ms']:7.2f} ms"
-                  " (one decoder layer's four matmuls)", flush=True)
-    out = RESULTS / "int4_rows.json"
+            result["rows"][rows] = {**med, "runs_dense_in": str(dense_dtype(rows, act)), "samples": samples}
+            print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms  dequantized + dense bf16 {med['dense_ms']:7.2f}"
+                  f" ms, fp32 {med['dense_fp32_ms']:7.2f} ms (one decoder layer's four matmuls;"
+                  f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})", flush=True)
+    out = RESULTS / f"int4_rows{args.tag}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
 
     import matplotlib
@@ -70,15 +84,19 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for key, label in (("kernel_ms", "int4 kernel (_weight_int4pack_mm_for_cpu)"),
-                       ("dense_ms", "dequantized bf16 copy + dense GEMM")):
+                       ("dense_ms", "dequantized bf16 copy + dense bf16 GEMM"),
+                       ("dense_fp32_ms", "dequantized fp32 copy + dense fp32 GEMM")):
         ax.plot(ROWS, [result["rows"][r][key] for r in ROWS], marker="o", label=label)
-    ax.axvline(DENSE_MIN_ROWS, color="#999", linestyle="--", linewidth=1)
-    ax.annotate(f"DENSE_MIN_ROWS = {DENSE_MIN_ROWS}", (DENSE_MIN_ROWS, ax.get_ylim()[1] * 0.9), fontsize=8)
+    switch = next(r for r in range(1, 1 << 16) if dense_dtype(r, act) is not None)  # where kvreuse goes dense
+    ax.axvline(switch, color="#999", linestyle="--", linewidth=1)
+    ax.annotate(f"dense from {switch} rows ({dense_dtype(switch, act)})", (switch, ax.get_ylim()[1] * 0.9), fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rows (tokens in the call)")
     ax.set_ylabel("ms for one decoder layer's 4 matmuls (log)")
-    ax.set_title(f"SmolLM2-135M shapes, int4 g32, bf16, {args.threads} threads, median of {args.reps}", fontsize=9)
+    cpu = "native bf16" if result["cpu_has_fast_bf16"] else "no native bf16"
+    ax.set_title(f"SmolLM2-135M shapes, int4 g32, {args.act} activations, {cpu}, {args.threads} threads,"
+                 f" median of {args.reps}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)

@@ -293,20 +293,48 @@ def test_int4_unpacked_weight_is_the_kernels_weight(fused):
     torch.testing.assert_close(exact.bfloat16().float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
 
 
-def test_int4_many_rows_take_the_dense_path_and_agree_with_the_kernel(monkeypatch):
-    """From ``DENSE_MIN_ROWS`` rows a bf16 int4 layer multiplies its unpacked weight densely;
-    the result is the kernel's within bf16 rounding; fewer rows keep the kernel."""
-    layer = Int4Linear(_weight(192, 96, seed=4), None, torch.bfloat16)
-    x = torch.randn(quant.DENSE_MIN_ROWS, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_int4_many_rows_take_the_dense_path_and_agree_with_the_kernel(monkeypatch, act):
+    """From ``dense_dtype``'s row count an int4 layer multiplies its unpacked weight densely (in
+    bf16 on a CPU with native bf16, else in fp32); the result is the kernel's within bf16
+    rounding; one row fewer keeps the kernel."""
+    layer = Int4Linear(_weight(192, 96, seed=4), None, act)
+    rows = next(r for r in range(1, 4096) if quant.dense_dtype(r, act) is not None)
+    want = quant.dense_dtype(rows, act)
+    assert want is (torch.bfloat16 if act == torch.bfloat16 and quant.fast_bf16_cpu() else torch.float32)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(5)).to(act)
     kernel = torch._weight_int4pack_mm_for_cpu(x, layer.qweight, layer.group, layer.scale_zero).float()
     calls = []
     real = layer.unpacked_weight
     monkeypatch.setattr(layer, "unpacked_weight", lambda dtype: calls.append(dtype) or real(dtype))
-    dense = layer(x).float()
-    assert calls == [torch.bfloat16]
-    torch.testing.assert_close(dense, kernel, rtol=2e-2, atol=2e-2 * kernel.abs().max().item())
-    layer(x[: quant.DENSE_MIN_ROWS - 1])
-    assert calls == [torch.bfloat16]  # one row fewer: the kernel
+    dense = layer(x)
+    assert dense.dtype == act and calls == [want]
+    torch.testing.assert_close(dense.float(), kernel, rtol=2e-2, atol=2e-2 * kernel.abs().max().item())
+    layer(x[: rows - 1])
+    assert calls == [want]  # one row fewer: the kernel
+
+
+def test_dense_dtype_thresholds():
+    """The switch points: fp32 activations go dense from FP32_DENSE_MIN_ROWS rows, bf16 from
+    DENSE_MIN_ROWS (native bf16, in bf16) or SLOW_BF16_DENSE_MIN_ROWS (in fp32); fp16 never."""
+    f32, b16 = torch.float32, torch.bfloat16
+    assert quant.dense_dtype(quant.FP32_DENSE_MIN_ROWS - 1, f32) is None
+    assert quant.dense_dtype(quant.FP32_DENSE_MIN_ROWS, f32) is f32
+    fast = quant.fast_bf16_cpu()
+    edge = quant.DENSE_MIN_ROWS if fast else quant.SLOW_BF16_DENSE_MIN_ROWS
+    assert quant.dense_dtype(edge - 1, b16) is None
+    assert quant.dense_dtype(edge, b16) is (b16 if fast else f32)
+    assert quant.dense_dtype(10_000, torch.float16) is None
+
+
+def test_int8_many_fp32_rows_multiply_densely_and_agree_with_the_kernel(monkeypatch):
+    """An int8 layer with fp32 activations multiplies its dequantized weight densely from
+    FP32_DENSE_MIN_ROWS rows (the kernel costs ~1 ms per row there); same result within fp32."""
+    layer = Int8Linear(_weight(64, 96, seed=6), None, torch.float32)
+    x = torch.randn(quant.FP32_DENSE_MIN_ROWS, 96, generator=torch.Generator().manual_seed(7))
+    kernel = torch._weight_int8pack_mm(x, layer.qweight, layer.scale)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: pytest.fail("many rows called the kernel"))
+    torch.testing.assert_close(layer(x), kernel, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("capability", ["avx2", "default"])

@@ -33,13 +33,22 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["QuantMode", "SCHEMES", "parse_quantization", "fast_bf16_cpu", "Int8Linear", "Int4Linear",
-           "Int8Embedding", "fuse_linears", "fused_projection", "quantize_model", "weight_bytes"]
+           "Int8Embedding", "dense_dtype", "fuse_linears", "fused_projection", "quantize_model", "weight_bytes"]
 
 INT4_GROUP = 32  # input channels per (scale, zero) group; a GGUF Q4_1 / Q8_0 block
 # From this many rows a bf16 int4 layer multiplies a transient dequantized copy instead of
 # calling the int4 kernel (whose cost is ~linear in rows): bench/int4_rows.py, one decoder
 # layer at 2 threads: 128 rows 4.97 vs 5.61 ms, 192 rows 7.41 vs 5.88 ms, 512 rows 19.9 vs 7.3 ms.
 DENSE_MIN_ROWS = 160
+# Without native bf16 (an AVX2-only EPYC) a bf16 GEMM is emulated (one decoder layer's four
+# matmuls over a dequantized copy at 512 rows: bf16 198 ms, fp32 39 ms, the int4 kernel 49 ms),
+# so a many-row call multiplies an fp32 copy, from where it beats the kernel there (~192 rows,
+# bench/int4_rows.py --tag _epyc_bf16). With fp32 activations the int kernels cost ~1 ms per
+# row of a 1,536 x 576 layer on that CPU (int4 and int8 alike; a 2,000-token prefill of the
+# default model with --dtype float32 and auto quantization took 222 s, unquantized 4.8 s), so
+# from a few rows the dense fp32 product wins (bench/int4_rows.py --act float32).
+SLOW_BF16_DENSE_MIN_ROWS = 192
+FP32_DENSE_MIN_ROWS = 8
 EMBED_GROUP = 32
 
 
@@ -86,6 +95,25 @@ def fast_bf16_cpu() -> bool:
     return False
 
 
+def dense_dtype(rows: int, x_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which a quantized CPU layer multiplies a call of ``rows`` rows densely (over
+    a transient dequantized copy of its weight), or None to call the int kernel. Pure: depends on
+    the row count, the activation dtype and whether this CPU multiplies bf16 natively."""
+    if x_dtype == torch.float32:
+        return torch.float32 if rows >= FP32_DENSE_MIN_ROWS else None
+    if x_dtype == torch.bfloat16:
+        if fast_bf16_cpu():
+            return torch.bfloat16 if rows >= DENSE_MIN_ROWS else None
+        return torch.float32 if rows >= SLOW_BF16_DENSE_MIN_ROWS else None
+    return None
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``weight``'s dtype, returned in ``x``'s."""
+    y = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+    return y.to(x.dtype)
+
+
 # --------------------------------------------------------------------------- layers
 
 class Int8Linear(nn.Module):
@@ -109,6 +137,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        dense = dense_dtype(x.numel() // self.in_features, x.dtype)
+        if dense is not None:  # a prefill chunk: one GEMM beats the kernel's per-row cost
+            return _dense(x, self.qweight.to(dense) * self.scale.to(dense)[:, None], self.bias)
         scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
         if x.dim() == 2:  # the own forward's [T, in]: no reshapes (a decode step is mostly small calls)
             y = torch._weight_int8pack_mm(x, self.qweight, scale)
@@ -176,10 +207,15 @@ class Int4Linear(nn.Module):
         (AVX512, AVX2 and the default kernels differ): ``_int4_pack_order`` reads it off probe
         packs, so the unpack is the kernel's on any of them."""
         n, k, g = self.out_features, self.in_features, self.group
-        if _int4_pack_is_split(k):  # AVX512: byte [block, k, j] holds row j (low nibble) and j + 32 (high)
+        layout = _int4_pack_layout(k)
+        if layout == "avx512":  # byte [block, k, j] holds row j (low nibble) and j + 32 (high)
             packed = self.qweight.view(n // INT4_PACK_ROWS, k, INT4_PACK_ROWS // 2)
             q = torch.cat([packed & 0xF, packed >> 4], dim=2)  # [n / 64, k, 64] codes 0..15
             q = q.transpose(1, 2).reshape(n, k // g, g)  # [n, groups, g]
+        elif layout == "avx2":  # byte [block, half, k, j] holds row 32 half + j (low) and 32 half + 16 + j (high)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, 2, k, 16)
+            q = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [n / 64, half, nibble, k, 16]
+            q = q.transpose(3, 4).reshape(n, k // g, g)  # [n, groups, g]
         else:  # any other order: one gather by the probed order (slower)
             packed = self.qweight.view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k // 2)
             nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k)
@@ -191,11 +227,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
-        if (x.dtype == torch.bfloat16 and x.numel() >= DENSE_MIN_ROWS * self.in_features
-                and self.out_features % INT4_PACK_ROWS == 0):
+        dense = dense_dtype(x.numel() // self.in_features, x.dtype)
+        if dense is not None and self.out_features % INT4_PACK_ROWS == 0:
             # a prefill chunk: the kernel's cost grows with rows (it decodes the codes per row
-            # block), one dense bf16 GEMM over a transient dequantized copy does not
-            return F.linear(x, self.unpacked_weight(x.dtype), self.bias)
+            # block), one dense GEMM over a transient dequantized copy does not
+            return _dense(x, self.unpacked_weight(dense), self.bias)
         sz = self.scale_zero if self.scale_zero.dtype == x.dtype else self.scale_zero.to(x.dtype)
         if x.dim() == 2:  # the own forward's [T, in]: no reshapes
             y = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, sz)
@@ -265,13 +301,21 @@ def _int4_pack_order(k: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def _int4_pack_is_split(k: int) -> bool:
-    """True when the pack's order is AVX512's (byte ``[k, j]`` of a block: row ``j`` low, ``j + 32``
-    high), which ``Int4Linear.unpacked_weight`` unpacks with reshapes instead of a gather."""
+def _int4_pack_layout(k: int) -> str:
+    """Which known order the pack uses for ``k`` input channels, read off ``_int4_pack_order``:
+    ``avx512`` (byte ``[k, j]`` of a block: row ``j`` low nibble, ``j + 32`` high), ``avx2``
+    (byte ``[half, k, j]``: row ``32 half + j`` low, ``32 half + 16 + j`` high), or ``other``
+    (``Int4Linear.unpacked_weight`` then gathers by the order instead of reshaping)."""
+    rows = (torch.arange(INT4_PACK_ROWS)[:, None] * k + torch.arange(k)[None, :])  # code index [row, k]
     half = INT4_PACK_ROWS // 2
-    rows = torch.arange(INT4_PACK_ROWS)[:, None] * k + torch.arange(k)[None, :]  # code index [row, k]
-    split = torch.stack([rows[:half].t(), rows[half:].t()], dim=-1).reshape(-1)  # nibble position -> code index
-    return torch.equal(_int4_pack_order(k)[split], torch.arange(INT4_PACK_ROWS * k))
+    avx512 = torch.stack([rows[:half].t(), rows[half:].t()], dim=-1)  # [k, j, nibble] -> code index
+    avx2 = rows.view(2, 2, 16, k).permute(0, 3, 2, 1)  # [half, k, j, nibble] -> code index
+    arange = torch.arange(INT4_PACK_ROWS * k)
+    order = _int4_pack_order(k)
+    for name, nibbles in (("avx512", avx512), ("avx2", avx2)):
+        if torch.equal(order[nibbles.reshape(-1)], arange):
+            return name
+    return "other"
 
 
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
