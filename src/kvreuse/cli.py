@@ -72,7 +72,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16 and on any CPU with --quantization int8|int4, else float32)")
     p.add_argument("--quantization", default=C.quantization, choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (auto: as compact as the GGUF file on CPU, "
-                        "Q4 -> int4, Q8_0 -> int8; none for float weights and off the CPU. "
+                        "Q4 -> int4, Q8_0 -> int8; none for float weights, with --dtype float32 and off the CPU. "
                         "--dtype float32 --quantization none is the exact reference)")
     p.add_argument("--device", default=C.device, choices=["auto", "cpu", "cuda"], help="auto: cuda when available")
     p.add_argument("--max-model-len", type=int, default=C.max_model_len,

@@ -80,6 +80,8 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
     src = resolve_source("default")  # SmolLM2 Q4_1: general.file_type 3
     assert ml.auto_quantization(src) is QuantMode.INT4
     assert ml.auto_quantization(src, torch.device("cuda")) is QuantMode.NONE  # the kernels are CPU ones
+    assert ml.auto_quantization(src, None, torch.float32) is QuantMode.NONE  # fp32 by name: the exact reference
+    assert ml.auto_quantization(src, None, torch.bfloat16) is QuantMode.INT4
     assert ml.auto_quantization(resolve_source("gemma3-270m")) is QuantMode.INT4  # assembled: by name (Q4_K_M)
     hf = ModelSource("m", "hf", tmp_path, "1")
     assert ml.auto_quantization(hf) is QuantMode.NONE
