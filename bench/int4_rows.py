@@ -12,7 +12,7 @@ For the default model's layer shapes (fused q/k/v 960 x 576, o_proj 576 x 576, f
 3,072 x 576, down_proj 576 x 1,536; random weights, int4 group 32, bf16 activations), each row
 count runs ``_weight_int4pack_mm_for_cpu`` and ``F.linear(x, Int4Linear.unpacked_weight())``
 back to back (interleaved), median of ``--reps`` timings of a few calls each. Summed over the
-four shapes (one decoder layer), it shows where ``quant.DENSE_MIN_ROWS`` should sit.
+four shapes (one decoder layer), it shows where ``quant.dense_dtype`` should switch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvreuse.models.quant import DENSE_MIN_ROWS, Int4Linear, dense_dtype, fast_bf16_cpu
+from kvreuse.models.quant import Int4Linear, dense_dtype, fast_bf16_cpu
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -52,7 +52,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     layers = [Int4Linear(torch.randn(n, k, generator=gen), None, act) for n, k in SHAPES]
     result = {"threads": args.threads, "reps": args.reps, "act": args.act, "cpu_has_fast_bf16": fast_bf16_cpu(),
-              "dense_min_rows": DENSE_MIN_ROWS, "rows": {}}
+              "dense_from_rows": next(r for r in range(1, 1 << 16) if dense_dtype(r, act) is not None), "rows": {}}
     with torch.inference_mode():
         for rows in ROWS:
             xs = [torch.randn(rows, k, generator=gen).to(act) for _, k in SHAPES]
@@ -87,7 +87,7 @@ def main() -> None:
                        ("dense_ms", "dequantized bf16 copy + dense bf16 GEMM"),
                        ("dense_fp32_ms", "dequantized fp32 copy + dense fp32 GEMM")):
         ax.plot(ROWS, [result["rows"][r][key] for r in ROWS], marker="o", label=label)
-    switch = next(r for r in range(1, 1 << 16) if dense_dtype(r, act) is not None)  # where kvreuse goes dense
+    switch = result["dense_from_rows"]  # where kvreuse goes dense
     ax.axvline(switch, color="#999", linestyle="--", linewidth=1)
     ax.annotate(f"dense from {switch} rows ({dense_dtype(switch, act)})", (switch, ax.get_ylim()[1] * 0.9), fontsize=8)
     ax.set_xscale("log", base=2)

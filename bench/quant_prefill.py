@@ -1,10 +1,11 @@
 """Prefill and decode of a quantized model: kvreuse's many-row dense path vs the old rule.
 
-    PYTHONPATH=src .venv/bin/python bench/quant_prefill.py [--reps 5] [--configs bfloat16:2000,float32:256]
+    PYTHONPATH=src .venv/bin/python bench/quant_prefill.py [--reps 5] [--configs bfloat16:2000,float32:256] [--quantization int4]
     -> bench/results/quant_prefill<tag>.json, .png
 
-The default model with ``--quantization auto`` (int4 for its Q4_1 GGUF) in each ``dtype:tokens``
-config. Per rep, interleaved, each rule times: TTFT of a fresh ``tokens``-token prompt
+The default model quantized (``--quantization``, int4 by default: what ``auto`` gives its Q4_1
+GGUF with bf16; named explicitly because ``auto`` with float32 is no quantization) in each
+``dtype:tokens`` config. Per rep, interleaved, each rule times: TTFT of a fresh ``tokens``-token prompt
 (max_tokens=1, a new ``cache_salt``), and 16 greedy decode steps at batch 1. Rules:
 ``new`` is ``quant.dense_dtype`` as shipped; ``old`` is the rule before it (a bf16 call of 160
 or more rows multiplies a bf16 dequantized copy, everything else calls the int kernel), patched
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--configs", default="bfloat16:2000,float32:256", help="dtype:prompt_tokens,...")
+    ap.add_argument("--quantization", default="int4", choices=["int4", "int8"])
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     rules = {"new": quant.dense_dtype, "old": old_rule}
@@ -43,7 +45,10 @@ def main() -> None:
               "reps": args.reps, "configs": {}}
     for config in args.configs.split(","):
         dtype, tokens = config.split(":")
-        llm = LLM(args.model, dtype=dtype, quantization="auto", kv_cache_memory_gib=1.0)
+        llm = LLM(args.model, dtype=dtype, quantization=args.quantization, kv_cache_memory_gib=1.0)
+        quantized = llm.engine.loaded.quantization.value
+        if quantized != args.quantization:
+            raise SystemExit(f"{config}: loaded with quantization {quantized}, not {args.quantization}")
         prompt = [1 + (7 * i) % 4000 for i in range(int(tokens))]
         short = [1 + (11 * i) % 4000 for i in range(8)]
         samples = {r: {"ttft_s": [], "decode_tok_s": []} for r in rules}
@@ -63,6 +68,7 @@ def main() -> None:
             print(config, rep, {n: {k: round(v[-1], 3) for k, v in s.items()} for n, s in samples.items()}, flush=True)
         med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
         result["configs"][config] = {"dtype": dtype, "prompt_tokens": int(tokens), "model_id": llm.engine.model_id,
+                                     "quantization": quantized,
                                      "median": med, "samples": samples,
                                      "ttft_old_over_new": med["old"]["ttft_s"] / med["new"]["ttft_s"]}
         print(config, json.dumps(result["configs"][config]["median"]), flush=True)
@@ -88,7 +94,7 @@ def main() -> None:
             ax.set_yscale("log")
         ax.legend(fontsize=8)
     cpu = "native bf16" if result["cpu_has_fast_bf16"] else "no native bf16"
-    fig.suptitle(f"{args.model}, quantization auto (int4), {cpu}, median of {args.reps}", fontsize=9)
+    fig.suptitle(f"{args.model}, {args.quantization}, {cpu}, median of {args.reps}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
 

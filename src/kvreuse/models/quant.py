@@ -42,12 +42,12 @@ INT4_GROUP = 32  # input channels per (scale, zero) group; a GGUF Q4_1 / Q8_0 bl
 DENSE_MIN_ROWS = 160
 # Without native bf16 (an AVX2-only EPYC) a bf16 GEMM is emulated (one decoder layer's four
 # matmuls over a dequantized copy at 512 rows: bf16 198 ms, fp32 39 ms, the int4 kernel 49 ms),
-# so a many-row call multiplies an fp32 copy, from where it beats the kernel there (~192 rows,
-# bench/int4_rows.py --tag _epyc_bf16). With fp32 activations the int kernels cost ~1 ms per
+# so a many-row call multiplies an fp32 copy, from where it beats the kernel there (two runs of
+# bench/int4_rows.py --tag _epyc_bf16: a tie at 192 rows, fp32 ahead from 256). With fp32 activations the int kernels cost ~1 ms per
 # row of a 1,536 x 576 layer on that CPU (int4 and int8 alike; a 2,000-token prefill of the
 # default model with --dtype float32 and auto quantization took 222 s, unquantized 4.8 s), so
 # from a few rows the dense fp32 product wins (bench/int4_rows.py --act float32).
-SLOW_BF16_DENSE_MIN_ROWS = 192
+SLOW_BF16_DENSE_MIN_ROWS = 256
 FP32_DENSE_MIN_ROWS = 8
 EMBED_GROUP = 32
 
