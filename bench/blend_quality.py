@@ -15,7 +15,9 @@ the same token ids (contiguous positions):
 For each repair setting (``first_tokens`` x ``ratio``) every question runs greedy, 4 tokens,
 batched; then ``--ttft-questions`` of them run one at a time (max_tokens=1) for TTFT.
 Reported per set and setting: answer agreement with full prefill (first word), accuracy
-(the fact's value in the answer), recomputed fraction of module tokens, median TTFT. PML
+(the fact's value in the answer), recomputed fraction of module tokens, median TTFT; for the
+pair set also ``chose``: the share of answers naming the distractor's city and the share naming
+whichever of the two visible cities comes last (a position preference, not linking). PML
 places modules at the schema's (gapped) positions, so its ratio 1.0 is full prefill at those
 positions, not the contiguous one: ``agreement_with_full_repair`` compares with it (the seam
 effect alone). In documents mode the positions are contiguous and ratio 1.0 is full prefill.
@@ -84,7 +86,11 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
         rng.shuffle(refs)
         prompt = ('<prompt schema="pairs">' + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
                   + f"Question: Where does {a}'s sister live?\nAnswer: {a}'s sister lives in</prompt>")
-        items.append({"doc": q, "refs": refs, "prompt": prompt, "answer": city})
+        # the other visible city (the distractor "lives in" document's) and which comes last:
+        # with two cities in view, accuracy alone cannot tell linking from a position preference
+        last = city if refs.index(2 * q + 1) > refs.index(2 * d2 + 1) else pairs[d2][2]
+        items.append({"doc": q, "refs": refs, "prompt": prompt, "answer": city, "distractor": pairs[d2][2],
+                      "last_city": last})
     return schema, items
 
 
@@ -120,7 +126,8 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
         module_tokens = [llm.engine.modules.source(llm.engine.prepare_prompt(p).plan).num_tokens for p in prompts]
     full = llm.generate(plain, params)
     timed = range(min(args.ttft_questions, len(items)))
-    out = {"full": {"accuracy": _acc(items, full)}, "settings": []}
+    out = {"full": {"accuracy": _acc(items, full), "chose": _choices(items, full)}, "settings": []}
+    print(name, "full prefill", json.dumps(out["full"]), flush=True)
     rows_ttft = {}
     # TTFT interleaved: for each timed question, full prefill then every setting, one at a time
     for i in timed:
@@ -143,7 +150,7 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
             "first_tokens": k, "ratio": r, "deviation_layer": layer, "last_tokens": last,
             "answer_agreement": sum(agree) / len(items),
             "token_agreement": sum(m.token_ids == f.token_ids for m, f in zip(mod, full)) / len(items),
-            "accuracy": _acc(items, mod),
+            "accuracy": _acc(items, mod), "chose": _choices(items, mod),
             "recomputed_fraction": sum(m.num_recomputed_tokens for m in mod) / sum(module_tokens),
             "ttft_median_s": statistics.median(ttft) if ttft else None, "batch_wall_s": wall,
             "disagreements": [i for i, a in enumerate(agree) if not a],
@@ -159,6 +166,16 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     out["mean_module_tokens"] = sum(module_tokens) / len(items)
     out["mean_prompt_tokens"] = sum(len(p) for p in plain) / len(items)
     return out
+
+
+def _choices(items: list[dict], outs) -> dict | None:
+    """For the pair set: the share of answers naming the distractor's city, and the share naming
+    whichever of the two visible cities comes last in the prompt (None for other sets)."""
+    if not items or "distractor" not in items[0]:
+        return None
+    said = [o.text.lower() for o in outs]
+    return {"distractor": sum(it["distractor"].lower() in t for it, t in zip(items, said)) / len(items),
+            "last_city": sum(it["last_city"].lower() in t for it, t in zip(items, said)) / len(items)}
 
 
 def _acc(items: list[dict], outs) -> float:

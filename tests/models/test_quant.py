@@ -187,6 +187,10 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     perplexity over tests/data/perplexity_text.txt is within 3% of fp32's."""
     from kvreuse.models.loader import load_model
 
+    if mode == "none" and not quant.fast_bf16_cpu():
+        # never what --dtype auto picks there (unquantized bf16 only with native bf16), and an
+        # emulated bf16 GEMM runs this guard's ~26k tokens past the 600 s timeout (AVX2 EPYC)
+        pytest.skip("bf16 without quantization on a CPU without native bf16")
     ref_answers, ref_ppl = fp32_reference
     loaded = load_model("default", dtype=dtype, quantization=mode)
     answers, ppl = _greedy_answers(loaded), _perplexity(loaded)
