@@ -41,9 +41,10 @@ INT4_GROUP = 32  # input channels per (scale, zero) group; a GGUF Q4_1 / Q8_0 bl
 # layer at 2 threads: 128 rows 4.97 vs 5.61 ms, 192 rows 7.41 vs 5.88 ms, 512 rows 19.9 vs 7.3 ms.
 DENSE_MIN_ROWS = 160
 # Without native bf16 (an AVX2-only EPYC) a bf16 GEMM is emulated (one decoder layer's four
-# matmuls over a dequantized copy at 512 rows: bf16 198 ms, fp32 39 ms, the int4 kernel 49 ms),
-# so a many-row call multiplies an fp32 copy, from where it beats the kernel there (two runs of
-# bench/int4_rows.py --tag _epyc_bf16: a tie at 192 rows, fp32 ahead from 256). With fp32 activations the int kernels cost ~1 ms per
+# matmuls over a dequantized copy at 512 rows: bf16 191 ms, fp32 34 ms, the int4 kernel 45 ms),
+# so a many-row call multiplies an fp32 copy, from where it beats the kernel there (three runs of
+# bench/int4_rows.py --tag _epyc_bf16: kernel ahead to 128 rows, about a tie at 192-256, fp32
+# ahead at 512). With fp32 activations the int kernels cost ~1 ms per
 # row of a 1,536 x 576 layer on that CPU (int4 and int8 alike; a 2,000-token prefill of the
 # default model with --dtype float32 and auto quantization took 222 s, unquantized 4.8 s), so
 # from a few rows the dense fp32 product wins (bench/int4_rows.py --act float32).
