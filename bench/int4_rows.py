@@ -95,7 +95,7 @@ def main() -> None:
     ax.set_xlabel("rows (tokens in the call)")
     ax.set_ylabel("ms for one decoder layer's 4 matmuls (log)")
     cpu = "native bf16" if result["cpu_has_fast_bf16"] else "no native bf16"
-    ax.set_title(f"SmolLM2-135M shapes, int4 g32, {args.act} activations, {cpu}, {args.threads} threads,"
+    ax.set_title(f"SmolLM2-135M shapes, int4 g32, {args.act} activations,\n{cpu}, {args.threads} threads,"
                  f" median of {args.reps}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
