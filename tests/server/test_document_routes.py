@@ -256,3 +256,38 @@ def test_no_max_tokens_counts_the_blocks_the_engine_counts(tiny_llama, repair):
                                              "documents": DOCS[:2], "temperature": 0})
         assert r.status_code == 200, r.json()
         asyncio.run(engine.check_integrity())
+
+
+def test_completions_documents_put_bos_once_at_the_start():
+    """A tokenizer that adds BOS to a prompt (Gemma 3's): the documents request gets it once,
+    as a text part before the first document (what every document is encoded after), and no
+    document nor the question carries its own; token-id parts are taken as given. A tokenizer
+    that adds nothing (the tiny models') gets no extra part."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from kvreuse.api.protocol import CompletionRequest
+    from kvreuse.models.loader import prepare_folder, tiny_model
+    from kvreuse.server.completions_routes import _documents, special_lead
+
+    gemma = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True)
+    assert special_lead(gemma) == [gemma.bos_token_id] == [2]
+
+    def parts(tokenizer, documents, question):
+        ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer, vocab_size=len(tokenizer)))
+        body = CompletionRequest(model="m", prompt=question, documents=documents)
+        return [(list(ids), is_doc) for ids, is_doc in _documents(ctx, body, [question]).parts]
+
+    def bare(tokenizer, text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    q = " Question: who keeps the green ledger?"
+    assert parts(gemma, DOCS[:2], q) == [([2], False), (bare(gemma, DOCS[0]), True), (bare(gemma, DOCS[1]), True),
+                                         (bare(gemma, q), False)]
+    assert 2 not in bare(gemma, DOCS[0]) + bare(gemma, q)
+    ids = bare(gemma, DOCS[0])
+    assert parts(gemma, [ids], q) == [(ids, True), (bare(gemma, q), False)]  # token ids: as given
+    tiny = tiny_model("llama").tokenizer
+    assert special_lead(tiny) == []
+    assert parts(tiny, DOCS[:1], q) == [(tiny.encode(DOCS[0]), True), (tiny.encode(q), False)]

@@ -119,23 +119,38 @@ async def create_completion(body: CompletionRequest, request: Request):
     return JSONResponse({**header, "choices": choices, "usage": usage})
 
 
+def special_lead(tokenizer) -> list[int]:
+    """The special tokens ``tokenizer`` puts before a text it encodes for a prompt (Gemma's and
+    Llama 3's BOS; [] for a tokenizer that adds none, or that adds any after the text)."""
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a"))
+    return full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+
+
 def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> DocumentPrompt:
     """``documents`` (texts or token-id lists, in order) before the one prompt, as parts.
-    Raises a 400 naming ``documents`` for several prompts, a PML prompt or an empty one."""
+    A prompt's special tokens (BOS) come once, at its start, as for a plain prompt (vLLM's
+    completions convention), when its first part is text: a text part before the first
+    document, which every document is then encoded after; texts are encoded without them
+    (a BOS before each document and before the question would be a prompt no model saw).
+    Token-id parts are taken as given. Raises a 400 naming ``documents`` for several prompts,
+    a PML prompt or an empty one."""
     if len(prompts) != 1 or (isinstance(prompts[0], str) and is_pml_prompt(prompts[0])):
         raise APIError("documents: give one plain prompt (the question) with documents", param="documents")
     tokenizer = ctx.engine.tokenizer
-    parts = []
+    documents, question = list(body.documents or ()), prompts[0]
+    lead = special_lead(tokenizer) if isinstance((documents or [question])[0], str) else []
+    parts = [(lead, False)] if lead else []
     vocab = ctx.engine.vocab_size
-    for i, doc in enumerate(body.documents or ()):
+    for i, doc in enumerate(documents):
         if isinstance(doc, str):
             check_text(doc, f"documents[{i}]")
-        ids = list(tokenizer.encode(doc)) if isinstance(doc, str) else doc
+        ids = list(tokenizer.encode(doc, add_special_tokens=False)) if isinstance(doc, str) else doc
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(f"documents[{i}]: token ids must be in the vocabulary [0, {vocab})", param=f"documents[{i}]")
         parts.append((ids, True))
-    question = prompts[0]
-    parts.append((list(tokenizer.encode(question)) if isinstance(question, str) else question, False))
+    parts.append((list(tokenizer.encode(question, add_special_tokens=False)) if isinstance(question, str)
+                  else question, False))
     try:
         return DocumentPrompt.of(parts)
     except ValueError as exc:
