@@ -43,6 +43,7 @@ from kvreuse import LLM, SamplingParams  # noqa: E402
 from kvreuse.engine.document_cache import DocumentPrompt  # noqa: E402
 from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
 from kvreuse.pml.prepared import prepare_prompt  # noqa: E402
+from kvreuse.server.completions_routes import special_lead  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs
@@ -94,7 +95,7 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     return schema, items
 
 
-def document_prompt(llm: LLM, pml: str, schemas) -> DocumentPrompt:
+def document_prompt(llm: LLM, pml: str, schemas, lead: list[int] = ()) -> DocumentPrompt:
     """The PML prompt's token ids as documents: the schema's head text, each selected module's
     stored tokens as a document, then the question (the prompt's new tokens). ``schemas``:
     compiled, not registered (documents mode never computes module KV)."""
@@ -104,7 +105,8 @@ def document_prompt(llm: LLM, pml: str, schemas) -> DocumentPrompt:
         raise SystemExit("documents mode: a prompt with no text after its last module is not supported")
     names = prepared.plan.modules
     parts = [(list(schema.module(n).stored_token_ids), n != "") for n in names]
-    return DocumentPrompt.of([*parts, (list(prepared.token_ids), False)])
+    head = [(list(lead), False)] if lead else []
+    return DocumentPrompt.of([*head, *parts, (list(prepared.token_ids), False)])
 
 
 def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
@@ -113,8 +115,11 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     if args.mode == "documents":
         compiled = llm.engine.modules.compile(schema)
         schemas = {compiled.name: compiled}
-        plain = [plain_token_ids(llm, it["prompt"], schemas) for it in items]
-        prompts = [document_prompt(llm, it["prompt"], schemas) for it in items]
+        # PML adds no BOS; a documents prompt over the completions API gets the tokenizer's
+        # (Gemma 3's) once at its start: --bos auto does the same to both sides here
+        lead = special_lead(llm.tokenizer) if args.bos == "auto" else []
+        plain = [lead + plain_token_ids(llm, it["prompt"], schemas) for it in items]
+        prompts = [document_prompt(llm, it["prompt"], schemas, lead) for it in items]
         for p, ids in zip(prompts, plain):
             assert [t for part, _ in p.parts for t in part] == ids, "documents mode: token ids differ from PML's"
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))  # every document computed once
@@ -198,6 +203,8 @@ def main() -> None:
     ap.add_argument("--settings", default=None,
                     help="first_tokens:ratio[:deviation_layer[:last_tokens]],... instead of the default grid")
     ap.add_argument("--sets", default="single,pair")
+    ap.add_argument("--bos", default="auto", choices=["auto", "off"],
+                    help="documents mode: put the tokenizer's BOS (if it adds one: Gemma 3) before the prompt")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     if args.settings:
