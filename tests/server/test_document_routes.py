@@ -288,6 +288,9 @@ def test_completions_documents_put_bos_once_at_the_start():
     assert 2 not in bare(gemma, DOCS[0]) + bare(gemma, q)
     ids = bare(gemma, DOCS[0])
     assert parts(gemma, [ids], q) == [(ids, True), (bare(gemma, q), False)]  # token ids: as given
+    both = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True,
+                                         add_bos_token=True, add_eos_token=True)
+    assert both.encode("a")[-1] == both.eos_token_id and special_lead(both) == [2]  # the EOS is not a lead
     tiny = tiny_model("llama").tokenizer
     assert special_lead(tiny) == []
     assert parts(tiny, DOCS[:1], q) == [(tiny.encode(DOCS[0]), True), (tiny.encode(q), False)]

@@ -121,10 +121,12 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 def special_lead(tokenizer) -> list[int]:
     """The special tokens ``tokenizer`` puts before a text it encodes for a prompt (Gemma's and
-    Llama 3's BOS; [] for a tokenizer that adds none, or that adds any after the text)."""
+    Llama 3's BOS; [] for a tokenizer that adds none). Any it adds after the text (an EOS) are
+    not part of the lead: they do not belong after the first document."""
     plain = list(tokenizer.encode("a", add_special_tokens=False))
     full = list(tokenizer.encode("a"))
-    return full[: len(full) - len(plain)] if full[len(full) - len(plain):] == plain else []
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[: starts[0]] if starts else []
 
 
 def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> DocumentPrompt:
