@@ -43,7 +43,7 @@ from kvreuse import LLM, SamplingParams  # noqa: E402
 from kvreuse.engine.document_cache import DocumentPrompt  # noqa: E402
 from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
 from kvreuse.pml.prepared import prepare_prompt  # noqa: E402
-from kvreuse.server.completions_routes import special_lead  # noqa: E402
+from kvreuse.api.chat_prompt import special_lead  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs

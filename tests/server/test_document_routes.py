@@ -269,7 +269,8 @@ def test_completions_documents_put_bos_once_at_the_start():
 
     from kvreuse.api.protocol import CompletionRequest
     from kvreuse.models.loader import prepare_folder, tiny_model
-    from kvreuse.server.completions_routes import _documents, special_lead
+    from kvreuse.api.chat_prompt import special_lead
+    from kvreuse.server.completions_routes import _documents
 
     gemma = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True)
     assert special_lead(gemma) == [gemma.bos_token_id] == [2]
@@ -294,3 +295,19 @@ def test_completions_documents_put_bos_once_at_the_start():
     tiny = tiny_model("llama").tokenizer
     assert special_lead(tiny) == []
     assert parts(tiny, DOCS[:1], q) == [(tiny.encode(DOCS[0]), True), (tiny.encode(q), False)]
+
+
+def test_chat_document_parts_split_a_rendered_bos_off_the_first_document():
+    """A template that renders BOS puts it in the first message's range: when that message is
+    a document, BOS becomes a text part of its own (every document is then encoded after it);
+    a first text message, or no lead, leaves the parts as they were."""
+    from kvreuse.api.chat_prompt import document_parts
+
+    def parts(*args):
+        return [(list(t), d) for t, d in document_parts(*args).parts]
+
+    ids = [2, 10, 11, 12, 20, 21, 30]  # BOS + document 0, document 1, generation prompt
+    bounds, flags = [(0, 4), (4, 6)], [True, True]
+    assert parts(ids, bounds, flags, [2]) == [([2], False), ([10, 11, 12], True), ([20, 21], True), ([30], False)]
+    assert parts(ids, bounds, flags) == [([2, 10, 11, 12], True), ([20, 21], True), ([30], False)]
+    assert parts(ids, bounds, [False, True], [2]) == [([2, 10, 11, 12], False), ([20, 21], True), ([30], False)]

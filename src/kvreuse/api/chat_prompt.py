@@ -145,7 +145,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
     bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs, text)
-    documents = document_parts(token_ids, bounds, flags) if any(flags) else None
+    documents = document_parts(token_ids, bounds, flags, special_lead(tokenizer)) if any(flags) else None
     if not any(r is not None for r in retentions):
         return ChatPrompt(token_ids, None, documents)
     try:
@@ -154,13 +154,31 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
         raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
 
 
-def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool]) -> DocumentPrompt:
+def special_lead(tokenizer) -> list[int]:
+    """The special tokens ``tokenizer`` puts before a text it encodes for a prompt (Gemma's and
+    Llama 3's BOS; [] for a tokenizer that adds none). Any it adds after the text (an EOS) are
+    not part of the lead: they do not belong after the first document."""
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    full = list(tokenizer.encode("a"))
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return full[: starts[0]] if starts else []
+
+
+def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool],
+                   lead: Sequence[int] = ()) -> DocumentPrompt:
     """The rendered prompt as parts: each marked message's token range (its template glue
-    included) a document, everything else text, the generation prompt last. Raises a 400
-    naming ``messages`` when the last message is a document and nothing follows it."""
+    included) a document, everything else text, the generation prompt last. ``lead``: the
+    tokenizer's BOS (:func:`special_lead`); when the first message is a document whose range
+    starts with it (a template that renders BOS), it is split off as text, so every document
+    is encoded after it, not the first one alone. Raises a 400 naming ``messages`` when the
+    last message is a document and nothing follows it."""
     parts: list[tuple[list[int], bool]] = []
     for (start, end), flag in zip(bounds, flags):
-        parts.append((token_ids[start:end], flag))
+        ids = token_ids[start:end]
+        if not parts and flag and lead and len(ids) > len(lead) and ids[: len(lead)] == list(lead):
+            parts.append((ids[: len(lead)], False))
+            ids = ids[len(lead):]
+        parts.append((ids, flag))
     parts.append((token_ids[bounds[-1][1]:] if bounds else token_ids, False))
     try:
         return DocumentPrompt.of(parts)

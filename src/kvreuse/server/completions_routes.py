@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
+from kvreuse.api.chat_prompt import special_lead
 from kvreuse.api.body import check_text
 from kvreuse.api.errors import APIError, error_body
 from kvreuse.engine.document_cache import DocumentPrompt
@@ -117,16 +118,6 @@ async def create_completion(body: CompletionRequest, request: Request):
     usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
                        sum(o.num_cached_tokens for o in firsts), firsts, finals)
     return JSONResponse({**header, "choices": choices, "usage": usage})
-
-
-def special_lead(tokenizer) -> list[int]:
-    """The special tokens ``tokenizer`` puts before a text it encodes for a prompt (Gemma's and
-    Llama 3's BOS; [] for a tokenizer that adds none). Any it adds after the text (an EOS) are
-    not part of the lead: they do not belong after the first document."""
-    plain = list(tokenizer.encode("a", add_special_tokens=False))
-    full = list(tokenizer.encode("a"))
-    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
-    return full[: starts[0]] if starts else []
 
 
 def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> DocumentPrompt:
