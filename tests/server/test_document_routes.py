@@ -311,3 +311,25 @@ def test_chat_document_parts_split_a_rendered_bos_off_the_first_document():
     assert parts(ids, bounds, flags, [2]) == [([2], False), ([10, 11, 12], True), ([20, 21], True), ([30], False)]
     assert parts(ids, bounds, flags) == [([2, 10, 11, 12], True), ([20, 21], True), ([30], False)]
     assert parts(ids, bounds, [False, True], [2]) == [([2, 10, 11, 12], False), ([20, 21], True), ([30], False)]
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_chat_documents_on_a_template_that_renders_bos(adds_bos):
+    """Gemma 3's tokenizer with a template starting ``{{ bos_token }}`` and a document first:
+    the BOS is a text part of its own whether the tokenizer adds it to a prompt or not, so
+    both documents are encoded after it; the parts join back to the rendered ids."""
+    from transformers import AutoTokenizer
+
+    from kvreuse.api.chat_prompt import render_chat
+    from kvreuse.api.protocol import ChatMessage
+    from kvreuse.models.loader import prepare_folder
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True,
+                                        add_bos_token=adds_bos)
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    messages = [ChatMessage(**doc(0)), ChatMessage(**doc(1)), ChatMessage(**QUESTION)]
+    prompt = render_chat(tok, messages)
+    layout = prompt.documents.layout()
+    assert prompt.token_ids[0] == 2 and prompt.documents.parts[0] == ((2,), False)
+    assert layout.after == (2,) and [t for ids, _ in prompt.documents.parts for t in ids] == prompt.token_ids

@@ -145,7 +145,10 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
     bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs, text)
-    documents = document_parts(token_ids, bounds, flags, special_lead(tokenizer)) if any(flags) else None
+    bos = getattr(tokenizer, "bos_token_id", None)
+    # the tokenizer's own lead, or a BOS the template rendered though the tokenizer adds none
+    lead = special_lead(tokenizer) or ([bos] if bos is not None and token_ids[:1] == [bos] else [])
+    documents = document_parts(token_ids, bounds, flags, lead) if any(flags) else None
     if not any(r is not None for r in retentions):
         return ChatPrompt(token_ids, None, documents)
     try:
