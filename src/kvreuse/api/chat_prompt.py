@@ -145,10 +145,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
     bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs, text)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    # the tokenizer's own lead, or a BOS the template rendered though the tokenizer adds none
-    lead = special_lead(tokenizer) or ([bos] if bos is not None and token_ids[:1] == [bos] else [])
-    documents = document_parts(token_ids, bounds, flags, lead) if any(flags) else None
+    documents = document_parts(token_ids, bounds, flags, _rendered_lead(tokenizer, token_ids)) if any(flags) else None
     if not any(r is not None for r in retentions):
         return ChatPrompt(token_ids, None, documents)
     try:
@@ -165,6 +162,13 @@ def special_lead(tokenizer) -> list[int]:
     full = list(tokenizer.encode("a"))
     starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
     return full[: starts[0]] if starts else []
+
+
+def _rendered_lead(tokenizer, token_ids: list[int]) -> list[int]:
+    """The BOS a rendered chat starts with: the tokenizer's own lead (:func:`special_lead`), or
+    a BOS the template rendered though the tokenizer adds none to a prompt."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return special_lead(tokenizer) or ([bos] if bos is not None and token_ids[:1] == [bos] else [])
 
 
 def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool],

@@ -132,8 +132,10 @@ class Int8Linear(nn.Module):
         # multiple of 16 (measured on torch 2.13 with in = 8, 24, 40, 56, 72); fp32 is right for any
         self.use_kernel = w.device.type == "cpu" and (act_dtype == torch.float32 or self.in_features % 16 == 0)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.to(self.scale.dtype) * self.scale[:, None]  # [out, in]
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[out, in]`` in ``dtype`` (default: the scale's, the activation dtype)."""
+        dtype = dtype or self.scale.dtype
+        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
@@ -142,7 +144,7 @@ class Int8Linear(nn.Module):
         if dense == torch.float32:  # a prefill chunk off native bf16 / fp32 activations: one fp32
             # GEMM beats the kernel's per-row cost (EPYC, 1,536 x 576 at 512 bf16 rows: 7.1 vs 16 ms);
             # with native bf16 the kernel stays (not measured against a dense bf16 copy there)
-            return _dense(x, self.qweight.to(dense) * self.scale.to(dense)[:, None], self.bias)
+            return _dense(x, self.dequantized_weight(dense), self.bias)
         scale = self.scale if self.scale.dtype == x.dtype else self.scale.to(x.dtype)
         if x.dim() == 2:  # the own forward's [T, in]: no reshapes (a decode step is mostly small calls)
             y = torch._weight_int8pack_mm(x, self.qweight, scale)
