@@ -101,8 +101,7 @@ def test_llm_get_kv_cache_events_returns_each_event_once(tiny_llama):
     from kvreuse import LLM, SamplingParams
 
     llm = LLM("tiny", loaded=tiny_llama, events=EventBuffer(1000), kv_cache_memory_gib=0.001, block_size=BS)
-    if getattr(llm.engine, "events", None) is None:
-        pytest.skip("LLMEngine does not keep its event sink yet (self.events): coordinator wiring")
+    assert llm.engine.events is not None, "LLMEngine keeps the event sink it was given (self.events)"
     llm.generate(["word " * 40], SamplingParams(max_tokens=4, temperature=0))
     first = llm.get_kv_cache_events(timeout=1.0)
     assert first[0]["event_id"] == 0 and first[0]["data"]["type"] == "created"
