@@ -4,6 +4,12 @@ Requests are pydantic models: a wrong type or out-of-range value fails validatio
 server answers 400 with a message naming the field (see ``errors.py``). Booleans are strict
 (``"yes"`` is not ``true``). Unknown fields are ignored, as OpenAI and vLLM do.
 
+Sampling fields are bounded by what the sampler's fp32 arithmetic can honour, so one request's
+settings can never make a step fail: every number must be finite (NaN and Infinity, which JSON
+parsers accept, are refused), ``top_p`` is at least ``MIN_TOP_P`` (smaller is 0 in float32),
+a ``temperature`` below 1e-5 samples greedily, and the OpenAI/vLLM knobs kvreuse does not
+implement are range-checked before they are refused unless neutral.
+
 Responses are plain dicts built by ``usage_dict`` and the route modules: they are
 serialised once per SSE chunk, and dicts keep that cheap.
 """
@@ -43,8 +49,9 @@ class _GenerationRequest(BaseModel):
 
     model: StrictStr | None = None  # None: the served model (vLLM accepts it missing)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # < 1e-5: greedy
+    # (0, 1] here; SamplingParams refuses what is under MIN_TOP_P with a message that says why
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(default=0, ge=-1)  # vLLM extra; -1 and 0 mean off
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 (seed + n offset fits uint64)
     stop: StrictStr | list[StrictStr] | None = None
@@ -69,9 +76,11 @@ class _GenerationRequest(BaseModel):
     speculative: StrictBool = True
     # OpenAI fields kvreuse does not implement: accepted at their neutral values, else a 400
     # naming them (silently ignoring them would hand the client something it did not ask for)
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)  # OpenAI's range
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, allow_inf_nan=False)  # vLLM: 1 is neutral
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM: 0 is neutral
+    logit_bias: dict[str, Any] | None = None  # token id -> bias in [-100, 100] (checked by _check_logit_bias)
     best_of: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -81,6 +90,11 @@ class _GenerationRequest(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ValueError(f"{name}: penalties are not supported; leave {name} out or 0")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty: penalties are not supported; leave repetition_penalty out or 1")
+        if self.min_p:
+            raise ValueError("min_p: not supported; leave min_p out or 0")
+        _check_logit_bias(self.logit_bias)
         if self.logit_bias:
             raise ValueError("logit_bias: not supported; leave logit_bias out or empty")
         if self.best_of is not None and self.best_of != self.n:
@@ -121,6 +135,22 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias is in [-100, 100]
+
+
+def _check_logit_bias(bias: dict[str, Any] | None) -> None:
+    """OpenAI's shape of ``logit_bias``: keys are token ids (decimal, >= 0), values finite
+    numbers in [-100, 100]. Raises ``ValueError`` naming the field and the bad entry. (Ids are
+    not checked against the vocabulary: any non-empty bias is refused as unsupported after.)"""
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):  # NaN and inf fail too
+            raise ValueError(f"logit_bias: the bias of token {key} must be a number in "
+                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions

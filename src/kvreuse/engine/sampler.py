@@ -20,7 +20,12 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick a token from fp32 ``logits`` ``[vocab]``. A seeded ``generator`` makes the
-    choice independent of what else ran in the batch."""
+    choice independent of what else ran in the batch.
+
+    Never fails on the numbers: the most likely token always survives top-k and top-p (whatever
+    ``top_p`` rounds to), and a row that softmax cannot turn into probabilities (a NaN or +inf
+    logit, or every logit -inf) yields its top finite token (``top_token``) instead of raising,
+    so one request's row cannot fail the batch it shares a step with."""
     if params.greedy:
         return greedy_tokens(logits[None])[0]
     logits = logits / params.temperature
@@ -30,12 +35,23 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
+        # drop a token when the mass before it already reaches top_p; the first always stays
+        # (its mass before is 0, and 0 >= top_p holds when top_p rounds to 0 in fp32)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    if not bool(torch.isfinite(logits.max())):  # max propagates NaN: softmax would be NaN or 0/0
+        return top_token(logits)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_token(logits: torch.Tensor) -> int:
+    """The index of the largest finite logit of ``logits`` ``[vocab]`` (the first on a tie), a
+    +inf one if any; 0 when every logit is NaN or -inf."""
+    clean = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"))
+    return int(clean.argmax())
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

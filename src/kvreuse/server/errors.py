@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _KNOWN_PARAMS = (
     "kv_cache_retention_config", "max_completion_tokens", "max_tokens", "cache_salt", "messages",
     "prompt", "suffix", "stream_options", "stop_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_p",
     "logit_bias", "best_of", "response_format", "tools", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
 )
 # Location parts pydantic adds for union members and validators: not field names.
