@@ -4,7 +4,7 @@
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
                   [--executor-api-key KEY] [--api-key KEY[:TENANT] ...] [--max-body-bytes N]
                   [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
-                  [--migration-limit N]
+                  [--migration-limit N] [--upstream-progress-timeout S] [--upstream-first-byte-timeout S]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
@@ -33,6 +33,10 @@ key), so the executors' own tenant limits do not see them.
 
 ``--migration-limit`` (default 3, 0: off) bounds the executors a stream is continued on
 when its executor fails mid-response (``kvreuse.router.migration``).
+
+``--upstream-progress-timeout`` (default 10 s) and ``--upstream-first-byte-timeout``
+(default 300 s), 0: none, bound how long the router waits on an executor
+(``kvreuse.router.deadline``): a stream silent that long moves to another executor.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
 from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments
 from kvreuse.api.tenant_limits import limits_from_args
 from kvreuse.api.tenants import APIKeys
+from kvreuse.router.deadline import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_PROGRESS_TIMEOUT_S, Deadlines
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
 from kvreuse.router.router import DEFAULT_MIGRATION_LIMIT
@@ -87,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
                    help="executors a stream may be continued on when its executor fails mid-response "
                         f"(default {DEFAULT_MIGRATION_LIMIT}; 0: off, the stream ends with an error event)")
+    p.add_argument("--upstream-progress-timeout", type=float, default=DEFAULT_PROGRESS_TIMEOUT_S, metavar="S",
+                   help="a stream that gets no byte from its executor for S seconds after its first one is "
+                        "continued on another executor (or ended with an error event); the executor is marked "
+                        f"down (default {DEFAULT_PROGRESS_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--upstream-first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
+                   help="a streamed request whose executor sends no byte for S seconds (queueing and prefill "
+                        "included) is retried on another executor (default "
+                        f"{DEFAULT_FIRST_BYTE_TIMEOUT_S:g}; 0: no limit; non-streamed replies have none)")
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -143,6 +156,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         if tenant_limits is not None:
             tenant_limits.check_keys(keys)
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
+        deadlines = Deadlines.of(args.upstream_first_byte_timeout, args.upstream_progress_timeout)
         tier_weights = parse_tier_weights(args.tier_weights)
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))
@@ -159,7 +173,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
     router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
                     health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key,
-                    tier_weights=tier_weights, migration_limit=args.migration_limit)
+                    tier_weights=tier_weights, migration_limit=args.migration_limit, deadlines=deadlines)
     print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)

@@ -2,7 +2,9 @@
 (after NVIDIA Dynamo's request migration).
 
 ``migrating_stream`` relays a stream through a ``StreamLedger``. When the executor fails
-(the connection breaks, or the stream closes before ``[DONE]``), the router continues the
+(the connection breaks, the stream closes before ``[DONE]``, or it stalls: no byte within
+``--upstream-progress-timeout``, or none for a second after the executor was marked down,
+``kvreuse.router.deadline``), the router continues the
 request elsewhere, from exactly what the client has: a ``/v1/completions`` stream whose
 prompt is the original prompt's ids plus the ids sent (``StreamRequest.continuation_body``),
 translated back into the client's format. A greedy reply is then the one an uninterrupted
@@ -31,6 +33,7 @@ from contextlib import aclosing
 import httpx
 
 from kvreuse.cache.kv_block import cdiv
+from kvreuse.router.deadline import Stalled
 from kvreuse.router.executors import ExecutorInfo
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
@@ -83,6 +86,8 @@ async def migrating_stream(router: Router, first: Upstream, request: StreamReque
             except httpx.TransportError as exc:
                 failure = f"the connection broke ({type(exc).__name__})"
                 upstream.executor.mark_down(f"stream broke mid-response: {exc!r}")
+            except Stalled as exc:  # hung, or marked down and silent: moved, never held
+                failure = str(exc)
             finally:
                 await upstream.close()
             if failure is None or ledger.failed:
@@ -164,7 +169,7 @@ async def _continue(router: Router, request: StreamRequest, ledger: StreamLedger
         raw, target, blocks = request.upstream_body(), path, router.prompt_blocks(keys)
     executor.begin(blocks)
     try:
-        result = await send(router.client, executor, target, raw, headers, blocks, None)
+        result = await send(router.client, executor, target, raw, headers, blocks, None, deadlines=router.deadlines)
     except Retry as exc:
         executor.end(blocks)
         executor.failures += 1

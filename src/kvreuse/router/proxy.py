@@ -9,8 +9,9 @@ returned, so an executor dying while it computes one costs a retry, never the re
 streamed one is returned once its first chunk has arrived, and relayed event by event from
 then on.
 
-A stream that breaks after that (the connection drops, or it closes without
-``data: [DONE]``) is continued on another executor from what the client has
+A stream that breaks after that (the connection drops, it closes without
+``data: [DONE]``, or it sends no byte for ``--upstream-progress-timeout`` or for a second
+after its executor is marked down: ``kvreuse.router.deadline``) is continued on another executor from what the client has
 (``kvreuse.router.migration``, up to ``Router.migration_limit`` executors). With
 ``--migration-limit 0``, or when it cannot be continued, it ends with the whole events
 received so far, then one OpenAI-style error event, ``data: {"error": {"message": ...,
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvreuse.api.connection import client_disconnected  # the executor's own watcher
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response
+from kvreuse.router.deadline import Stalled
 from kvreuse.router.migration import MIGRATION_OFF, migrating_stream, stream_error_event
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
@@ -108,7 +110,8 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         executor.begin(blocks)
         router.metrics.decision(routed)
         try:
-            result = await send(router.client, executor, path, upstream_raw, fwd, blocks, gone)
+            result = await send(router.client, executor, path, upstream_raw, fwd, blocks, gone,
+                                stream=stream is not None, deadlines=router.deadlines)
         except ClientGone:
             executor.end(blocks)
             logger.info("client left before %s answered; its request there was closed", executor.url)
@@ -169,6 +172,8 @@ async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | 
     except httpx.TransportError as exc:
         failure = f"the connection broke ({type(exc).__name__})"
         upstream.executor.mark_down(f"stream broke mid-response: {exc!r}")
+    except Stalled as exc:  # hung or down: ended, never held
+        failure = str(exc)
     finally:
         await upstream.close()
     if failure is not None:

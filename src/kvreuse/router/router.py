@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvreuse.router.deadline import Deadlines
 from kvreuse.router.executors import (
     Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
 )
@@ -57,8 +58,10 @@ class Router:
     def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
                  client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
                  executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, deadlines: Deadlines = Deadlines()) -> None:
         self.executors = {e.name: e for e in executors}
+        # how long an upstream read may wait (kvreuse.router.deadline)
+        self.deadlines = deadlines
         # executors a stream may be continued on after its executor fails (kvreuse.router.migration)
         self.migration_limit = migration_limit
         # cache level -> how much a block held there counts in the overlap (--tier-weights)

@@ -3,20 +3,27 @@ non-streamed request, or a streamed one whose first chunk has arrived (``Upstrea
 
 ``send`` raises ``Retry`` when nothing reached the client yet and another executor may
 take the request (the connection is refused or breaks, the executor answers 502/503/504,
-or a stream ends before its first byte); an executor that refuses or drops a connection is
-marked down at once. It raises ``ClientGone`` when the client disconnects first: the
-upstream request is closed, which makes the executor abort it and free its blocks.
+a stream ends before its first byte, or a wait passes its deadline: ``kvreuse.router.deadline``);
+an executor that refuses or drops a connection, or misses a deadline, is marked down at
+once. It raises ``ClientGone`` when the client disconnects first: the upstream request is
+closed, which makes the executor abort it and free its blocks.
+
+After the first chunk, ``Upstream.chunks`` waits at most the progress deadline for each
+next one (and ends the wait once its executor is marked down and silent): it raises
+``Stalled`` then, and the caller continues the stream elsewhere or ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 import httpx
 from fastapi.responses import Response
 
+from kvreuse.router.deadline import FIRST_BYTE_SETTING, PROGRESS_SETTING, Deadlines, Stalled, within
 from kvreuse.router.executors import Executor
 from kvreuse.router.sse import EventSplitter
 
@@ -58,21 +65,34 @@ class Upstream:
     place until ``close`` (idempotent), which also closes the connection."""
 
     def __init__(self, executor: Executor, resp: httpx.Response, first: bytes, rest: AsyncIterator[bytes],
-                 blocks: int) -> None:
+                 blocks: int, deadlines: Deadlines = Deadlines()) -> None:
         self.executor, self.resp, self.blocks = executor, resp, blocks
         self.status_code = resp.status_code
         self.content_type = resp.headers.get("content-type", "text/event-stream")
         self._first: bytes | None = first
         self._rest = rest
+        self._deadlines = deadlines
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The raw bytes as they come (the first chunk included). Raises
-        ``httpx.TransportError`` when the connection breaks."""
+        ``httpx.TransportError`` when the connection breaks, ``Stalled`` when no byte comes
+        within the progress deadline (the executor is then marked down) or since the
+        executor was marked down (``kvreuse.router.deadline``)."""
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        async for chunk in self._rest:
+        d = self._deadlines
+        while True:
+            try:
+                chunk = await within(anext(self._rest), self.executor, since=time.monotonic(), limit_s=d.progress_s,
+                                     setting=PROGRESS_SETTING, grace_s=d.down_grace_s)
+            except StopAsyncIteration:
+                return
+            except Stalled as exc:
+                if exc.timed_out:
+                    self.executor.mark_down(f"a stream stalled: {exc}")
+                raise
             yield chunk
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -90,42 +110,65 @@ class Upstream:
 
 
 async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
-               blocks: int, gone: asyncio.Future | None) -> Response | Upstream:
+               blocks: int, gone: asyncio.Future | None, *, stream: bool = True,
+               deadlines: Deadlines = Deadlines()) -> Response | Upstream:
     """``executor``'s response to ``raw`` at ``path``. Raises ``Retry`` or ``ClientGone``
     (``executor.end`` is then the caller's); a returned ``Response`` has ended its place,
-    an ``Upstream`` ends it when closed."""
+    an ``Upstream`` ends it when closed. ``stream``: ``raw`` asks for a stream, so its
+    first byte has ``deadlines.first_byte_s`` (a non-streamed reply has no deadline, only
+    its executor's health)."""
     request = client.build_request("POST", executor.url + path, content=raw, headers=headers,
                                    timeout=httpx.Timeout(10.0, read=None))
+    start = time.monotonic()
+
+    def watched(aw: Awaitable[T]) -> Awaitable[T]:
+        return unless_gone(within(aw, executor, since=start, limit_s=deadlines.first_byte_s if stream else None,
+                                  setting=FIRST_BYTE_SETTING, grace_s=deadlines.down_grace_s), gone)
+
     try:
         # A non-streamed response's headers come when it is complete: the wait is here.
-        resp = await unless_gone(client.send(request, stream=True), gone)
+        resp = await watched(client.send(request, stream=True))
     except httpx.TransportError as exc:
         executor.mark_down(f"connection failed: {exc!r}")
         raise Retry(repr(exc)) from None
+    except Stalled as exc:
+        raise _stalled(executor, exc) from None
     if resp.status_code in RETRY_STATUS:
         await resp.aclose()
         raise Retry(f"{executor.url} answered {resp.status_code}")
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
         try:
-            content = await unless_gone(resp.aread(), gone)
+            content = await watched(resp.aread())
         except httpx.TransportError as exc:
             executor.mark_down(f"connection broke: {exc!r}")
             raise Retry(repr(exc)) from None
+        except Stalled as exc:
+            raise _stalled(executor, exc) from None
         finally:
             await resp.aclose()
         executor.end(blocks)
         return Response(content, status_code=resp.status_code, headers=response_headers(executor, resp))
     chunks = resp.aiter_raw()
     try:
-        first = await unless_gone(anext(chunks), gone)
+        first = await watched(anext(chunks))
     except (httpx.TransportError, StopAsyncIteration) as exc:
         await resp.aclose()
         executor.mark_down(f"stream broke before its first byte: {exc!r}")
         raise Retry(repr(exc)) from None
+    except Stalled as exc:
+        await resp.aclose()
+        raise _stalled(executor, exc) from None
     except ClientGone:
         await resp.aclose()
         raise
-    return Upstream(executor, resp, first, chunks, blocks)
+    return Upstream(executor, resp, first, chunks, blocks, deadlines)
+
+
+def _stalled(executor: Executor, exc: Stalled) -> Retry:
+    """The ``Retry`` of a wait that ``exc`` ended; a missed deadline marks ``executor`` down."""
+    if exc.timed_out:
+        executor.mark_down(f"no first byte: {exc}")
+    return Retry(f"{executor.url}: {exc}")
 
 
 def response_headers(executor: Executor, resp: httpx.Response) -> dict[str, str]:

@@ -1,0 +1,224 @@
+"""The router's upstream deadlines (``kvreuse.router.deadline``): no wait on a hung or dead
+executor outlasts its deadline. Executors are in-process transports that hang (await
+forever) where told; the client reads the router app over ASGI. (A stalled stream continued
+on a real executor app: test_deadline_migration.py; SIGSTOP of real processes:
+test_deadline_e2e.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from kvreuse.router.app import build_router_app
+from kvreuse.router.deadline import Deadlines, Stalled, within
+from kvreuse.router.executors import Executor
+from kvreuse.router.policy import make_policy
+from kvreuse.router.prompt_keys import HashSettings, PromptHasher
+from kvreuse.router.router import Router
+
+MARGIN_S = 0.5  # scheduling slack on a loaded 2-core machine
+
+
+def _event(text: str) -> bytes:
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+# ---------------------------------------------------------------------------- within
+
+
+def _timed(coro_fn):
+    async def run():
+        start = time.monotonic()
+        try:
+            return await coro_fn(), time.monotonic() - start
+        except Stalled as exc:
+            return exc, time.monotonic() - start
+    return asyncio.run(run())
+
+
+def test_a_silent_read_ends_at_its_deadline_naming_the_setting():
+    e = Executor("http://a", healthy=True)
+    got, took = _timed(lambda: within(_forever(), e, since=time.monotonic(), limit_s=0.3, setting="--flag"))
+    assert isinstance(got, Stalled) and got.timed_out and str(got) == "it sent no byte for 0.3 s (--flag)"
+    assert 0.3 <= took < 0.3 + MARGIN_S
+    assert e.healthy  # marking down is the caller's
+
+
+def test_a_read_that_answers_in_time_returns_its_result():
+    async def soon():
+        await asyncio.sleep(0.05)
+        return b"chunk"
+    e = Executor("http://a", healthy=True)
+    got, took = _timed(lambda: within(soon(), e, since=time.monotonic(), limit_s=2.0, setting="--flag"))
+    assert got == b"chunk" and took < 1.0
+
+
+def test_marking_the_executor_down_ends_a_silent_wait_after_the_grace():
+    e = Executor("http://a", healthy=True)
+
+    async def scenario():
+        asyncio.get_running_loop().call_later(0.2, e.mark_down, "/health answered 503")
+        return await within(_forever(), e, since=time.monotonic(), limit_s=None, setting="--flag", grace_s=0.3)
+
+    got, took = _timed(scenario)
+    assert isinstance(got, Stalled) and not got.timed_out
+    assert str(got) == "it was marked down (/health answered 503) and sent no byte for 0.3 s after"
+    assert 0.5 <= took < 0.5 + MARGIN_S
+    assert not e._down_waiters  # nothing left registered
+
+
+def test_a_down_executor_that_still_sends_keeps_its_read():
+    async def late():
+        await asyncio.sleep(0.3)  # after the mark, within the grace
+        return b"chunk"
+    e = Executor("http://a", healthy=True)
+
+    async def scenario():
+        asyncio.get_running_loop().call_later(0.1, e.mark_down, "probe timed out")
+        return await within(late(), e, since=time.monotonic(), limit_s=None, setting="--flag", grace_s=1.0)
+
+    got, _ = _timed(scenario)
+    assert got == b"chunk"
+
+
+@pytest.mark.parametrize(("first_byte", "progress", "want"), [
+    (300.0, 10.0, Deadlines(300.0, 10.0)), (0.0, 0.0, Deadlines(None, None)), (5.0, 0.0, Deadlines(5.0, None)),
+])
+def test_flag_values_become_deadlines_zero_meaning_none(first_byte, progress, want):
+    assert Deadlines.of(first_byte, progress) == want
+
+
+@pytest.mark.parametrize(("first_byte", "progress", "flag"), [
+    (-1.0, 10.0, "--upstream-first-byte-timeout"), (300.0, float("inf"), "--upstream-progress-timeout"),
+    (float("nan"), 10.0, "--upstream-first-byte-timeout"),
+])
+def test_bad_flag_values_are_refused_naming_the_flag(first_byte, progress, flag):
+    with pytest.raises(ValueError, match=f"^{flag} must be a finite number of seconds >= 0"):
+        Deadlines.of(first_byte, progress)
+
+
+# ---------------------------------------------------------------------------- through the router
+
+
+def _route(handler, names, deadlines, calls, *, migration_limit=0):
+    """``calls(http, router)`` against a router app over executors ``names`` answered by
+    ``handler(request)`` (async)."""
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as upstream:
+            router = Router([Executor(n, healthy=True) for n in names], PromptHasher(None, HashSettings("m", 4, "sha256")),
+                            make_policy("round_robin"), client=upstream, seed=0, migration_limit=migration_limit,
+                            deadlines=deadlines)
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_router_app(router)), base_url="http://r")
+            try:
+                return await calls(http, router)
+            finally:
+                await http.aclose()
+    return asyncio.run(scenario())
+
+
+class _Chunks(httpx.AsyncByteStream):
+    """``chunks``, then (``stall``) nothing, ever: a SIGSTOPped executor keeps its socket open."""
+
+    def __init__(self, chunks: list[bytes], *, stall: bool = True) -> None:
+        self.chunks, self.stall = chunks, stall
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.stall:
+            await _forever()
+
+
+STREAM = {"prompt": [1, 2, 3], "max_tokens": 8, "stream": True}
+
+
+def test_a_stream_that_stalls_mid_response_ends_with_the_error_event_at_the_deadline():
+    async def handler(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=_Chunks([_event("Hello"), _event(" wor")]))
+
+    async def calls(http, router):
+        start = time.monotonic()
+        raw = await http.post("/v1/completions", json=STREAM)
+        return raw, time.monotonic() - start, router
+
+    raw, took, router = _route(handler, ["http://a"], Deadlines(60.0, 0.4), calls)
+    message = ("the executor serving this stream (http://a) failed mid-response: it sent no byte for 0.4 s "
+               "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
+               "(--migration-limit 0); the output is incomplete")
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
+    assert raw.status_code == 200
+    assert raw.content == _event("Hello") + _event(" wor") + b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
+    assert 0.4 <= took < 0.4 + MARGIN_S
+    e = router.executors["http://a"]
+    assert not e.healthy and e.last_error == "a stream stalled: it sent no byte for 0.4 s (--upstream-progress-timeout)"
+    assert e.in_flight == 0 and router.metrics.streams_cut._value.get() == 1
+
+
+def test_a_stream_whose_executor_is_marked_down_ends_a_grace_after_the_mark():
+    async def handler(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Chunks([_event("Hi")]))
+
+    async def calls(http, router):
+        start = time.monotonic()
+        asyncio.get_running_loop().call_later(0.3, router.executors["http://a"].mark_down, "/health answered 503")
+        raw = await http.post("/v1/completions", json=STREAM)
+        return raw, time.monotonic() - start
+
+    raw, took = _route(handler, ["http://a"], Deadlines(60.0, 60.0, down_grace_s=0.2), calls)
+    assert raw.content.startswith(_event("Hi") + b'data: {"error":')
+    assert ("failed mid-response: it was marked down (/health answered 503) and sent no byte for 0.2 s after; "
+            "it could not be continued") in raw.text
+    assert 0.5 <= took < 0.5 + MARGIN_S
+
+
+def _answering_b(hang_a):
+    """Executor a hangs (``hang_a``: before its headers); b answers a short stream or JSON."""
+    async def handler(request):
+        if request.url.host == "a":
+            await hang_a()
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  stream=_Chunks([_event("from b") + b"data: [DONE]\n\n"], stall=False))
+        return httpx.Response(200, json={"choices": [{"text": "from b"}]})
+    return handler
+
+
+def test_a_stream_without_a_first_byte_by_its_deadline_is_retried_elsewhere():
+    async def calls(http, router):
+        start = time.monotonic()
+        raw = await http.post("/v1/completions", json=STREAM)
+        return raw, time.monotonic() - start, router
+
+    raw, took, router = _route(_answering_b(_forever), ["http://a", "http://b"], Deadlines(0.4, 60.0), calls)
+    assert raw.status_code == 200 and raw.headers["x-kvreuse-executor"] == "http://b"
+    assert raw.content == _event("from b") + b"data: [DONE]\n\n"
+    assert 0.4 <= took < 0.4 + MARGIN_S
+    a = router.executors["http://a"]
+    assert not a.healthy and a.last_error == "no first byte: it sent no byte for 0.4 s (--upstream-first-byte-timeout)"
+    assert router.num_retries == 1 and a.in_flight == 0 and a.failures == 1
+
+
+def test_a_non_streamed_request_has_no_first_byte_deadline_but_moves_when_its_executor_goes_down():
+    async def calls(http, router):
+        start = time.monotonic()
+        asyncio.get_running_loop().call_later(0.8, router.executors["http://a"].mark_down, "probe timed out")
+        raw = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8})
+        return raw, time.monotonic() - start
+
+    # the first-byte deadline (0.2 s) is a stream's: the wait lasts until the mark (0.8 s) and its grace
+    raw, took = _route(_answering_b(_forever), ["http://a", "http://b"], Deadlines(0.2, 60.0, down_grace_s=0.2),
+                       calls)
+    assert raw.status_code == 200 and raw.json() == {"choices": [{"text": "from b"}]}
+    assert raw.headers["x-kvreuse-executor"] == "http://b"
+    assert 1.0 <= took < 1.0 + MARGIN_S
