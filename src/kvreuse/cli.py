@@ -102,8 +102,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
     p.add_argument("--event-buffer-max-size", type=int, default=C.event_buffer_max_size,
                    help="KV events kept for consumers (0: events off unless an endpoint is set)")
-    p.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint, e.g. tcp://*:5557")
-    p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
+    from kvreuse.events.zmq_options import add_arguments as add_kv_event_arguments
+
+    add_kv_event_arguments(p)  # --kv-events-endpoint, -replay-endpoint, -bind-host, -curve-*, -no-token-ids
     p.add_argument("--schema-dir", default=C.schema_dir,
                    help="PML: persist module KV here and load it at start instead of recomputing")
     p.add_argument("--schema-src-dir", default=C.schema_src_dir,
@@ -236,9 +237,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvreuse.server.api_server import build_app
     from kvreuse.server.context import ServerLimits
 
+    from kvreuse.events import zmq_options
+
     console = Console(stderr=True, soft_wrap=True)  # no wrapping: log lines stay greppable
     buffer = publisher = None
     try:
+        zmq_options.check_arguments(args)
         config = _engine_config(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
         limiter = None
@@ -258,13 +262,9 @@ def run_serve(args: argparse.Namespace) -> int:
         with console.status("allocating the KV pool ..."):
             engine = AsyncEngine(_off_main_thread(lambda: LLMEngine(config, loaded, events=buffer)))
         if args.kv_events_endpoint:
-            from kvreuse.events.publisher import ZmqEventPublisher
-
             # The snapshot runs in the engine thread, so it sees the pool between steps.
-            publisher = ZmqEventPublisher(
-                buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-                snapshot_fn=lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30),
-            )
+            publisher = zmq_options.publisher_from_args(
+                args, buffer, lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30))
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
                         publisher=publisher, limiter=limiter)  # /v1/kvreuse/info advertises the publisher to routers
     except ValueError as exc:
@@ -281,8 +281,11 @@ def run_serve(args: argparse.Namespace) -> int:
                   + f", context {engine.max_model_len} tokens, served as {names}")
     console.print(f"kvreuse: {_pool_summary(engine.engine)}")
     if publisher is not None:
-        console.print(f"kvreuse: KV events on {args.kv_events_endpoint}"
-                      + (f", replay on {args.kv_events_replay_endpoint}" if args.kv_events_replay_endpoint else ""))
+        console.print(f"kvreuse: KV events on {publisher.endpoint}"
+                      + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+                      + (", CURVE" if publisher.curve else "") + ("" if publisher.include_token_ids else ", no token ids"))
+        if warning := zmq_options.seal_warning(publisher, api_keys=bool(args.api_key)):
+            console.print(f"[bold yellow]kvreuse: warning:[/] {warning}")
     console.print(f"kvreuse: listening on http://{args.host}:{args.port} (OpenAI API under /v1)")
     engine.start()
     if publisher is not None:

@@ -23,6 +23,12 @@ its bounded queue, so the engine never waits for it, and ZMQ's high-water mark d
 events, it counts them and, given a ``snapshot_fn``, publishes a resync batch
 (``AllBlocksCleared`` then ``BlockStored`` for every cached block) and carries on after
 the snapshot's event id; without one it skips a sequence number so subscribers see a gap.
+
+The events carry every tenant's token ids, so by default they stay on the host: a ``*`` host
+(``tcp://*:5557``, vLLM's documented endpoint) binds ``bind_host``, loopback unless asked
+otherwise. ``curve`` (``kvreuse.events.curve``) encrypts both sockets and admits only the
+allowed subscribers' keys; ``include_token_ids=False`` sends every ``BlockStored`` with an
+empty ``token_ids`` (block hashes alone are what a router's index needs).
 """
 
 from __future__ import annotations
@@ -36,12 +42,24 @@ import msgpack
 import zmq
 
 from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.curve import CurveServer
 from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, Event, KVSnapshot
 from kvreuse.events.wire import WIRE_FIELDS, stored_message, wire_hash
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+LOOPBACK = "127.0.0.1"  # where a ``*`` host binds unless ``bind_host`` says otherwise
+_LOCAL_HOSTS = ("localhost", "::1", "lo")
+
+
+def is_local(endpoint: str) -> bool:
+    """Whether ``endpoint`` keeps events on this host: ``ipc://``, ``inproc://``, or a tcp
+    endpoint on a loopback address (127.0.0.0/8, ``::1``, ``localhost``, interface ``lo``)."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint.startswith(("ipc://", "inproc://"))
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in _LOCAL_HOSTS
 
 
 
@@ -107,7 +125,11 @@ class ZmqEventPublisher:
     ``endpoint``: ``tcp://*:5557`` binds (any ``*``, ipc or inproc binds), ``tcp://host:port``
     connects; ``bound`` says which (only a bound socket can be subscribed to);
     ``subscribable`` says whether a subscriber can connect now (bound and not closed).
+    A ``*`` host binds ``bind_host`` (loopback by default; ``"*"`` or ``"0.0.0.0"``: every
+    interface); ``leaves_host`` says whether events can reach another machine.
     ``replay_endpoint``: a ROUTER serving the last ``replay_steps`` batches.
+    ``curve``: CURVE on both sockets (its ZAP handler runs on this publisher's context, a
+    private one unless ``context`` is given). ``include_token_ids=False``: none on the wire.
     ``start()`` launches the thread; ``close()`` stops it and closes the sockets.
     """
 
@@ -127,6 +149,9 @@ class ZmqEventPublisher:
         poll_interval_s: float = 0.05,
         batch_interval_s: float = 0.02,
         context: zmq.Context | None = None,
+        bind_host: str = LOOPBACK,
+        curve: CurveServer | None = None,
+        include_token_ids: bool = True,
     ) -> None:
         if hash_format not in ("int", "bytes"):
             raise ValueError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
@@ -146,16 +171,22 @@ class ZmqEventPublisher:
         self.last_event_id = -1  # newest buffer event this thread has handled
         self._replay_log: deque[tuple[int, bytes]] = deque(maxlen=replay_steps)
         self._seq = 0
-        self._ctx = context if context is not None else zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self.bind_host = bind_host
+        self.curve = curve
+        self.include_token_ids = include_token_ids
+        own_context = context is None and curve is not None  # one ZAP handler per context
+        self._own_ctx = zmq.Context() if own_context else None
+        self._ctx = self._own_ctx or (context if context is not None else zmq.Context.instance())
+        self._auth = curve.start_authenticator(self._ctx) if curve is not None else None
+        self._pub = self._socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self.bound = self.binds(endpoint)
-        self.endpoint = self._attach(self._pub, endpoint)
+        self.endpoint = self._attach(self._pub, self._on_host(endpoint), self.bound)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(replay_endpoint)
+            self._replay = self._socket(zmq.ROUTER)
+            self._replay.bind(self._on_host(replay_endpoint))
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
@@ -175,6 +206,11 @@ class ZmqEventPublisher:
         (``bound``) and ``close()`` has not run. The server's ``/v1/kvreuse/info`` reports it."""
         return self.bound and not self._pub.closed
 
+    @property
+    def leaves_host(self) -> bool:
+        """Whether events (or replays) can reach another machine (``is_local`` of each endpoint)."""
+        return not all(is_local(e) for e in (self.endpoint, self.replay_endpoint) if e is not None)
+
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -182,7 +218,25 @@ class ZmqEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
 
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        if ":" in self.bind_host:  # an IPv6 bind_host
+            sock.ipv6 = True
+        if self.curve is not None:
+            self.curve.secure(sock)
+        return sock
+
+    def _on_host(self, endpoint: str) -> str:
+        """``endpoint`` with a ``*`` tcp host replaced by ``bind_host`` (kept for ``"*"``)."""
+        if not endpoint.startswith("tcp://*:") or self.bind_host == "*":
+            return endpoint
+        host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+        return f"tcp://{host}:{endpoint.removeprefix('tcp://*:')}"
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         cursor = -1
@@ -228,6 +282,10 @@ class ZmqEventPublisher:
     def _send(self, wire_events: list[dict], ts: float) -> None:
         if not wire_events:
             return
+        if not self.include_token_ids:
+            for event in wire_events:
+                if event["type"] == "BlockStored":
+                    event["token_ids"] = []
         payload = encode_batch(ts, wire_events, self.data_parallel_rank, self.event_encoding)
         seq = self._seq.to_bytes(8, "big")
         self._pub.send_multipart((self.topic, seq, payload))  # PUB drops at HWM, never blocks
@@ -253,11 +311,11 @@ class ZmqEventPublisher:
         vLLM's rule) rather than connecting to it."""
         return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
-    @classmethod
-    def _attach(cls, sock: zmq.Socket, endpoint: str) -> str:
-        """Bind or connect (``binds``). Returns the endpoint actually bound
-        (``tcp://127.0.0.1:*`` picks a free port), or ``endpoint`` when connecting."""
-        if cls.binds(endpoint):
+    @staticmethod
+    def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
+        """Bind or connect (``binds`` of the endpoint as given). Returns the endpoint actually
+        bound (``tcp://127.0.0.1:*`` picks a free port), or ``endpoint`` when connecting."""
+        if bind:
             sock.bind(endpoint)
             return sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sock.connect(endpoint)
