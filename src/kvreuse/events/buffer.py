@@ -133,7 +133,7 @@ class EventBuffer:
                 if remaining <= 0:
                     return []
                 await asyncio.wait_for(future, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return []
             finally:
                 with self._cond:

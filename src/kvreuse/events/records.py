@@ -212,7 +212,7 @@ class KVSnapshot:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "KVSnapshot":
+    def from_json(cls, d: dict) -> KVSnapshot:
         blocks = tuple(
             SnapshotBlock(
                 _unhex(b["block_hash"]), _unhex(b["parent_hash"]), tuple(b["token_ids"]),  # type: ignore[arg-type]

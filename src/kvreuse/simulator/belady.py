@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.cache.kv_block import cdiv
 from kvreuse.simulator.replay import ReplayResult, hit_blocks, kv_tokens, replay
 from kvreuse.simulator.traces import Trace
-from kvreuse.cache.kv_block import cdiv
 
 if TYPE_CHECKING:
     from kvreuse.cache.kv_block import KVBlock
@@ -54,7 +54,7 @@ class BeladyPolicy(EvictionPolicy):
         for key, nxt in zip(self._trace.requests[index].block_keys, self._next_after[index]):
             self._next_use[key] = nxt
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         return (-self._next_use.get(block.block_hash, math.inf), -block.depth)  # type: ignore[arg-type]
 
 

@@ -17,13 +17,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvreuse.cache.eviction import POLICIES
 from kvreuse.simulator.plot import BELADY, plot_sweep, run_policy, sweep
 from kvreuse.simulator.replay import ReplayResult
 from kvreuse.simulator.traces import read_trace
 
-DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "jsonl": 16, "auto": None}  # Mooncake ids stand for 512-token blocks
+if TYPE_CHECKING:  # rich is imported only when a bar is shown
+    from rich.progress import Progress, TaskID
+
+DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "jsonl": 16}  # Mooncake ids stand for 512-token blocks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,23 +163,23 @@ class _Progress:
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self._progress = None
-        self._task = None
+        self._bar: tuple[Progress, TaskID] | None = None  # while shown
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import Progress
 
-            self._progress = Progress(console=Console(stderr=True), transient=True)
-            self._progress.__enter__()
-            self._task = self._progress.add_task("replaying", total=self.total)
+            progress = Progress(console=Console(stderr=True), transient=True)
+            progress.__enter__()
+            self._bar = (progress, progress.add_task("replaying", total=self.total))
         return self
 
     def advance(self, n: int) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task, n)  # type: ignore[arg-type]
+        if self._bar is not None:
+            progress, task = self._bar
+            progress.advance(task, n)
 
     def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
+        if self._bar is not None:
+            self._bar[0].__exit__(*exc)

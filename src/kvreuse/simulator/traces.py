@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvreuse.cache.hashing import BlockHash, hash_block, hash_token_blocks
-from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.cache.kv_block import cdiv
+from kvreuse.cache.retention import KvCacheRetentionConfig
 
 MOONCAKE_MODEL_ID = "mooncake-trace"  # model identity folded into the first block's key
 

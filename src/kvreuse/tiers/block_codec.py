@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -203,7 +204,7 @@ def decode_block(
 
 # Per float dtype: the unsigned integer of its width and its exponent bits. All exponent bits
 # set means inf or NaN, in every IEEE-like format (bf16 included, which numpy cannot name).
-_EXPONENT_MASKS: dict[torch.dtype, tuple[type, int]] = {
+_EXPONENT_MASKS: dict[torch.dtype, tuple[type[np.unsignedinteger[Any]], int]] = {
     torch.float16: (np.uint16, 0x7C00),
     torch.bfloat16: (np.uint16, 0x7F80),
     torch.float32: (np.uint32, 0x7F800000),
@@ -219,7 +220,7 @@ def _all_finite(buffer: bytearray, dtype: torch.dtype) -> bool:
     return not bool(np.any(np.bitwise_and(bits, uint(mask)) == uint(mask)))
 
 
-_HEADER_TYPES = {
+_HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
     "fingerprint": str, "hash_algorithm": str, "block_size": int, "key": bytes,
     "parent_key": (bytes, type(None)), "token_ids": list, "dtype": str, "shape": list,
 }

@@ -48,7 +48,13 @@ import torch
 
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.tiers.block_codec import (
-    HEADER_PREFIX_BYTES, BlockHeader, BlockRecord, CorruptBlock, ForeignBlock, decode_block, decode_header,
+    HEADER_PREFIX_BYTES,
+    BlockHeader,
+    BlockRecord,
+    CorruptBlock,
+    ForeignBlock,
+    decode_block,
+    decode_header,
     header_bytes,
 )
 from kvreuse.tiers.namespace import TierNamespace

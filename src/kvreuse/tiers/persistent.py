@@ -98,7 +98,7 @@ class PersistentTiers:
         self._remote_reads: list[set[BlockHash]] = []
         if disk is not None:
             disk.listen(lambda key: self._note(StoreChange(DISK_LEVEL, key, False)))
-            self._announce_disk()
+            self._announce_disk(disk)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -130,12 +130,12 @@ class PersistentTiers:
     def _note(self, change: StoreChange) -> None:
         self._changes.put(change)
 
-    def _announce_disk(self) -> None:
+    def _announce_disk(self, disk: DiskStore) -> None:
         """Report the blocks the disk held at start (its rebuilt index), from their headers.
         A block's depth is its chain position among them (0 when its parent is not there)."""
         headers: dict[BlockHash, BlockHeader] = {}
-        for key in self.disk.keys():  # type: ignore[union-attr]
-            found = self.disk.header(key)  # type: ignore[union-attr]
+        for key in disk.keys():  # noqa: SIM118 - DiskStore.keys() is a snapshot under its lock, not a dict view
+            found = disk.header(key)
             if found is not None:  # unreadable: get() will refuse it, nothing to announce
                 headers[key] = found
         depths: dict[BlockHash, int] = {}
@@ -201,7 +201,7 @@ class PersistentTiers:
             (key, parent, tokens, depth), payload = item
             try:  # the stores' put never raises by contract; a bug there must not stop every later write
                 self._write(key, parent, tokens, depth, payload)
-            except Exception:  # noqa: BLE001 - logged; the block is a recompute later
+            except Exception:  # logged; the block is a recompute later
                 self.stats.dropped_writes += 1
                 log.exception("KV tier: writing block %s failed", bytes(key).hex()[:16])
             with self._pending_lock:
@@ -239,14 +239,17 @@ class PersistentTiers:
                 # held is reported under the disk's lock, if the entry is still indexed: never
                 # after a removal the writer thread made while this read verified the block
                 at = depth + len(out)
-                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype,
-                                       on_hit=lambda r, at=at: self._note(self._held(r, DISK_LEVEL, at)))
+
+                def on_hit(found: BlockRecord, at: int = at) -> None:
+                    self._note(self._held(found, DISK_LEVEL, at))
+
+                record = self.disk.get(key, shape=self.block_shape, dtype=self.dtype, on_hit=on_hit)
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
                 out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
         if self.remote is not None and len(out) < len(keys):
             rest = list(keys[len(out):])
-            found = self._fetch_remote(rest)
+            found = self._fetch_remote(self.remote, rest)
             for record, want in zip(found or (), tokens[len(out):]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
@@ -255,7 +258,7 @@ class PersistentTiers:
         self.stats.remote_hits += sum(1 for s in out if s.level == REMOTE_LEVEL)
         return out
 
-    def _fetch_remote(self, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
+    def _fetch_remote(self, remote: RemoteStore, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
         """``RemoteStore.fetch_many``, reporting each key Redis answered without as not held,
         unless the writer had its write of that key acknowledged meanwhile (the miss may
         predate it: the key is held now). None: the store did not answer, nothing learnt."""
@@ -264,7 +267,7 @@ class PersistentTiers:
             self._remote_reads.append(acked)
         found = None
         try:
-            found = self.remote.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)  # type: ignore[union-attr]
+            found = remote.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)
         finally:
             with self._remote_lock:
                 self._remote_reads.remove(acked)

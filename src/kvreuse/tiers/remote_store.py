@@ -30,6 +30,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import redis
 import torch
@@ -43,6 +44,7 @@ from kvreuse.tiers.namespace import FORMAT_VERSION, TierNamespace
 from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")  # what a Redis operation returns
 
 COUNTERS = ("hits", "misses", "puts", "put_failures", "errors", "timeouts", "skipped", "corrupt", "foreign",
             "breaker_opened")
@@ -155,8 +157,9 @@ class RemoteStore:
     # -- internals -------------------------------------------------------------------------
 
     def _fetch(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        # the client does not decode responses: values are bytes (redis's types allow str)
         if self.ttl_s is None:
-            return self._client.mget([self.redis_key(key) for key in keys])
+            return cast("list[bytes | None]", self._client.mget([self.redis_key(key) for key in keys]))
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.getex(self.redis_key(key), ex=self.ttl_s)  # a hit renews the idle TTL
@@ -178,7 +181,7 @@ class RemoteStore:
         self._counters.add("hits")
         return record
 
-    def _call(self, operation: Callable[[], object]) -> object | None:
+    def _call(self, operation: Callable[[], _T]) -> _T | None:
         """Run one Redis operation under the breaker; None when skipped or failed."""
         if not self.breaker.allow():
             self._counters.add("skipped")
