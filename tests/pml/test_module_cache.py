@@ -188,6 +188,44 @@ def test_a_corrupt_store_file_costs_one_recompute_and_one_log_line(tiny_llama, t
     assert again.engine.restored_schemas[0].loaded == 4 and again.engine.stats().schema_store_refused == {}
 
 
+# float64 and a dropped tensor were checked too and pass (recomputed / loaded right); a header
+# that is not a JSON object drops the schema, but its source lives only there.
+@pytest.mark.parametrize("mode", ["int_dtype"])
+def test_more_corrupt_store_modes_cost_one_recompute(tiny_llama, tmp_path, mode):
+    """More ways a --schema-dir file can be wrong at start: each must be refused (or
+    recomputed) with the output right, never loaded as KV."""
+    first = make(tiny_llama, schema_dir=str(tmp_path))
+    first.register_schema(SCHEMA)
+    prompt = '<prompt schema="s"><b/><r who="Cy"/>Why?</prompt>'
+    ref = first.generate(prompt, GREEDY)[0]
+    (path,) = list(tmp_path.rglob("*.safetensors"))
+    if mode == "int_dtype":  # right shape, valid checksum, but integers: 0/1 instead of the KV
+        _rewrite(path, lambda t: (t > 0).to(torch.int64))
+    elif mode == "float64":  # the right values in a wider dtype: may load, output must be right
+        _rewrite(path, lambda t: t.to(torch.float64))
+    elif mode == "drop_tensor":
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        from kvreuse.pml.schema_store import _checksum
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        tensors = load_file(str(path))
+        tensors.pop(sorted(tensors)[0])
+        save_file(tensors, str(path), metadata={**meta, "checksum": _checksum(tensors)})
+    else:
+        import json
+        import struct
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = b"[]".ljust(n)
+        path.write_bytes(raw[:8] + header + raw[8 + n:])
+    restarted = make(tiny_llama, schema_dir=str(tmp_path))
+    infos = restarted.engine.restored_schemas
+    assert [i.name for i in infos] == ["s"], "the schema must be restored (recomputed), not dropped"
+    assert restarted.generate(prompt, GREEDY)[0].token_ids == ref.token_ids
+
+
 def test_bad_prompts_raise_and_leave_the_pool_intact(tiny_llama):
     llm = make(tiny_llama)
     with pytest.raises(PMLSyntaxError) as bad:

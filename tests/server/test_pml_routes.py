@@ -197,3 +197,20 @@ def test_blend_in_chat_repairs_pml_and_is_checked_on_every_prompt(client, async_
     ok = client.post("/v1/chat/completions", json={**plain, "blend": {"ratio": 0.5}})
     assert ok.status_code == 200, ok.text  # no modules: nothing to repair
     wait_idle(async_engine)
+
+
+def test_pml_chat_without_max_tokens_on_a_small_pool_fills_what_fits(tiny_llama):
+    """Plain chat defaults max_tokens to what the pool holds (reply_room); the PML chat path
+    (chat_routes._create_pml) still defaults to the context alone, so the same client gets a
+    400 about a max_tokens it never sent: the issue's item 8, left in the PML branch."""
+    from tests.server.fresh_app import fresh_client
+
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.0001, max_model_len=1024) as (c, engine):
+        assert engine.pool_tokens == 208
+        assert c.post("/v1/schemas", json={"schema": SCHEMA}).status_code == 200
+        plain = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                     "max_tokens": None, "temperature": 0})
+        assert plain.status_code == 200, plain.text
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text

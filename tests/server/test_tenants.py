@@ -55,3 +55,31 @@ def test_key_specs_are_checked():
                            ([":t"], "the key must not be empty"), (["k", "k:t"], "the same key is given twice")]:
         with pytest.raises(ValueError, match=message):
             APIKeys.parse(specs)
+
+
+def test_only_admin_keys_learn_the_zmq_event_socket(tiny_llama):
+    """/v1/kvreuse/info names the executor's ZMQ PUB socket, which has no authentication and
+    carries every block's token ids: a tenant key gets a 403 there (as on the state and event
+    routes), an admin key (a router's) gets the endpoint."""
+    from fastapi.testclient import TestClient
+
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+    from kvreuse.events.publisher import ZmqEventPublisher
+    from kvreuse.server.api_server import build_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.002, block_size=16, max_model_len=512,
+                                                event_buffer_max_size=1000), tiny_llama))
+    publisher = ZmqEventPublisher(engine.engine.events, "tcp://127.0.0.1:*")
+    try:
+        engine.start()
+        publisher.start()
+        with TestClient(build_app(engine, served_model_name="tiny", api_key=KEYS, publisher=publisher)) as c:
+            for path in ("/v1/kv_cache_events", "/v1/kvreuse/info"):
+                r = c.get(path, headers=_auth("globex-key"))
+                assert r.status_code == 403 and "zmq" not in r.text, r.text
+            info = c.get("/v1/kvreuse/info", headers=_auth("admin-key"))
+            assert info.status_code == 200 and info.json()["events"]["zmq_endpoint"] == publisher.endpoint
+    finally:
+        publisher.close()
+        engine.shutdown()
