@@ -93,6 +93,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /openapi.json and /tokenize, /detokenize, "
                         "/reset_prefix_cache (repeat for more keys; KEY:TENANT keys get the tenant's cache salt "
                         "and no admin routes)")
+    p.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="show tenant names and usage on /metrics to every scraper (default: only with an admin "
+                        "key; others see sums over tenants, tenant=\"(all)\")")
     from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments
 
     add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
@@ -266,7 +269,8 @@ def run_serve(args: argparse.Namespace) -> int:
             publisher = zmq_options.publisher_from_args(
                 args, buffer, lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30))
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
-                        publisher=publisher, limiter=limiter)  # /v1/kvreuse/info advertises the publisher to routers
+                        publisher=publisher, limiter=limiter,  # /v1/kvreuse/info advertises the publisher
+                        metrics_tenant_labels=args.metrics_tenant_labels)
     except ValueError as exc:
         if publisher is not None:
             publisher.close()

@@ -25,10 +25,11 @@ max_in_flight = 1
 """
 KEYS = ["--api-key", "admin-key", "--api-key", "acme-key:acme", "--api-key", "globex-key:globex"]
 PROMPT = [(i * 71) % 1600 + 200 for i in range(40)]
+ADMIN = {"Authorization": "Bearer admin-key"}  # tenant names on /metrics need the admin key
 
 
 def _in_flight(url: str, tenant: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers=ADMIN, timeout=10).text.splitlines():
         if line.startswith(f'kvreuse:tenant_requests_in_flight{{tenant="{tenant}"}}'):
             return float(line.split()[-1])
     return 0.0
@@ -70,7 +71,7 @@ def test_a_tenant_over_its_tokens_per_minute_gets_a_rate_limit_error(served):
     assert 1 <= int(refused.value.response.headers["retry-after"]) <= 24  # (70 - 30) tokens at 100/60 per s at most
     admin = openai.OpenAI(base_url=served + "/v1", api_key="admin-key", max_retries=0)
     assert admin.completions.create(model="tiny", prompt=PROMPT, max_tokens=30).usage.prompt_tokens == 40
-    metrics = httpx.get(f"{served}/metrics", timeout=10).text
+    metrics = httpx.get(f"{served}/metrics", headers=ADMIN, timeout=10).text
     assert 'kvreuse:tenant_requests_refused_total{reason="tokens_per_minute",tenant="acme"} 1.0' in metrics
 
 

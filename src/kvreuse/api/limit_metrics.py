@@ -8,7 +8,10 @@ The executor exports ``kvreuse:tenant_*``, the router ``kvreuse:router_tenant_*`
 - ``..._tokens_charged_total{tenant}``: tokens charged to tenants with a tokens-per-minute
   limit, as settled when each request ended.
 
-``tenant`` is the tenant's name, ``(admin)`` for the admin keys.
+``tenant`` is the tenant's name, ``(admin)`` for the admin keys. Tenant names and their
+usage are inside the tenant seal: a scraper without the admin key sees ``TenantsHidden`` (every
+series summed over tenants, ``tenant="(all)"``), unless the server was started with
+``--metrics-tenant-labels`` (``kvreuse.api.tenants.sees_tenants``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvreuse.api.limiter import TenantLimiter, tenant_label
 
@@ -43,3 +46,32 @@ class LimiterCollector(Collector):
                 charged.add_metric([tenant_label(tenant)], limiter.tokens_charged(tenant))
         yield in_flight
         yield charged
+
+
+ALL_TENANTS = "(all)"  # the tenant label of a sum over tenants
+
+
+class TenantsHidden:
+    """``registry`` as a scraper without the admin key sees it: the samples of every family
+    with a ``tenant`` label are summed over tenants (per remaining labels) and labelled
+    ``tenant="(all)"``; other families unchanged. Pass it to ``generate_latest``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                if sample.name.endswith("_created"):  # a timestamp, not a count: no sum of it means anything
+                    continue
+                labels = {**sample.labels, "tenant": ALL_TENANTS} if "tenant" in sample.labels else sample.labels
+                key = (sample.name, tuple(sorted(labels.items())))
+                sums[key] = sums.get(key, 0.0) + sample.value
+            hidden = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in sums.items():
+                hidden.add_sample(name, dict(labels), value)
+            yield hidden

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.api.errors import error_body, limit_response
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
-from kvreuse.api.tenants import APIKeys, needs_admin, tenant_of
+from kvreuse.api.tenants import SEES_TENANTS, APIKeys, needs_admin, tenant_of
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
@@ -70,6 +70,7 @@ class BodyLimitMiddleware:
 
 
 # Open without a key: /health, /metrics, /version, /dashboard (the page holds no data).
+METRICS_PATH = "/metrics"  # open, but tenant names on it need the admin key (APIKeyMiddleware)
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache", "/openapi.json", "/docs", "/redoc",
                            "/docs/oauth2-redirect"})
 
@@ -85,13 +86,21 @@ class APIKeyMiddleware:
     ``KEY:TENANT``, ``kvreuse.api.tenants``) on every guarded path (``is_guarded``);
     ``/health``, ``/metrics``, ``/version`` and ``/dashboard`` stay open for probes and
     scrapers, as in vLLM. It runs before the body is read. A tenant key gets a 403 on the
-    admin routes (``needs_admin``); the caller's tenant goes in ``scope["state"]["tenant"]``."""
+    admin routes (``needs_admin``); the caller's tenant goes in ``scope["state"]["tenant"]``.
+    On ``/metrics`` it records whether the caller may see tenant names
+    (``kvreuse.api.tenants.sees_tenants``): with an admin key, or everyone when
+    ``tenant_labels_public`` (``--metrics-tenant-labels``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys, *,
+                 tenant_labels_public: bool = False) -> None:
         self.app = app
         self.keys = api_key if isinstance(api_key, APIKeys) else APIKeys.parse(api_key)
+        self.tenant_labels_public = tenant_labels_public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") == METRICS_PATH:
+            known, tenant = self.keys.lookup(dict(scope.get("headers", ())).get(b"authorization", b""))
+            scope.setdefault("state", {})[SEES_TENANTS] = self.tenant_labels_public or (known and tenant is None)
         if scope["type"] != "http" or not is_guarded(scope.get("path", "")) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return

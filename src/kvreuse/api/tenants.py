@@ -10,7 +10,9 @@ every tenant's cache (``ADMIN_PATHS``: block token ids in the KV state and event
 key gets a 403 there.
 
 The middleware (``kvreuse.api.middleware.APIKeyMiddleware``) puts the caller's tenant in
-``scope["state"]["tenant"]`` (``None`` for an admin key); ``tenant_of`` reads it back.
+``scope["state"]["tenant"]`` (``None`` for an admin key); ``tenant_of`` reads it back. On the
+open ``/metrics`` it records whether the caller may see tenant names (``sees_tenants``): only
+with an admin key, or when the server was started with ``--metrics-tenant-labels``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ def tenant_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     if tenant is None:
         return cache_salt
     return f"tenant:{tenant}" + (f"|{cache_salt}" if cache_salt else "")
+
+
+SEES_TENANTS = "sees_tenants"  # scope["state"] key: may this caller see tenant names on /metrics
+
+
+def sees_tenants(scope: Mapping[str, Any]) -> bool:
+    """Whether the caller may see tenant names and their usage on ``/metrics``: true without
+    API keys (no middleware: nothing is sealed), else as ``APIKeyMiddleware`` decided."""
+    state = scope.get("state") or {}
+    return state.get(SEES_TENANTS, True)
 
 
 def tenant_of(scope: Mapping[str, Any]) -> str | None:

@@ -27,8 +27,8 @@ from kvreuse import __version__
 from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.events.records import KVSnapshot
 from kvreuse.server import (
-    chat_routes, completions_routes, dashboard_routes, events_routes, executor_info_routes, info_routes,
-    schema_routes, tokenize_routes,
+    chat_routes, completions_routes, dashboard_routes, docs_routes, events_routes, executor_info_routes,
+    info_routes, schema_routes, tokenize_routes,
 )
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
@@ -93,6 +93,7 @@ def build_app(
     limits: ServerLimits = ServerLimits(),
     publisher: ZmqEventPublisher | None = None,
     limiter: TenantLimiter | None = None,
+    metrics_tenant_labels: bool = False,
 ) -> FastAPI:
     """An app serving ``engine``; it starts nothing (the owner starts the engine before
     serving and shuts it down after). Requests naming a model other than the served names
@@ -100,7 +101,9 @@ def build_app(
     on ``/v1/kvreuse/info`` (the owner starts and closes it). ``api_key`` (one spec or
     several: ``KEY`` for an admin, ``KEY:TENANT`` for a tenant, ``kvreuse.api.tenants``)
     guards ``/v1/*``, ``/openapi.json`` and the vLLM admin routes. ``limiter``: the
-    per-tenant limits (``kvreuse.api.limiter``; it needs keys). Raises ``ValueError`` for
+    per-tenant limits (``kvreuse.api.limiter``; it needs keys). With keys, ``/metrics`` names
+    tenants only to an admin key, unless ``metrics_tenant_labels`` (``--metrics-tenant-labels``).
+    Raises ``ValueError`` for
     an empty served name, a bad key spec, or limits naming a tenant no key has."""
     keys = APIKeys.parse(api_key) if api_key else None
     if limiter is not None:
@@ -118,11 +121,12 @@ def build_app(
     app.include_router(events_routes.build_router(ctx.events))  # KV events: long-poll, SSE, snapshot (docs/events.md)
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
+    app.include_router(docs_routes.router)  # /docs, /redoc: guarded as /openapi.json is
     # Added last = outermost: the size limit runs before the key check reads nothing; the
     # tenant limit runs inside the key check, which names the tenant.
     if limiter is not None:
         app.add_middleware(TenantLimitMiddleware, limiter=limiter)
     if keys is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=keys)
+        app.add_middleware(APIKeyMiddleware, api_key=keys, tenant_labels_public=metrics_tenant_labels)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     return app

@@ -34,13 +34,15 @@ router = APIRouter()
 
 def _zmq_facts(publisher: ZmqEventPublisher | None) -> dict[str, Any]:
     """Where ``publisher`` sends (all ``None``/defaults without one). ``zmq_bound`` is read
-    now: true while its PUB socket is bound and open, so a subscriber can connect."""
+    now: true while its PUB socket is bound and open, so a subscriber can connect; false under
+    CURVE (``--kv-events-curve-secret-key``), where only subscribers holding an allowed key can,
+    so a router without one follows the executor over HTTP (SSE) instead of hearing nothing."""
     if publisher is None:
         return {"zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None, "zmq_topic": "",
                 "zmq_hash_format": "int", "zmq_last_event_id": None}
     return {
         "zmq_endpoint": publisher.endpoint,
-        "zmq_bound": publisher.subscribable,
+        "zmq_bound": publisher.subscribable and publisher.curve is None,
         "zmq_replay_endpoint": publisher.replay_endpoint,
         "zmq_topic": publisher.topic.decode(),
         "zmq_hash_format": publisher.hash_format,

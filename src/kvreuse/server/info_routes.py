@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from kvreuse.api.protocol import now_s
+from kvreuse.api.tenants import sees_tenants
 from kvreuse.server.context import context_of
 from kvreuse.server.serving import check_model
 
@@ -54,5 +55,6 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = context_of(request).metrics.render()
+    # tenant names and usage only for an admin key (or --metrics-tenant-labels): the tenant seal
+    body, content_type = context_of(request).metrics.render(show_tenants=sees_tenants(request.scope))
     return Response(body, media_type=content_type)

@@ -287,6 +287,11 @@ class ServerMetrics:
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, *, show_tenants: bool = True) -> tuple[bytes, str]:
+        """The exposition text and its content type; without ``show_tenants`` the tenant
+        series are summed over tenants (``kvreuse.api.limit_metrics.TenantsHidden``)."""
+        if show_tenants:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from kvreuse.api.limit_metrics import TenantsHidden
+
+        return generate_latest(TenantsHidden(self.registry)), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
