@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
 from kvreuse.api.body import check_text
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatMessage
+from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
 from kvreuse.engine.document_cache import DocumentPrompt
 
 
@@ -64,7 +64,7 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
     bounds, start = [], 0
     for i in range(len(messages)):
         end = None
-        if spans is not None:
+        if spans is not None and text is not None:
             prefix = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False,
                                   template_kwargs=template_kwargs)
             end = _aligned_count(spans, text, prefix)

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvreuse.cache.kv_block import KVBlock
     from kvreuse.cache.hashing import BlockHash
+    from kvreuse.cache.kv_block import KVBlock
 
 DEFAULT_NUM_BLOCKS = 4096  # pool size assumed by policies that scale with it when not told
 
@@ -30,15 +30,15 @@ class EvictionPolicy:
 
     name: str = ""
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         """Smaller keys are evicted first. Must not modify ``block``."""
         raise NotImplementedError
 
-    def on_evict(self, block: "KVBlock") -> None:
+    def on_evict(self, block: KVBlock) -> None:
         """The pool is about to forget ``block`` (its key and counters are still set)."""
 
     @classmethod
-    def for_pool(cls, num_blocks: int) -> "EvictionPolicy":
+    def for_pool(cls, num_blocks: int) -> EvictionPolicy:
         """A policy for a pool of ``num_blocks`` blocks; stateless policies ignore it."""
         return cls()
 
@@ -48,7 +48,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         return (block.last_access,)
 
 
@@ -57,7 +57,7 @@ class PriorityPolicy(EvictionPolicy):
 
     name = "priority"
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         return (block.priority, block.last_access)
 
 
@@ -89,10 +89,10 @@ class TwoQueuePolicy(EvictionPolicy):
         self._resident_prior: dict[BlockHash, int] = {}  # cached key -> uses before this residency
 
     @classmethod
-    def for_pool(cls, num_blocks: int) -> "TwoQueuePolicy":
+    def for_pool(cls, num_blocks: int) -> TwoQueuePolicy:
         return cls(num_blocks)
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         key = block.block_hash
         prior = self._resident_prior.get(key)  # type: ignore[arg-type]
         if prior is None:  # first key of this residency: adopt its ghost count
@@ -100,7 +100,7 @@ class TwoQueuePolicy(EvictionPolicy):
         protected = prior + block.access_count >= 2
         return (block.last_access + (self.protect_ticks if protected else 0),)
 
-    def on_evict(self, block: "KVBlock") -> None:
+    def on_evict(self, block: KVBlock) -> None:
         key = block.block_hash
         uses = self._resident_prior.pop(key, 0) + block.access_count  # type: ignore[arg-type]
         self._ghost[key] = uses  # type: ignore[index]
@@ -146,10 +146,10 @@ class LogFrequencyPolicy(EvictionPolicy):
         self._resident_prior: dict[BlockHash, int] = {}  # cached key -> uses before this residency
 
     @classmethod
-    def for_pool(cls, num_blocks: int) -> "LogFrequencyPolicy":
+    def for_pool(cls, num_blocks: int) -> LogFrequencyPolicy:
         return cls(num_blocks)
 
-    def uses(self, block: "KVBlock") -> int:
+    def uses(self, block: KVBlock) -> int:
         """Uses of ``block``'s key, earlier residencies included (adopts its ghost count
         the first time the key is seen in this residency)."""
         key = block.block_hash
@@ -158,11 +158,11 @@ class LogFrequencyPolicy(EvictionPolicy):
             prior = self._resident_prior[key] = self._ghost.pop(key, 0)  # type: ignore[index,arg-type]
         return prior + block.access_count
 
-    def sort_key(self, block: "KVBlock") -> tuple:
+    def sort_key(self, block: KVBlock) -> tuple:
         uses = min(self.uses(block), self.max_uses)
         return (block.last_access + self.protect_ticks * math.log2(uses) if uses > 1 else block.last_access,)
 
-    def on_evict(self, block: "KVBlock") -> None:
+    def on_evict(self, block: KVBlock) -> None:
         key = block.block_hash
         self._ghost[key] = self._resident_prior.pop(key, 0) + block.access_count  # type: ignore[index,arg-type]
         if len(self._ghost) > self.history_size:

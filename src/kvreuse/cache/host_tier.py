@@ -31,8 +31,7 @@ from kvreuse.cache.eviction import EvictionPolicy
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock
 from kvreuse.cache.store_ledger import StoreChange, StoreLedger
-from kvreuse.events.records import HOST_LEVEL, EventSink  # noqa: F401  (HOST_LEVEL re-exported)
-
+from kvreuse.events.records import HOST_LEVEL, EventSink
 
 
 class KVMover(Protocol):

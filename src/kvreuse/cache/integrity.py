@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from kvreuse.cache.hashing import BlockHash
 
 
-def check_pool(pool: "BlockPool") -> None:
+def check_pool(pool: BlockPool) -> None:
     """Raise ``RuntimeError`` if ``pool``'s bookkeeping is inconsistent: free + cached + in use
     == total, ref counts >= 0, index, children and per-priority counts agree, and no block in
     use has a running duration. Reads only."""
@@ -22,7 +22,7 @@ def check_pool(pool: "BlockPool") -> None:
     if len(free_ids) != len(self._free):
         raise RuntimeError("a block appears twice in the free list")
     n_cached_free = n_used = 0
-    children: dict[BlockHash, int] = {}
+    children: dict[BlockHash | None, int] = {}  # by parent; None (a root's) is never counted
     for block in self.blocks:
         if block.ref_count < 0:
             raise RuntimeError(f"block {block.block_id} has ref_count {block.ref_count}")
@@ -39,12 +39,12 @@ def check_pool(pool: "BlockPool") -> None:
             if self._cached.get(block.block_hash) is not block:
                 raise RuntimeError(f"block {block.block_id} is keyed but not in the index")
             if block.parent_hash in self._cached:
-                children[block.parent_hash] = children.get(block.parent_hash, 0) + 1  # type: ignore[index]
+                children[block.parent_hash] = children.get(block.parent_hash, 0) + 1
     for block in self._cached.values():
-        if block.num_cached_children != children.get(block.block_hash, 0):  # type: ignore[arg-type]
+        if block.num_cached_children != children.get(block.block_hash, 0):
             raise RuntimeError(
                 f"block {block.block_id} counts {block.num_cached_children} children, index has "
-                f"{children.get(block.block_hash, 0)}"  # type: ignore[arg-type]
+                f"{children.get(block.block_hash, 0)}"
             )
     all_children: dict = {}
     for block in self._cached.values():

@@ -71,6 +71,6 @@ class EvictedBlock:
     duration_s: float | None
 
     @staticmethod
-    def of(block: KVBlock) -> "EvictedBlock":
+    def of(block: KVBlock) -> EvictedBlock:
         return EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids,  # type: ignore[arg-type]
                             block.depth, block.priority, block.duration_s)

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from kvreuse.cache.block_pool import BlockPool, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.host_tier import HostTier
-from kvreuse.events.records import HOST_LEVEL
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 from kvreuse.cache.retention import requested_block_retention
+from kvreuse.events.records import HOST_LEVEL
 
 if TYPE_CHECKING:  # the simulators use this module without the engine (or torch)
     from kvreuse.engine.sequence import Sequence
@@ -83,7 +83,7 @@ def tokens_by_level(admission: Admission, block_size: int, device_level: str,
     return {level: n for level, n in out.items() if n}
 
 
-class _TokenBlocks:
+class _TokenBlocks(Seq[list[int]]):
     """Block ``j``'s token ids of a token list, sliced when asked (a registration touches
     only its new blocks; iteration stops at the last full block)."""
 
@@ -95,7 +95,15 @@ class _TokenBlocks:
     def __len__(self) -> int:
         return len(self.tokens) // self.block_size
 
-    def __getitem__(self, j: int) -> list[int]:
+    @overload
+    def __getitem__(self, j: int) -> list[int]: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[list[int]]: ...
+
+    def __getitem__(self, j: int | slice) -> list[int] | list[list[int]]:
+        if isinstance(j, slice):  # the Sequence protocol; the cache only indexes
+            return [self[i] for i in range(*j.indices(len(self)))]
         if not 0 <= j < len(self):
             raise IndexError(j)
         return self.tokens[j * self.block_size : (j + 1) * self.block_size]
@@ -235,7 +243,7 @@ class KVCacheManager:
                      root_extra=root_extra_keys(self.model_id, seq.cache_salt), algorithm=self.hash_algorithm,
                      upto_tokens=upto_tokens)
 
-    def _token_blocks(self, seq: Sequence) -> "_TokenBlocks":
+    def _token_blocks(self, seq: Sequence) -> _TokenBlocks:
         return _TokenBlocks(seq.token_ids, self.block_size)
 
     def admit(self, seq: Sequence, *, first_time: bool) -> bool:

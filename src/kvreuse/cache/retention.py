@@ -21,8 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.cache.kv_block import DEFAULT_PRIORITY
-from kvreuse.cache.kv_block import cdiv
+from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -60,7 +59,7 @@ class KvCacheRetentionConfig:
         _check_duration(self.decode_duration_ms, f"{FIELD}.decode_duration_ms")
 
     @classmethod
-    def from_dict(cls, d: object, path: str = FIELD) -> "KvCacheRetentionConfig":
+    def from_dict(cls, d: object, path: str = FIELD) -> KvCacheRetentionConfig:
         """Parse the JSON request field. Raises ``ValueError`` whose message starts with
         the offending field path, e.g. ``kv_cache_retention_config.token_range_retention_configs[1].token_start``."""
         obj = _expect_mapping(d, path, {"token_range_retention_configs", "decode_retention_priority", "decode_duration_ms"})
@@ -76,7 +75,8 @@ class KvCacheRetentionConfig:
                     raise ValueError(f"{rp}.{required}: required")
             fields = {k: item.get(k) for k in ("token_start", "token_end", "priority", "duration_ms")}
             _check_range_fields(fields, rp)
-            ranges.append(TokenRangeRetentionConfig(**fields))
+            ranges.append(TokenRangeRetentionConfig(token_start=item["token_start"], token_end=item.get("token_end"),
+                                                    priority=item["priority"], duration_ms=item.get("duration_ms")))
         decode_priority = obj.get("decode_retention_priority", DEFAULT_PRIORITY)
         if decode_priority is None:
             decode_priority = DEFAULT_PRIORITY
@@ -169,7 +169,7 @@ def requested_retention(
         if first >= prompt:
             out.append(decode)
             continue
-        while r < len(ranges) and ranges[r].token_end is not None and ranges[r].token_end <= first:
+        while r < len(ranges) and (end := ranges[r].token_end) is not None and end <= first:
             r += 1
         if r < len(ranges) and ranges[r].contains(first):
             out.append((ranges[r].priority, _seconds(ranges[r].duration_ms)))

@@ -180,7 +180,7 @@ class CompiledSchema:
             store=tuple(merged[p][1] and p not in excluded for p in positions),
         )
 
-    def assembled(self, prompt: "CompiledPrompt") -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    def assembled(self, prompt: CompiledPrompt) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
         """(qualified name, stored token ids, stored position ids) per stored selected module."""
         if prompt.schema_hash != self.schema_hash:
             raise PMLSemanticError(f"prompt was compiled against another version of schema {self.name!r}")

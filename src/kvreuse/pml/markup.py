@@ -57,7 +57,7 @@ class Element:
 
     tag: str
     attrs: tuple[tuple[str, str], ...]
-    children: tuple["Element | CharData", ...]
+    children: tuple[Element | CharData, ...]
     line: int
     column: int
 
@@ -71,7 +71,7 @@ class Element:
 class _Builder:
     """Expat callbacks that build the tree; one instance per document."""
 
-    def __init__(self, parser: expat.XMLParserType, limits: MarkupLimits, shifts: "_Shifts") -> None:
+    def __init__(self, parser: expat.XMLParserType, limits: MarkupLimits, shifts: _Shifts) -> None:
         self._parser = parser
         self._limits = limits
         self._shifts = shifts  # where literal '<' / '&' were escaped, to report original columns

@@ -59,7 +59,7 @@ class RoleFormat:
         return found
 
     @classmethod
-    def plain(cls) -> "RoleFormat":
+    def plain(cls) -> RoleFormat:
         """The documented fallback for tokenizers without a chat template."""
         return cls(
             system=RoleMarkers("", "\n\n"),
@@ -70,7 +70,7 @@ class RoleFormat:
         )
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "RoleFormat":
+    def from_tokenizer(cls, tokenizer: Any) -> RoleFormat:
         """Derive markers from ``tokenizer``'s chat template, or ``plain()`` without one."""
         if not getattr(tokenizer, "chat_template", None):
             return cls.plain()
@@ -81,7 +81,7 @@ class RoleFormat:
                 return tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=generation
                 )
-            except Exception:  # templates raise arbitrary errors for unsupported roles
+            except Exception:  # noqa: BLE001 - templates raise arbitrary errors for unsupported roles
                 return None
 
         def added(before: list[str], role: str) -> RoleMarkers | None:
@@ -90,7 +90,7 @@ class RoleFormat:
             messages.append({"role": role, "content": _SENTINEL})
             try:
                 full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-            except Exception:
+            except Exception:  # noqa: BLE001 - as in render(): this role is not supported
                 return None
             if base is None or not isinstance(full, str) or not full.startswith(base):
                 return None

@@ -121,7 +121,7 @@ class SchemaStore:
         """Files of schema ``name`` exactly: names may hold "-", so "a" must not match "a-b"'s."""
         if not self.dir.is_dir():
             return []
-        return [p for p in self.dir.glob("*.safetensors") if _FILE.fullmatch(p.name) and _FILE.fullmatch(p.name)[1] == name]
+        return [p for p in self.dir.glob("*.safetensors") if (m := _FILE.fullmatch(p.name)) and m[1] == name]
 
     def load_module(self, schema: CompiledSchema, qualified_name: str) -> torch.Tensor | None:
         """The stored KV of one module, or ``None`` if no usable file holds this schema

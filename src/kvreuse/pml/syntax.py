@@ -65,7 +65,7 @@ class RoleBlock:
     """A chat turn: the role's prefix markers, the body, the role's suffix markers."""
 
     role: Role
-    body: tuple["BodyItem", ...]
+    body: tuple[BodyItem, ...]
     loc: SourceLocation = field(default=NOWHERE, compare=False)
 
 
@@ -74,7 +74,7 @@ class Module:
     """A reusable segment with its own KV. ``cache=False``: computed per request."""
 
     name: str
-    body: tuple["BodyItem", ...]
+    body: tuple[BodyItem, ...]
     cache: bool = True
     loc: SourceLocation = field(default=NOWHERE, compare=False)
 
@@ -110,7 +110,7 @@ class ModuleRef:
 
     name: str
     args: tuple[tuple[str, str], ...] = ()
-    children: tuple["ModuleRef", ...] = ()
+    children: tuple[ModuleRef, ...] = ()
     loc: SourceLocation = field(default=NOWHERE, compare=False)
 
 
