@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +16,7 @@ from tests.serve_process import free_port, running_server
 from .helpers import BLOCK_SIZE, words
 
 API_KEY = "test-key"
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +90,23 @@ def test_the_key_never_reaches_the_access_log_and_the_api_description_needs_it(s
     assert '"GET /dashboard?api_key=***&x=*** HTTP/1.1" 200' in text
     assert '"GET /openapi.json HTTP/1.1" 401' in text
     assert API_KEY not in text
+
+
+def test_serve_startup_line_names_the_resolved_dtype_and_quantization(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--dtype", "auto",
+                                 "--quantization", "int4", "--port", str(port), "--kv-cache-memory", "0.01"],
+                                env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and "listening on" not in log.read_text():
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    line = next(ln for ln in log.read_text().splitlines() if "kvreuse: model" in ln)
+    print(line)
+    assert ", auto," not in line, line  # says the flag, not what it resolved to (bfloat16 / float32)
+    assert "int4" in line, line  # the quantization in use is not reported at all
