@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from kvreuse.router.app import build_router_app
+from kvreuse.router.deadline import Deadlines
 from kvreuse.router.executors import Executor
 from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import PromptHasher
@@ -80,10 +81,12 @@ def _tokenizer(info):
     return _TOKENIZERS[info.model_id]
 
 
-def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None, transport_type=None):
+def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None, transport_type=None,
+              deadlines=Deadlines()):
     """Run ``calls(http, client)`` against a fresh router over ``executors`` whose streams are
     cut as ``cuts`` says (``api_key``, ``limiter``: the router app's; ``transport_type``: an
-    ``_Executors`` that cuts otherwise); returns (what calls returned, the transport, the router)."""
+    ``_Executors`` that cuts otherwise; ``deadlines``: the router's); returns (what calls
+    returned, the transport, the router)."""
     async def run():
         transport = (transport_type or _Executors)(app)
         transport.cuts = list(cuts)
@@ -91,7 +94,7 @@ def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, li
         infos = [await fetch_info(upstream, name) for name in executors]
         router = Router([Executor(i.url, i, healthy=True) for i in infos],
                         PromptHasher(_tokenizer(infos[0]), infos[0].settings), make_policy("round_robin"),
-                        client=upstream, seed=0, migration_limit=limit)
+                        client=upstream, seed=0, migration_limit=limit, deadlines=deadlines)
         app_ = build_router_app(router, api_key=api_key, limiter=limiter)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app_), base_url="http://r")
         client = openai.AsyncOpenAI(base_url="http://r/v1", api_key="none", http_client=http, max_retries=0)

@@ -2,9 +2,10 @@
 (after NVIDIA Dynamo's request migration).
 
 ``migrating_stream`` relays a stream through a ``StreamLedger``. When the executor fails
-(the connection breaks, the stream closes before ``[DONE]``, or it stalls: no byte within
+(the connection breaks, the stream closes before ``[DONE]``, it stalls: no byte within
 ``--upstream-progress-timeout``, or none for a second after the executor was marked down,
-``kvreuse.router.deadline``), the router continues the
+``kvreuse.router.deadline``, or it sends an error event that is not the request's fault,
+``upstream.executor_fault``: an engine failure, not a bad field), the router continues the
 request elsewhere, from exactly what the client has: a ``/v1/completions`` stream whose
 prompt is the original prompt's ids plus the ids sent (``StreamRequest.continuation_body``),
 translated back into the client's format. A greedy reply is then the one an uninterrupted
@@ -40,7 +41,7 @@ from kvreuse.router.router import Router
 from kvreuse.router.sse import error_event, payload
 from kvreuse.router.stream_ledger import StreamLedger
 from kvreuse.router.stream_request import StreamRequest
-from kvreuse.router.upstream import Retry, Upstream, send
+from kvreuse.router.upstream import ExecutorFault, Retry, Upstream, fault_of_event, send
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,13 @@ def stream_error_event(executor_url: str, failure: str, refusal: str | None = No
 
 async def relay_events(upstream: Upstream, ledger: StreamLedger) -> AsyncIterator[bytes]:
     """The client's events for ``upstream``'s, until ``[DONE]`` or the end of the stream.
-    Raises ``httpx.TransportError`` when the connection breaks."""
+    Raises ``httpx.TransportError`` when the connection breaks, ``Stalled`` when it stalls,
+    ``ExecutorFault`` for an error event that is not the request's fault (the event is not
+    sent: an error event the request caused is, and ends the stream)."""
     async for event in upstream.events():
+        fault = fault_of_event(event)
+        if fault is not None:  # the executor's failure, not the request's: continued elsewhere
+            raise ExecutorFault(fault)
         out = ledger.translate(event) if ledger.continuing else ledger.relay(event)
         if out:
             yield out
@@ -88,6 +94,8 @@ async def migrating_stream(router: Router, first: Upstream, request: StreamReque
                 upstream.executor.mark_down(f"stream broke mid-response: {exc!r}")
             except Stalled as exc:  # hung, or marked down and silent: moved, never held
                 failure = str(exc)
+            except ExecutorFault as exc:  # e.g. its engine failed a step: the request may be fine elsewhere
+                failure = f"it sent an error: {exc}"
             finally:
                 await upstream.close()
             if failure is None or ledger.failed:

@@ -3,7 +3,9 @@ executor while the client has received nothing, and continuing a stream elsewher
 executor fails after that.
 
 A request is retried (on an executor it has not tried) when the connection is refused or
-breaks, or the executor answers 502/503/504, *before the first byte reaches the client*
+breaks, or the executor answers 502/503/504 or a 500 that is not the request's own fault
+(``upstream.executor_fault``; a 4xx is the request's error and goes straight to the
+client), *before the first byte reaches the client*
 (``kvreuse.router.upstream.send``): a non-streamed response is read whole before it is
 returned, so an executor dying while it computes one costs a retry, never the request; a
 streamed one is returned once its first chunk has arrived, and relayed event by event from
@@ -101,9 +103,12 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
     last_error = "no healthy executor"
+    last_answer: Response | None = None  # the last executor's own error, when it answered one
     while True:
         routed = router.decide(keys, exclude=tried)
         if routed is None:
+            if last_answer is not None:
+                return last_answer  # every executor failed it: the client gets the executor's words
             return error(f"no executor could serve the request ({last_error}); tried {tried or 'none'}", 503)
         executor = router.executors[routed.decision.choice]
         blocks = router.prompt_blocks(keys)
@@ -120,7 +125,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
             executor.end(blocks)
             executor.failures += 1
             tried.append(executor.name)
-            last_error = str(exc)
+            last_error, last_answer = str(exc), exc.response
             router.num_retries += 1
             router.metrics.retries.inc()
             logger.info("retrying a request after %s failed before its first byte: %s", executor.url, exc)

@@ -2,8 +2,8 @@
 non-streamed request, or a streamed one whose first chunk has arrived (``Upstream``).
 
 ``send`` raises ``Retry`` when nothing reached the client yet and another executor may
-take the request (the connection is refused or breaks, the executor answers 502/503/504,
-a stream ends before its first byte, or a wait passes its deadline: ``kvreuse.router.deadline``);
+take the request (the connection is refused or breaks, the executor answers 502/503/504 or
+a 500 that is not the request's fault (``executor_fault``), a stream ends before its first byte, or a wait passes its deadline: ``kvreuse.router.deadline``);
 an executor that refuses or drops a connection, or misses a deadline, is marked down at
 once. It raises ``ClientGone`` when the client disconnects first: the upstream request is
 closed, which makes the executor abort it and free its blocks.
@@ -25,20 +25,60 @@ from fastapi.responses import Response
 
 from kvreuse.router.deadline import FIRST_BYTE_SETTING, PROGRESS_SETTING, Deadlines, Stalled, within
 from kvreuse.router.executors import Executor
-from kvreuse.router.sse import EventSplitter
+from kvreuse.router.sse import EventSplitter, payload
 
 RETRY_STATUS = frozenset({502, 503, 504})
 EXECUTOR_HEADER = "x-kvreuse-executor"  # which executor served the response
+# an executor's 500 or error event with this code failed because of the request itself: passed through
+REQUEST_FAULT_CODE = "request_failed"
+_ERROR_EVENT = b'data: {"error"'  # how an executor's error event starts (serving.sse)
 
 T = TypeVar("T")
 
 
 class Retry(Exception):
-    """The executor failed before the client got a byte of its response."""
+    """The executor failed before the client got a byte of its response. ``response``: what
+    it answered, if it answered (the client gets it when no executor is left to try)."""
+
+    def __init__(self, message: str, response: Response | None = None) -> None:
+        super().__init__(message)
+        self.response = response
 
 
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
+
+
+class ExecutorFault(Exception):
+    """A stream's executor sent an error event that is not the request's fault
+    (``executor_fault``): its words are the message."""
+
+
+def executor_fault(status: int, error: object) -> bool:
+    """Whether an executor's error is its own and not the request's, so another executor
+    may take the request: ``status`` is its response's (200 for a stream's error event),
+    ``error`` the OpenAI ``error`` object of its body or event. 502/503/504 always; a 500 or
+    an error event unless its ``type`` is ``invalid_request_error`` or its ``code`` is
+    ``REQUEST_FAULT_CODE`` (the executor's word that the request itself failed); any other
+    status (4xx: the request's error) never."""
+    if status in RETRY_STATUS:
+        return True
+    if status not in (200, 500):
+        return False
+    if not isinstance(error, dict):
+        return status == 500
+    return error.get("type") != "invalid_request_error" and error.get("code") != REQUEST_FAULT_CODE
+
+
+def fault_of_event(event: bytes) -> str | None:
+    """The message of ``event`` when it is an executor's error event that is not the
+    request's fault (``executor_fault``), else ``None``."""
+    if not event.startswith(_ERROR_EVENT):
+        return None
+    error = (payload(event) or {}).get("error")
+    if not executor_fault(200, error):
+        return None
+    return str(error.get("message") if isinstance(error, dict) else error)
 
 
 async def unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
@@ -146,6 +186,12 @@ async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: by
             raise _stalled(executor, exc) from None
         finally:
             await resp.aclose()
+        if resp.status_code >= 500:
+            error = (payload(b"data: " + content + b"\n\n") or {}).get("error")
+            if executor_fault(resp.status_code, error):
+                message = error.get("message") if isinstance(error, dict) else None
+                raise Retry(f"{executor.url} answered {resp.status_code}: {message or content[:200]!r}",
+                            Response(content, status_code=resp.status_code, headers=response_headers(executor, resp)))
         executor.end(blocks)
         return Response(content, status_code=resp.status_code, headers=response_headers(executor, resp))
     chunks = resp.aiter_raw()
