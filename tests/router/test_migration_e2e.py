@@ -105,11 +105,11 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 def _healthy(url: str) -> dict[str, bool]:
-    return {e["url"]: e["healthy"] for e in httpx.get(url + "/health", timeout=5).json()["executors"]}
+    return {e["url"]: e["healthy"] for e in httpx.get(url + "/v1/route/executors", timeout=5).json()["executors"]}
 
 
 def _in_flight(url: str) -> dict[str, int]:
-    return {e["url"]: e["in_flight"] for e in httpx.get(url + "/health", timeout=5).json()["executors"]}
+    return {e["url"]: e["in_flight"] for e in httpx.get(url + "/v1/route/executors", timeout=5).json()["executors"]}
 
 
 def test_an_executor_killed_mid_reply_costs_no_request_and_changes_no_reply(cluster):

@@ -2,9 +2,10 @@
 
     POST /v1/completions, /v1/chat/completions   routed, retried; a failed stream continued elsewhere
     GET  /v1/models                               from a healthy executor
-    GET  /health                                  200 while any executor is healthy (with each one's state)
+    GET  /health                                  200 while any executor is healthy (each one's health, no URL)
     GET  /metrics                                 the router's own Prometheus metrics
     POST /v1/route/explain                        overlap, load and score per executor, and the choice
+    GET  /v1/route/executors                      each executor's URL, health and load (admin key, with keys)
 
 Guards (``kvreuse.api.middleware``, the executor's own, in the same order): bodies over
 ``max_body_bytes`` get the executor's 413 before anything else is read; with ``api_key``,
@@ -24,6 +25,9 @@ anything is sent: a tenant's in-flight slot is taken before the body is parsed
 are reserved once the prompt is tokenized (``kvreuse.router.tenant_usage.request_cost``)
 and corrected to the usage the executor answers with. A refusal is the executor's 429,
 ``Retry-After`` included, and reaches no executor.
+
+``/openapi.json`` describes the request bodies with the executor's models
+(``kvreuse.router.openapi``); the routes still forward the client's bytes.
 
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
@@ -45,12 +49,13 @@ from fastapi.responses import JSONResponse, Response
 
 from kvreuse import __version__
 from kvreuse.api.body import parse_json_body
-from kvreuse.api.errors import APIError, limit_response
+from kvreuse.api.errors import APIError, error_response, limit_response
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
 from kvreuse.api.middleware import (
     DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware, lease_of,
 )
 from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
+from kvreuse.router.openapi import install_openapi
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
@@ -80,6 +85,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
 
     app = FastAPI(title="kvreuse router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
+    install_openapi(app)  # the request bodies described with the executor's models
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -135,10 +141,19 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        states = [e.status() for e in router.executors.values()]
-        ok = any(s["healthy"] for s in states)
-        return JSONResponse({"status": "ok" if ok else "error", "policy": router.policy.name, "executors": states},
-                            status_code=200 if ok else 503)
+        # open to probes: whether each executor is healthy, in --executor order; never their addresses
+        healthy = [e.healthy for e in router.executors.values()]
+        return JSONResponse({"status": "ok" if any(healthy) else "error", "policy": router.policy.name,
+                             "executors": [{"healthy": h} for h in healthy]},
+                            status_code=200 if any(healthy) else 503)
+
+    @app.get("/v1/route/executors")
+    async def executors(request: Request) -> JSONResponse:
+        """Each executor's URL, health, load and last error (an admin key's, with keys)."""
+        if keys is not None and tenant_of(request.scope) is not None:
+            return error_response("GET /v1/route/executors needs an admin key (one given without ':tenant'): it "
+                                  "names the executors", status=403, code="admin_key_required")
+        return JSONResponse({"executors": [e.status() for e in router.executors.values()]})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,56 @@
+"""The router's OpenAPI description: its request bodies are the executor's models.
+
+The routed endpoints read their bodies raw (``kvreuse.router.app``): the router forwards
+the client's bytes, adds a tenant's salt, and leaves validation to the executor, whose 400
+it passes on. So their ``Request`` parameters say nothing about the body. The description
+is generated instead from stand-in routes (never served) that declare the executor's own
+models from ``kvreuse.api.protocol``, by the generator the executor's description comes
+from, so both describe ``POST /v1/completions`` and ``POST /v1/chat/completions`` alike;
+``POST /v1/route/explain`` takes either body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+
+from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def _stand_ins() -> list[APIRoute]:
+    """The body-typed twins of the routed endpoints, named as the app's own handlers."""
+    twins = APIRouter()
+
+    @twins.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> None:
+        """A completion, routed to the executor the policy picks (streamed or not)."""
+
+    @twins.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> None:
+        """A chat completion, routed to the executor the policy picks (streamed or not)."""
+
+    @twins.post("/v1/route/explain")
+    async def explain(body: ChatCompletionRequest | CompletionRequest) -> None:
+        """What the router would do with this body (a body with ``messages`` is chat): each
+        executor's overlap, load and score, and the choice. Sends nothing to any executor."""
+
+    return [r for r in twins.routes if isinstance(r, APIRoute)]
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make ``app.openapi()`` describe the routed endpoints' bodies with the executor's
+    models (the app's other routes as they are)."""
+    twins = _stand_ins()
+    replaced = {(r.path, m) for r in twins for m in r.methods}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            own = [r for r in app.routes
+                   if not (isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods))]
+            app.openapi_schema = get_openapi(title=app.title, version=app.version, routes=[*twins, *own])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

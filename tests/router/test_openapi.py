@@ -1,0 +1,61 @@
+"""The router's ``/openapi.json`` describes its request bodies with the executor's models,
+as strictly as the executor's own description (same generator, same schemas), and its
+routes still forward what the client sent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI
+
+from kvreuse.router.app import build_router_app
+from kvreuse.router.executors import Executor
+from kvreuse.router.policy import make_policy
+from kvreuse.router.prompt_keys import HashSettings, PromptHasher
+from kvreuse.router.router import Router
+
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+
+
+def _router_spec() -> dict:
+    router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
+                    make_policy("kv"), client=httpx.AsyncClient(), seed=0)
+
+    async def get():
+        app = build_router_app(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
+            return (await c.get("/openapi.json")).json()
+    return asyncio.run(get())
+
+
+def _executor_spec() -> dict:
+    from kvreuse.server.chat_routes import router as chat_routes
+    from kvreuse.server.completions_routes import router as completions_routes
+
+    app = FastAPI()
+    app.include_router(completions_routes)
+    app.include_router(chat_routes)
+    return app.openapi()
+
+
+def test_the_routed_bodies_are_the_executors_models_schema_for_schema():
+    router, executor = _router_spec(), _executor_spec()
+    for path in ROUTED:
+        assert router["paths"][path]["post"]["requestBody"] == executor["paths"][path]["post"]["requestBody"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"):
+        assert router["components"]["schemas"][name] == executor["components"]["schemas"][name], name
+    assert router["components"]["schemas"]["CompletionRequest"]["required"] == ["prompt"]
+    assert router["components"]["schemas"]["ChatCompletionRequest"]["required"] == ["messages"]
+
+
+def test_explain_takes_either_body_and_the_other_routes_stay_described():
+    spec = _router_spec()
+    body = spec["paths"]["/v1/route/explain"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert sorted(s["$ref"] for s in body["anyOf"]) == ["#/components/schemas/ChatCompletionRequest",
+                                                        "#/components/schemas/CompletionRequest"]
+    assert {p: sorted(ops) for p, ops in spec["paths"].items()} == {
+        "/v1/completions": ["post"], "/v1/chat/completions": ["post"], "/v1/route/explain": ["post"],
+        "/v1/models": ["get"], "/health": ["get"], "/metrics": ["get"], "/v1/route/executors": ["get"],
+    }
+    assert spec["paths"]["/v1/completions"]["post"]["operationId"] == "completions_v1_completions_post"
