@@ -27,7 +27,7 @@ from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.publisher import ZmqEventPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
 
 SUBSCRIBER = r"""
 import sys, msgpack, zmq
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--buffer-size", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 steadies a shared machine)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "events"))
+    ap.add_argument("--out", default=str(RESULTS / "events"))
     args = ap.parse_args()
     if args.rounds < 5:
         ap.error("--rounds must be >= 5 (the result is a median)")

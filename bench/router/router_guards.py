@@ -23,7 +23,7 @@ import httpx
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import Proc, free_port, wait_healthy, write_json  # noqa: E402
+from bench.common import RESULTS, Proc, free_port, wait_healthy, write_json  # noqa: E402
 
 KEY = "bench-key"
 
@@ -110,7 +110,7 @@ def main() -> None:
         route.stop()
         for e in execs:
             e.stop()
-    out = Path(__file__).resolve().parent / "results" / "router_guards.json"
+    out = RESULTS / "router_guards.json"
     write_json(out, results)
     print(f"{'body':>6} {'Content-Length':>14} {'status':>6} {'seconds':>8} {'RSS +MB':>8} {'peak +MB':>8}")
     for c in results["cases"]:

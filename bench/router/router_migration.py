@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import Proc, free_port, pyplot, router, save_png, wait_healthy, write_json  # noqa: E402
+from bench.common import RESULTS, Proc, free_port, pyplot, router, save_png, wait_healthy, write_json  # noqa: E402
 
 from tests.serve_client import metric  # noqa: E402
 
@@ -239,7 +239,7 @@ def main() -> None:
             "median_stall_elsewhere_s": statistics.median([s for r in mine for s in r["stalls_elsewhere_s"]] or [0]),
             "median_gap_all_s": [r["median_gap_all_s"] for r in mine],
         }
-    out = Path(__file__).resolve().parent / "results"
+    out = RESULTS
     write_json(out / "router_migration.json", summary)
     plot(summary, out / "router_migration.png")
     print(f"{'config':>8} {'whole=':>7} {'whole!=':>8} {'error':>6} {'silent':>7} {'on victim':>10} "
