@@ -72,6 +72,6 @@ class TenantsHidden:
                 key = (sample.name, tuple(sorted(labels.items())))
                 sums[key] = sums.get(key, 0.0) + sample.value
             hidden = Metric(family.name, family.documentation, family.type, family.unit)
-            for (name, labels), value in sums.items():
-                hidden.add_sample(name, dict(labels), value)
+            for (name, pairs), value in sums.items():
+                hidden.add_sample(name, dict(pairs), value)
             yield hidden
