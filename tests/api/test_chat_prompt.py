@@ -5,8 +5,7 @@ fall inside a token."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvreuse.api import chat_prompt
 from kvreuse.api.chat_prompt import message_boundaries

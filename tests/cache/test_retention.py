@@ -7,7 +7,6 @@ import pytest
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool
 from kvreuse.cache.eviction import PriorityPolicy
 from kvreuse.cache.hashing import hash_token_blocks
-from kvreuse.events.records import BlockUpdated
 from kvreuse.cache.retention import (
     KvCacheRetentionConfig,
     TokenRangeRetentionConfig,
@@ -18,6 +17,7 @@ from kvreuse.cache.retention import (
     requested_block_retention,
     requested_retention,
 )
+from kvreuse.events.records import BlockUpdated
 
 T = TokenRangeRetentionConfig
 C = KvCacheRetentionConfig

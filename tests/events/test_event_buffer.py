@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -22,7 +22,6 @@ from kvreuse.events.records import (
     event_from_json,
     event_to_json,
 )
-
 from tests.events.event_helpers import CacheMirror, locked_snapshot
 
 H1, H2 = BlockHash(b"\x01" * 32), BlockHash(b"\x02" * 8)

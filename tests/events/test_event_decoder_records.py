@@ -14,10 +14,16 @@ from kvreuse.cache.hashing import BlockHash, hash_token_blocks
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.decoder import BlockRemoved, decode_records, to_record
 from kvreuse.events.publisher import encode_batch, to_vllm_events
-from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, StoredBlock, event_from_json, event_to_json
+from kvreuse.events.records import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    StoredBlock,
+    event_from_json,
+    event_to_json,
+)
 from kvreuse.events.wire import hash_from_wire
 from kvreuse.router.index import KVIndex, index_key
-
 from tests.events.test_zmq_events import BS, run_requests
 
 

@@ -8,15 +8,13 @@ expiries, reset of the prefix cache, and evictions forced by a small pool.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.eviction import PriorityPolicy
 from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import CacheCreated, KVSnapshot, event_from_json, event_to_json
-
 from tests.events.event_helpers import CacheMirror
 
 BS = 2

@@ -14,13 +14,12 @@ import pytest
 import zmq
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.decoder import BlockRemoved, BlockStored, UnknownEvent, decode_batch
 from kvreuse.events.publisher import ZmqEventPublisher, encode_batch, to_vllm_events
 from kvreuse.events.records import AllBlocksCleared
 from kvreuse.events.wire import wire_hash
-
 from tests.events.event_helpers import CATCH_UP
 
 BS = 4

@@ -10,7 +10,6 @@ from kvreuse.models import loader as ml
 from kvreuse.models.loader import load_model, parse_device, parse_dtype, resolve_model_spec, shape_from_config
 from kvreuse.models.tiny import tiny_model
 
-
 # ----------------------------------------------------------------------------- resolution
 
 @pytest.mark.parametrize("spec", ["default", "smollm2", "SmolLM2-135M-Instruct", " DEFAULT "])
@@ -100,7 +99,10 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
             w.add_file_type(ftype)
         data = np.zeros((32, 32), np.float32) if tensor_type is None else np.zeros((32, 34), np.uint8)
         w.add_tensor("blk.0.attn_q.weight", data, raw_dtype=tensor_type)
-        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
         return ModelSource("m", "gguf", path, "1", name)
 
     assert ml.auto_quantization(written("a.gguf", None, 8)) is QuantMode.INT8  # Q5_0: int4 would lose bits
@@ -312,7 +314,7 @@ def test_concurrent_conversion_runs_once_and_is_atomic(tiny_llama, tmp_path, mon
     def run():
         try:
             results.append(store.convert_gguf(src, target))
-        except Exception as exc:  # surfaced below
+        except Exception as exc:  # noqa: BLE001 - any failure is surfaced below
             errors.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(2)]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from tests.pml.pml_helpers import CharTokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

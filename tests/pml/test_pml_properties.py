@@ -1,7 +1,6 @@
 """Property tests: layout invariants on random schemas, robustness on random markup."""
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvreuse.pml import PMLError, compile_prompt, compile_schema, parse_prompt, parse_schema
 from kvreuse.pml.syntax import Module, ModuleRef, Parameter, Prompt, PromptText, Schema, Text, Union

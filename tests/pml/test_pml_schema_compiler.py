@@ -8,7 +8,7 @@ from kvreuse.pml import (
     compile_schema,
     parse_schema,
 )
-from tests.pml.pml_helpers import SCHEMAS, CharTokenizer, encode, special
+from tests.pml.pml_helpers import SCHEMAS, encode, special
 
 
 def _compile(text, tokenizer, **kwargs):

@@ -25,8 +25,8 @@ class Proc:
         self.args, self.log_path = args, log_path
         self.popen: subprocess.Popen | None = None
 
-    def start(self) -> "Proc":
-        log = open(self.log_path, "ab")
+    def start(self) -> Proc:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it for its whole life
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.popen = subprocess.Popen([sys.executable, "-m", "kvreuse", *self.args], stdout=log, stderr=log, env=env)
         return self

@@ -14,8 +14,9 @@ import uuid
 import httpx
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.publisher import ZmqEventPublisher
 from kvreuse.events.records import take_snapshot
 from kvreuse.router.executors import Executor, ExecutorInfo
 from kvreuse.router.feeds import SSEFeed, ZmqFeed
@@ -23,7 +24,6 @@ from kvreuse.router.index import index_key
 from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher
 from kvreuse.router.router import INSTANCE_HEADER, Router
-from kvreuse.events.publisher import ZmqEventPublisher
 
 from .test_index_policy import BS, _fill
 

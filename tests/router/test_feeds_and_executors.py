@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import take_snapshot
 from kvreuse.router.executors import ExecutorInfo, IncompatibleExecutors, check_compatible, parse_load_metrics
 from kvreuse.router.feeds import ZmqFeed

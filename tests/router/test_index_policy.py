@@ -7,8 +7,8 @@ import random
 import pytest
 
 from kvreuse.cache.block_pool import BlockPool
-from kvreuse.events.buffer import EventBuffer
 from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.records import event_from_json, event_to_json, take_snapshot
 from kvreuse.router.index import KVIndex, index_key
 from kvreuse.router.policy import Candidate, KVPolicy, choose, make_policy

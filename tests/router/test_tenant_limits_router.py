@@ -88,10 +88,8 @@ class Cluster:
 async def _greedy_ids(engine) -> list[int]:
     from kvreuse.engine.sampling_params import SamplingParams
 
-    out = None
-    async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe"):
-        pass
-    return out.output_token_ids
+    outs = [out async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")]
+    return outs[-1].output_token_ids
 
 
 async def _refusal(client: openai.AsyncOpenAI, **request) -> openai.RateLimitError:

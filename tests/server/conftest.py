@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.serve_process import free_port  # noqa: F401  (tests import it from here)
+from tests.serve_process import free_port
 
 from .helpers import BLOCK_SIZE, MAX_MODEL_LEN
 

@@ -90,17 +90,16 @@ def test_client_disconnect_mid_stream_frees_its_blocks(client, live_url, paced):
     async_engine = paced
     finished_before = _finished_count(client, "length")
     body = {"prompt": words(100, 300), "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", live_url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200, r.read()
-            seen = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                if seen == 3:
-                    break
-            busy = async_engine.stats()
-            assert busy.num_used_blocks > 0 and busy.num_running == 1, busy
+    with httpx.Client(timeout=60) as http, http.stream("POST", live_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen == 3:
+                break
+        busy = async_engine.stats()
+        assert busy.num_used_blocks > 0 and busy.num_running == 1, busy
     # Leaving both blocks closed the socket mid-stream: the request must be aborted.
     after = wait_idle(async_engine)
     asyncio.run(async_engine.check_integrity())

@@ -8,9 +8,9 @@ import re
 from fastapi.testclient import TestClient
 
 from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.publisher import ZmqEventPublisher
 from kvreuse.server.api_server import build_app
 from kvreuse.server.info_routes import INSTANCE_HEADER
-from kvreuse.events.publisher import ZmqEventPublisher
 
 from .conftest import free_port
 

@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve_client import (block_file, block_keys, complete, flip_byte, metric, store_events,
-                                wait_for_puts)
+from tests.serve_client import block_file, block_keys, complete, flip_byte, metric, store_events, wait_for_puts
 from tests.serve_process import free_port, running_server, running_servers
 from tests.tiers.redis_server import RedisServer
 

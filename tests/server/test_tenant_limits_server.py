@@ -126,10 +126,8 @@ def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_charge_the_usage(e
     app, limiter = _app(engine, TenantLimits(tenants={"acme": Limits(tokens_per_minute=120)}), clock)  # 2 tokens/s
 
     async def greedy_ids() -> list[int]:
-        out = None
-        async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe"):
-            pass
-        return out.output_token_ids
+        outs = [o async for o in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")]
+        return outs[-1].output_token_ids
 
     async def scenario():
         acme = _client(app, "acme-key")
