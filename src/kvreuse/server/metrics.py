@@ -19,7 +19,7 @@ events dropped (``kv_events_dropped``, present while events are on). With tenant
 ``tenant_requests_refused{tenant,reason}``, ``tenant_requests_in_flight`` and
 ``tenant_tokens_charged`` (``kvreuse.api.limit_metrics``). Router decisions are
 on the router's own ``/metrics`` (``kvreuse:router_decisions``, ``kvreuse.router.metrics``).
-``tests/server/test_metrics_audit.py`` asserts every one of them with exact values.
+``tests/server/test_metrics.py`` asserts every one of them with exact values.
 
 Names follow vLLM's with the ``kvreuse:`` prefix (``vllm:prefix_cache_queries`` ->
 ``kvreuse:prefix_cache_queries_total``).
