@@ -35,7 +35,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 SETTINGS = {"default": ("auto", "auto"), "fp32": ("float32", "none")}
 PROMPT_TOKENS = 16

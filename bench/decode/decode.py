@@ -19,16 +19,16 @@ generated the same tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 from kvreuse import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 VARIANTS = ("transformers+gather", "own+gather", "own+in-place")
 STEPS = 16

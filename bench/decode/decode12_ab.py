@@ -35,7 +35,7 @@ from kvreuse.engine import attention, flash
 from kvreuse.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import interleave, median  # noqa: E402
+from bench.common import interleave, median
 
 PROMPT = list(range(200, 216))
 

@@ -21,8 +21,8 @@ generated the same tokens as fp32 (not required: quantization changes the math).
 from __future__ import annotations
 
 import argparse
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from kvreuse.models.loader import load_model, resolve_source
 from kvreuse.models.quant import weight_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 SETTINGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
             "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}

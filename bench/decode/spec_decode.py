@@ -37,12 +37,12 @@ from pathlib import Path
 
 from kvreuse import LLM, SamplingParams
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
-from bench.peer.peer_llamacpp import LlamaCpp as PeerLlamaCpp  # noqa: E402
-from bench.peer.peer_llamacpp import gguf_path  # noqa: E402
-
+from bench.common import RESULTS, pyplot, save_png, write_json
+from bench.peer.peer_llamacpp import (
+    LlamaCpp as PeerLlamaCpp,
+    gguf_path,
+)
 
 PLACES = ["Alder", "Brennock", "Calloway", "Dunmere", "Eskdale", "Farrow", "Glenmark", "Harlow", "Ivel", "Jessop",
           "Kestrel", "Lorne", "Marrow", "Northby", "Orwell", "Penrith", "Quarry", "Rendle", "Stowe", "Tamsin"]

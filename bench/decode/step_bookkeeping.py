@@ -14,8 +14,8 @@ median microseconds per step; writes nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from kvreuse import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import median, timed  # noqa: E402
+from bench.common import median, timed
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.publisher import ZmqEventPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 SUBSCRIBER = r"""
 import sys, msgpack, zmq
@@ -188,7 +188,7 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 4))
     bars = (("tokens_per_s_off", "events off", "#9ab"), ("tokens_per_s_on", "events over ZMQ", "#5a8"),
             ("tokens_per_s_control", "events off\n(control)", "#ccc"))
-    for x, (key, label, color) in enumerate(bars):
+    for x, (key, _label, color) in enumerate(bars):
         values = result[key]
         ax.bar(x, statistics.median(values), color=color)
         ax.scatter([x] * len(values), values, color="black", s=8, zorder=3)

@@ -26,8 +26,8 @@ only lower what a real policy gets. Hit rate is token-level, as ``kvreuse simula
 from __future__ import annotations
 
 import argparse
-import sys
 import heapq
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from kvreuse.simulator.replay import hit_blocks, replay
 from kvreuse.simulator.traces import Trace, read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import ROOT, TRACE, write_json  # noqa: E402
+from bench.common import ROOT, TRACE, write_json
 
 BLOCK = 512
 

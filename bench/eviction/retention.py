@@ -29,7 +29,7 @@ from kvreuse.simulator.plot import plot_sweep, run_policy
 from kvreuse.simulator.traces import read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, write_json
 
 BLOCK_SIZE = 16
 SYSTEM_PRIORITY, SYSTEM_DURATION_MS, DECODE_PRIORITY = 90, 60_000, 10

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, environment, free_port, pyplot, running_servers, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, environment, free_port, pyplot, running_servers, save_png, write_json
 
 BYTES_PER_TOKEN = 46080  # SmolLM2-135M fp32: 2 * 30 layers * 3 kv heads * 64 * 4 bytes
 BLOCK = 16

@@ -18,7 +18,7 @@ from kvreuse.simulator.plot import plot_sweep, sweep
 from kvreuse.simulator.traces import read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, ROOT, TRACE, write_json  # noqa: E402
+from bench.common import RESULTS, ROOT, TRACE, write_json
 
 
 def main(argv: list[str] | None = None) -> int:

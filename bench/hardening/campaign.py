@@ -27,12 +27,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import ROOT, Proc, free_port, wait_healthy, write_json  # noqa: E402
-from bench.router.router_guards import post_raw, rss_kib  # noqa: E402
-
-
-from tests.pml.test_module_cache import SCHEMA  # noqa: E402
-from tests.serve_client import metric  # noqa: E402
+from bench.common import ROOT, Proc, free_port, wait_healthy, write_json
+from bench.router.router_guards import post_raw, rss_kib
+from tests.pml.test_module_cache import SCHEMA
+from tests.serve_client import metric
 
 ADMIN, ALICE, BOB = "campaign-admin", "campaign-alice", "campaign-bob"
 KEYS = [ADMIN, f"{ALICE}:alice", f"{BOB}:bob"]

@@ -51,8 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, timed, write_json  # noqa: E402
-
+from bench.common import RESULTS, pyplot, save_png, timed, write_json
 
 
 def gguf_path() -> Path:
@@ -99,7 +98,6 @@ class LlamaCpp:
     def decode(self, tokens: list[int], n: int, keep_cache: bool = False) -> float:
         if not keep_cache:
             self.llm.reset()
-        start = time.perf_counter()
         first = None
         for i, _ in enumerate(self.llm.generate(tokens, temp=0.0)):
             if i == 0:

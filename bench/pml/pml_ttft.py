@@ -20,10 +20,10 @@ question. For each size, median of 5 runs (PML: 5 x ``--pml-per-run`` samples, i
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,12 +31,11 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.pml import compile_prompt, parse_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS = 16, 500, 32
 SIZES = (2, 8, 16)  # documents selected: ~1k, 4k, 8k tokens
-WORDS = ("amber basalt cedar delta ember fjord glacier harbor island juniper kestrel lagoon meadow nectar "
-         "orchard prairie quartz river summit tundra upland valley willow yarrow zephyr").split()
+WORDS = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "glacier", "harbor", "island", "juniper", "kestrel", "lagoon", "meadow", "nectar", "orchard", "prairie", "quartz", "river", "summit", "tundra", "upland", "valley", "willow", "yarrow", "zephyr"]
 
 
 def doc_text(tokenizer, i: int, n_tokens: int) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, ROOT, free_port, pyplot, running_server, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, ROOT, free_port, pyplot, running_server, save_png, write_json
 
 STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she counts."
 
@@ -143,7 +143,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.set_yscale("log")
     fig.suptitle(f"{rows[0]['post_bytes'] // 1000} KB union schema registered while a client streams "
-                 f"(medians of {max(summary(rows)[l]['runs'] for l in labels)} runs)", fontsize=10)
+                 f"(medians of {max(summary(rows)[label]['runs'] for label in labels)} runs)", fontsize=10)
     fig.tight_layout()
     save_png(fig, path, dpi=110)
 

@@ -36,11 +36,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, free_port, pyplot, running_servers, save_png, write_json  # noqa: E402
-from bench.peer.peer_llamacpp import gemm_gflops  # noqa: E402
-from bench.pml.pml_ttft import doc_text  # noqa: E402
-
-
+from bench.common import RESULTS, free_port, pyplot, running_servers, save_png, write_json
+from bench.peer.peer_llamacpp import gemm_gflops
+from bench.pml.pml_ttft import doc_text
 
 SERVERS = {
     "fp32": ["--dtype", "float32", "--quantization", "none"],
@@ -183,7 +181,7 @@ def main() -> None:
                                 "--log-level", "warning", *SERVERS[n]], Path(tmp) / f"{n}.log") for n in names]
         with running_servers(specs, startup_s=600) as urls:
             clients = {n: openai.OpenAI(base_url=u + "/v1", api_key="none", timeout=600) for n, u in zip(names, urls)}
-            for n, client in clients.items():  # every document's KV computed once; warm the paths
+            for client in clients.values():  # every document's KV computed once; warm the paths
                 timed(client, messages(docs, list(range(args.docs)), True), blend=off)
                 timed(client, messages(docs, list(range(args.docs)), False), cache_salt="warm")
             samples = {n: {k: [] for k in kinds} for n in names}

@@ -13,9 +13,9 @@ so its median is over reps x that many samples; figures are medians.
 from __future__ import annotations
 
 import argparse
-import sys
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 
@@ -61,7 +61,7 @@ def main() -> None:
     uncached = LLM(enable_prefix_caching=False, **common)
     rng = random.Random(0)
     prefixes = {n: random_tokens(rng, n, vocab) for n in args.sizes}
-    for n, prefix in prefixes.items():  # warm the cache: one request per prefix
+    for prefix in prefixes.values():  # warm the cache: one request per prefix
         cached.generate(prefix + random_tokens(rng, args.suffix, vocab), ONE_TOKEN)
 
     rows: dict[int, dict[str, list[float]]] = {n: {"cached": [], "uncached": [], "plain": [], "hit": []} for n in args.sizes}

@@ -11,13 +11,12 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
-
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 
 def points(quality: list[dict], ttft: dict, server: str) -> dict[str, list[dict]]:

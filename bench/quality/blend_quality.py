@@ -36,19 +36,18 @@ import sys
 import time
 from pathlib import Path
 
-
-from kvreuse import LLM, SamplingParams  # noqa: E402
-from kvreuse.engine.document_cache import DocumentPrompt  # noqa: E402
-from kvreuse.engine.seam_repair import SeamRepair  # noqa: E402
-from kvreuse.pml.prepared import prepare_prompt  # noqa: E402
-from kvreuse.api.chat_prompt import special_lead  # noqa: E402
+from kvreuse import LLM, SamplingParams
+from kvreuse.api.chat_prompt import special_lead
+from kvreuse.engine.document_cache import DocumentPrompt
+from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.pml.prepared import prepare_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
-from bench.quality.pml_quality import FIRST, LAST, make_dataset, normalise, plain_token_ids  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
+from bench.quality.pml_quality import FIRST, LAST, make_dataset, normalise, plain_token_ids
 
-PAIR_LAST = "Ivers Kent Lund Marsh Noble".split()  # with pml_quality's 5: 200 people, 100 pairs
-CITIES = "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()
+PAIR_LAST = ["Ivers", "Kent", "Lund", "Marsh", "Noble"]  # with pml_quality's 5: 200 people, 100 pairs
+CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"]
 # (first_tokens, ratio[, deviation_layer[, last_tokens]]); documents here are ~8 tokens, so first_tokens 4 is half of each
 SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.0), (2, 0.1), (4, 0.1)]
 
@@ -66,10 +65,10 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     union members; each question selects its two documents plus distractors of both kinds
     about other people, in random slot order."""
     rng = random.Random(seed)
-    people = [f"{f} {l}" for l in LAST + PAIR_LAST for f in FIRST]  # 2 per question
+    people = [f"{f} {last}" for last in LAST + PAIR_LAST for f in FIRST]  # 2 per question
     if len(people) < 2 * num_questions:
         raise SystemExit(f"--questions {num_questions}: the pair set has names for at most {len(people) // 2}")
-    people += [f"{f} {m}. {l}" for m in "ABCDEFGH" for l in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
+    people += [f"{f} {m}. {last}" for m in "ABCDEFGH" for last in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
     rng.shuffle(people)
     pairs = [(people[2 * i], people[2 * i + 1], rng.choice(CITIES)) for i in range(num_questions)]
     docs = []
@@ -81,7 +80,7 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
         for k in range(slots))
     schema = '<schema name="pairs">Documents:\n' + unions + "</schema>"
     items = []
-    for q, (a, b, city) in enumerate(pairs):
+    for q, (a, _b, city) in enumerate(pairs):
         others = [j for j in range(len(pairs)) if j != q and pairs[j][2] != city]
         d1, d2 = rng.sample(others, 2)
         refs = [2 * q, 2 * q + 1, 2 * d1, 2 * d2 + 1][:slots]

@@ -24,33 +24,32 @@ the answer) of each mode.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.pml import compile_prompt, parse_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
-FIRST = ("Anna Boris Clara David Elena Felix Greta Hugo Ines Jonas Karla Leon Mira Nils Olga Paul Rosa "
-         "Sven Tara Victor").split()
-LAST = "Berg Costa Dahl Ford Hale".split()
+FIRST = ["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karla", "Leon", "Mira", "Nils", "Olga", "Paul", "Rosa", "Sven", "Tara", "Victor"]
+LAST = ["Berg", "Costa", "Dahl", "Ford", "Hale"]
 # kind -> (document, question, answer lead-in, values): every document states one fact of one kind
 KINDS = {
     "city": ("{p} lives in {a}.", "Where does {p} live?", "{p} lives in",
-             "Oslo Lima Cairo Quito Dakar Riga Perth Hanoi Tunis Bern".split()),
+             ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"]),
     "pet": ("{p} keeps a pet {a}.", "What pet does {p} keep?", "{p} keeps a pet",
-            "otter falcon badger heron lynx beaver raven ferret".split()),
+            ["otter", "falcon", "badger", "heron", "lynx", "beaver", "raven", "ferret"]),
     "instrument": ("{p} plays the {a}.", "What does {p} play?", "{p} plays the",
-                   "violin trumpet cello flute harp drums piano guitar".split()),
+                   ["violin", "trumpet", "cello", "flute", "harp", "drums", "piano", "guitar"]),
     "color": ("{p} paints every wall {a}.", "What color does {p} paint walls?", "{p} paints every wall",
-              "red blue green yellow purple orange white black".split()),
+              ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]),
     "food": ("{p} eats only {a}.", "What does {p} eat?", "{p} eats only",
-             "rice bread apples cheese soup noodles beans fish".split()),
+             ["rice", "bread", "apples", "cheese", "soup", "noodles", "beans", "fish"]),
 }
 
 
@@ -58,7 +57,7 @@ def make_dataset(num_docs: int, slots: int, seed: int) -> tuple[str, list[dict]]
     """One fact per document; a prompt's other documents are of other kinds, so the question
     has one answer among the documents it selects."""
     rng = random.Random(seed)
-    people = [f"{f} {l}" for l in LAST for f in FIRST][:num_docs]
+    people = [f"{f} {last}" for last in LAST for f in FIRST][:num_docs]
     rng.shuffle(people)
     kinds = list(KINDS)
     facts = []

@@ -18,8 +18,8 @@ four shapes (one decoder layer), it shows where ``quant.dense_dtype`` should swi
 from __future__ import annotations
 
 import argparse
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from kvreuse.models.quant import Int4Linear, dense_dtype, fast_bf16_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 ROWS = [1, 8, 16, 32, 64, 96, 128, 192, 256, 512]

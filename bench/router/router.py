@@ -25,9 +25,8 @@ from pathlib import Path
 
 import httpx
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import executor, free_port, pyplot, router, save_png, wait_healthy, write_json  # noqa: E402
+from bench.common import executor, free_port, pyplot, router, save_png, wait_healthy, write_json
 
 RULES = 16  # ~470 tokens per system prompt with the SmolLM2 tokenizer
 TOPICS = ["astronomy", "botany", "chemistry", "databases", "economics", "finance", "geology", "history"]

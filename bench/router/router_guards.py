@@ -21,9 +21,8 @@ from pathlib import Path
 
 import httpx
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, Proc, free_port, wait_healthy, write_json  # noqa: E402
+from bench.common import RESULTS, Proc, free_port, wait_healthy, write_json
 
 KEY = "bench-key"
 
@@ -40,7 +39,7 @@ def rss_kib(pid: int) -> dict[str, int]:
 def post_raw(port: int, size: int, *, chunked: bool) -> tuple[int, float]:
     """POST ``size`` bytes to /v1/completions with no key; (status, seconds to the status line).
     The body is sent from a thread, so an early answer is seen while it is still uploading."""
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             + ("Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {size}\r\n") + "\r\n").encode()
     sock = socket.create_connection(("127.0.0.1", port))
     piece = b"x" * (1 << 20)

@@ -35,9 +35,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, Proc, free_port, pyplot, router, save_png, wait_healthy, write_json  # noqa: E402
-
-from tests.serve_client import metric  # noqa: E402
+from bench.common import RESULTS, Proc, free_port, pyplot, router, save_png, wait_healthy, write_json
+from tests.serve_client import metric
 
 EXECUTOR_HEADER = "x-kvreuse-executor"
 

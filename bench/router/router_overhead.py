@@ -17,9 +17,9 @@ Tokenization itself (the executor pays it too) is not included.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import random
+import sys
 from pathlib import Path
 
 from kvreuse.router.index import KVIndex
@@ -27,7 +27,7 @@ from kvreuse.router.policy import Candidate, choose, make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import median_ms, write_json  # noqa: E402
+from bench.common import median_ms, write_json
 
 
 def main() -> None:

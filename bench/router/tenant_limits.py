@@ -29,10 +29,9 @@ from pathlib import Path
 
 import httpx
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import ROOT, executor, free_port, pyplot, router, save_png, wait_healthy, write_json  # noqa: E402
-from tests.serve_client import metric  # noqa: E402
+from bench.common import ROOT, executor, free_port, pyplot, router, save_png, wait_healthy, write_json
+from tests.serve_client import metric
 
 ADMIN, ALICE, BOB = "bench-admin", "bench-alice", "bench-bob"
 KEYS = ["--api-key", ADMIN, "--api-key", f"{ALICE}:alice", "--api-key", f"{BOB}:bob"]

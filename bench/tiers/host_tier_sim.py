@@ -21,8 +21,7 @@ from kvreuse.simulator.replay import replay
 from kvreuse.simulator.traces import read_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, TRACE, pyplot, save_png, write_json  # noqa: E402
-
+from bench.common import RESULTS, TRACE, pyplot, save_png, write_json
 
 
 def main() -> None:

@@ -14,18 +14,17 @@ numbers beside the bandwidth its onboarding reached.
 from __future__ import annotations
 
 import argparse
-import sys
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, write_json  # noqa: E402
-
+from bench.common import RESULTS, write_json
 
 
 def _time_copy(dst: torch.Tensor, src: torch.Tensor, reps: int, sync) -> list[float]:

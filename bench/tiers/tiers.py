@@ -32,12 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from kvreuse import LLM, SamplingParams  # noqa: E402
-from kvreuse.models.loader import load_model  # noqa: E402
+from kvreuse import LLM, SamplingParams
+from kvreuse.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 TIERS = ("device", "host", "disk", "redis", "none")
@@ -67,7 +66,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "tiers.json"))
     args = ap.parse_args()
 
-    import bench.memcpy_bw as memcpy_bw  # noqa: E402  (the same run: same machine state)
+    import bench.memcpy_bw as memcpy_bw
+
     from bench.common import RedisServer  # only the redis tier needs it
 
     loaded = load_model(args.model, dtype=args.dtype, device="cpu")
@@ -96,7 +96,7 @@ def main() -> None:
         def suffix() -> list[int]:
             return [rng.randrange(100, vocab - 100) for _ in range(args.suffix)]
 
-        for name, llm in llms.items():  # warm: the prefix computed once on each
+        for llm in llms.values():  # warm: the prefix computed once on each
             llm.generate(prefix + suffix(), ONE_TOKEN)
             if llm.engine.host is not None and llm.engine.host.below is not None:
                 assert llm.engine.host.below.flush(120)

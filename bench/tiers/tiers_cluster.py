@@ -42,15 +42,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
-import httpx  # noqa: E402
-import redis as redis_client  # noqa: E402
-
+import httpx
+import redis as redis_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, RedisServer, free_port, pyplot, running_server, running_servers, save_png, write_json  # noqa: E402
-from tests.serve_client import (block_file, block_keys, complete, flip_byte, metric, store_events,  # noqa: E402
-                                wait_for_puts)
+from bench.common import RESULTS, RedisServer, free_port, pyplot, running_server, running_servers, save_png, write_json
+from tests.serve_client import block_file, block_keys, complete, flip_byte, metric, store_events, wait_for_puts
 
 BLOCK = 16
 NEW = 16  # greedy tokens compared (a 2,048-token prompt + 16: KV for 2,063, no decode block completes)

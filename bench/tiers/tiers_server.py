@@ -46,18 +46,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 
-import httpx  # noqa: E402
-
-from kvreuse.cache.eviction import make_policy  # noqa: E402
-from kvreuse.cache.hashing import hash_token_blocks  # noqa: E402
-from kvreuse.models.loader import shape_from_config  # noqa: E402
-from kvreuse.simulator.replay import replay  # noqa: E402
-from kvreuse.simulator.traces import Trace, TraceRequest  # noqa: E402
+from kvreuse.cache.eviction import make_policy
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.models.loader import shape_from_config
+from kvreuse.simulator.replay import replay
+from kvreuse.simulator.traces import Trace, TraceRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, TRACE, free_port, pyplot, running_servers, save_png, write_json  # noqa: E402
-from tests.serve_client import complete, metric  # noqa: E402
+from bench.common import RESULTS, TRACE, free_port, pyplot, running_servers, save_png, write_json
+from tests.serve_client import complete, metric
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 BLOCK = 16  # the server's --block-size (its default)
