@@ -16,10 +16,9 @@ serialised once per SSE chunk, and dicts keep that cheap.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
@@ -211,10 +210,10 @@ class CompletionRequest(_GenerationRequest):
         if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
             raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request (got {len(p)}); split the batch")
         if isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(p)]
         if isinstance(p[0], list) and any(not ids for ids in p):
             raise ValueError("prompt: token-id lists must not be empty")
-        return list(p)  # type: ignore[arg-type]
+        return list(p)
 
 
 class ChatMessage(BaseModel):
@@ -287,8 +286,24 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 
+class OutputCounts(Protocol):
+    """What ``usage_dict`` reads of an engine output (``kvreuse.engine.outputs.RequestOutput``)."""
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int] | None: ...
+
+    @property
+    def num_recomputed_tokens(self) -> int: ...
+
+    @property
+    def num_draft_tokens(self) -> int: ...
+
+    @property
+    def num_accepted_tokens(self) -> int: ...
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               outputs: Sequence[Any] = (), finals: Sequence[Any] = ()) -> dict[str, Any]:
+               outputs: Sequence[OutputCounts] = (), finals: Sequence[OutputCounts] = ()) -> dict[str, Any]:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present.
     With tiers below the device pool, ``prompt_tokens_details.cached_tokens_by_tier`` (an
     extension; other clients ignore it) says where ``outputs``' cached tokens came from
@@ -296,10 +311,10 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     output) speculated, ``completion_tokens_details`` says how many prompt-lookup draft tokens
     were accepted and rejected (OpenAI's predicted-output fields)."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
-    recomputed = sum(getattr(out, "num_recomputed_tokens", 0) for out in outputs)
+    recomputed = sum(out.num_recomputed_tokens for out in outputs)
     if recomputed:  # seam repair recomputed some assembled (cached) tokens: an extension
         details["recomputed_tokens"] = recomputed
-    tiered = [out.cached_tokens_by_tier for out in outputs if getattr(out, "cached_tokens_by_tier", None) is not None]
+    tiered = [split for out in outputs if (split := out.cached_tokens_by_tier) is not None]
     if tiered:  # the engine has tiers below the device pool
         by_tier = {name: 0 for name in TIER_NAMES.values()}
         for split in tiered:
@@ -313,7 +328,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": details,
     }
-    drafted = sum(getattr(out, "num_draft_tokens", 0) for out in finals)
+    drafted = sum(out.num_draft_tokens for out in finals)
     if drafted:
         accepted = sum(out.num_accepted_tokens for out in finals)
         usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
