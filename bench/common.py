@@ -66,8 +66,9 @@ def machine() -> dict[str, Any]:
     cpu = _lscpu()
     torch = sys.modules.get("torch")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -152,9 +153,12 @@ def save_png(fig: Any, path: str | Path, *, dpi: int = 120) -> Path:
 # ``kvreuse serve``, tests/router/cluster.py for executors and routers), not copies of them;
 # imported on first use, so a script that starts no server does not need tests/.
 _SERVER_HELPERS = {
-    "free_port": "tests.serve_process", "running_server": "tests.serve_process",
+    "free_port": "tests.serve_process",
+    "running_server": "tests.serve_process",
     "running_servers": "tests.serve_process",
-    "Proc": "tests.router.cluster", "executor": "tests.router.cluster", "router": "tests.router.cluster",
+    "Proc": "tests.router.cluster",
+    "executor": "tests.router.cluster",
+    "router": "tests.router.cluster",
     "wait_healthy": "tests.router.cluster",
     "RedisServer": "tests.tiers.redis_server",
 }
@@ -188,7 +192,25 @@ def environment(**values: str) -> Iterator[None]:
 
 
 __all__ = [
-    "PLOT_HINT", "RESULTS", "ROOT", "TRACE", "Proc", "RedisServer", "environment", "executor", "free_port", "interleave", "machine",
-    "median", "median_ms", "pyplot", "router", "running_server", "running_servers", "save_png", "timed",
-    "wait_healthy", "write_json",
+    "PLOT_HINT",
+    "RESULTS",
+    "ROOT",
+    "TRACE",
+    "Proc",
+    "RedisServer",
+    "environment",
+    "executor",
+    "free_port",
+    "interleave",
+    "machine",
+    "median",
+    "median_ms",
+    "pyplot",
+    "router",
+    "running_server",
+    "running_servers",
+    "save_png",
+    "timed",
+    "wait_healthy",
+    "write_json",
 ]
