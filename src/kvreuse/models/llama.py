@@ -7,7 +7,7 @@ runs the same computation with fewer calls: fused q/k/v and gate/up projections,
 one fused kernel per RMSNorm (``rms_norm``), the model's own rotary module for cos/sin with RoPE applied to q and k in
 one pass, and ``attend`` for attention over the pool. Projections are called as modules, so
 weight-only quantized layers (:mod:`kvreuse.models.quant`) plug in unchanged. Its logits
-match the transformers forward's to float rounding (tests/models/test_llama_forward.py).
+match the transformers forward's to float rounding (tests/models/test_llama.py).
 
 Only plain Llama checkpoints qualify (``supports``): ``model_type == "llama"``, SiLU MLP,
 no attention or MLP biases, ``pretraining_tp == 1``. Anything else (Gemma 3, other
