@@ -45,7 +45,6 @@ __all__ = [
     "eos_token_ids_of",
     "shape_from_config",
     "prepare_folder",
-    "tiny_model",
 ]
 
 # Tokens that end a chat turn in common templates; added to the EOS set when the chat
@@ -132,7 +131,8 @@ class ModelShape:
         """``2 * layers * kv_heads * head_dim * dtype_bytes`` (K and V, every layer).
 
         Sliding-window layers are counted in full: the pool stores every position so reuse
-        stays exact (MODELS.md). Raises ValueError for an unsupported dtype.
+        stays exact (windows are applied by key position at attention time,
+        docs/architecture.md). Raises ValueError for an unsupported dtype.
         """
         itemsize = torch.empty((), dtype=parse_dtype(dtype)).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
@@ -357,9 +357,3 @@ def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", d
     return finish_model(model, tokenizer, name=src.name, weights_hash=weights_digest(folder, root),
                         tokenizer_hash=tokenizer_digest(folder), dtype=torch_dtype, device=dev,
                         path=folder, attn_implementation=attn_implementation, quantization=quant)
-
-
-def tiny_model(arch: str = "llama", **kwargs: Any) -> LoadedModel:
-    """Tiny random-weight model for tests; see :func:`kvreuse.models.tiny.tiny_model`."""
-    from kvreuse.models.tiny import tiny_model as _tiny
-    return _tiny(arch, **kwargs)

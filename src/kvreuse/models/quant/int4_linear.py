@@ -1,0 +1,106 @@
+"""``Int4Linear``: asymmetric 4-bit weights, one (scale, min) per group of ``INT4_GROUP`` input
+channels, on ``torch._weight_int4pack_mm_for_cpu`` (tinygemm layout)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.models.quant import dense_rule
+from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS, int4_pack_layout, int4_pack_order
+from kvreuse.models.quant.mode import INT4_GROUP
+
+__all__ = ["Int4Linear"]
+
+
+def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min-max 4-bit codes of ``w [out, in]``: ``(q int32 [out, in] in 0..15, scale, zero)``,
+    scale and zero ``[out, in/group]`` fp32, with ``w ~= (q - 8) * scale + zero``."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    lo, hi = wg.amin(dim=-1, keepdim=True), wg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-10)  # [out, groups, 1]
+    q = torch.round((wg - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, scale.view(n, -1), (lo + 8.0 * scale).view(n, -1)
+
+
+class Int4Linear(nn.Module):
+    """Group-wise 4-bit weights (``INT4_GROUP`` input channels per scale/zero).
+
+    CPU: packed by ``_convert_weight_to_int4pack_for_cpu`` and multiplied by
+    ``_weight_int4pack_mm_for_cpu``. Elsewhere (or ``out % 16 != 0``): two codes per uint8,
+    dequantized on the fly.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 group: int = INT4_GROUP) -> None:
+        super().__init__()
+        n, k = weight.shape
+        if k % group:
+            raise ValueError(f"in_features {k} is not a multiple of the int4 group {group}")
+        self.in_features, self.out_features, self.group = k, n, group
+        q, scale, zero = _int4_codes(weight.detach(), group)
+        self.use_kernel = weight.device.type == "cpu" and n % 16 == 0
+        if self.use_kernel:
+            self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
+            # [in/group, out, 2]: the kernel's (scale, zero) layout
+            self.register_buffer("scale_zero", torch.stack([scale.T, zero.T], dim=-1).contiguous().to(act_dtype))
+        else:
+            self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))  # [out, in/2]
+            self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).to(act_dtype))  # [out, groups, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """``[out, in]`` in the activation dtype (reference / fallback path)."""
+        n, k, g = self.out_features, self.in_features, self.group
+        if self.use_kernel:  # the packed layout is opaque: multiply the identity through the kernel
+            eye = torch.eye(k, dtype=self.scale_zero.dtype, device=self.qweight.device)
+            return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, g, self.scale_zero).T
+        q = torch.stack([self.qweight & 0xF, self.qweight >> 4], dim=-1).view(n, k // g, g)
+        scale, zero = self.scale_zero[..., 0:1], self.scale_zero[..., 1:2]  # [out, groups, 1]
+        return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
+
+    def unpacked_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[out, in]`` in ``dtype`` from the CPU-packed codes with tensor ops (a transient copy
+        for a many-row call; ``dequantized_weight`` is the reference). The pack
+        (``_convert_weight_to_int4pack_for_cpu``) stores rows in blocks of ``INT4_PACK_ROWS``,
+        each block's nibbles in an order that depends on the CPU capability torch dispatches to
+        (AVX512, AVX2 and the default kernels differ): ``int4_pack_order`` reads it off probe
+        packs, so the unpack is the kernel's on any of them."""
+        n, k, g = self.out_features, self.in_features, self.group
+        layout = int4_pack_layout(k)
+        if layout == "avx512":  # byte [block, k, j] holds row j (low nibble) and j + 32 (high)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, k, INT4_PACK_ROWS // 2)
+            q = torch.cat([packed & 0xF, packed >> 4], dim=2)  # [n / 64, k, 64] codes 0..15
+            q = q.transpose(1, 2).reshape(n, k // g, g)  # [n, groups, g]
+        elif layout == "avx2":  # byte [block, half, k, j] holds row 32 half + j (low) and 32 half + 16 + j (high)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, 2, k, 16)
+            q = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [n / 64, half, nibble, k, 16]
+            q = q.transpose(3, 4).reshape(n, k // g, g)  # [n, groups, g]
+        else:  # any other order: one gather by the probed order (slower)
+            packed = self.qweight.view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k // 2)
+            nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(n // INT4_PACK_ROWS, INT4_PACK_ROWS * k)
+            q = nibbles[:, int4_pack_order(k)].view(n, k // g, g)  # [n, groups, g] codes 0..15
+        scale = self.scale_zero[..., 0].float()  # [groups, n]
+        low = (self.scale_zero[..., 1].float() - 8 * scale).t().unsqueeze(-1).to(dtype).contiguous()  # [n, groups, 1]
+        return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
+        dense = dense_rule.dense_dtype(x.numel() // self.in_features, x.dtype)
+        if dense is not None and self.out_features % INT4_PACK_ROWS == 0:
+            # a prefill chunk: the kernel's cost grows with rows (it decodes the codes per row
+            # block), one dense GEMM over a transient dequantized copy does not
+            return dense_rule.dense_linear(x, self.unpacked_weight(dense), self.bias)
+        sz = self.scale_zero if self.scale_zero.dtype == x.dtype else self.scale_zero.to(x.dtype)
+        if x.dim() == 2:  # the own forward's [T, in]: no reshapes
+            y = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, sz)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.qweight, self.group, sz)
+            y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}, kernel={self.use_kernel}"

@@ -1,0 +1,59 @@
+"""Model surgery: replace a model's linear layers and input embedding by their quantized forms."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvreuse.models.quant.int4_linear import Int4Linear
+from kvreuse.models.quant.int8_embedding import Int8Embedding
+from kvreuse.models.quant.int8_linear import Int8Linear
+from kvreuse.models.quant.mode import INT4_GROUP, QuantMode, parse_quantization
+
+__all__ = ["quantize_model", "weight_bytes"]
+
+
+def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype) -> nn.Module:
+    if mode is QuantMode.INT4 and linear.in_features % INT4_GROUP == 0:
+        return Int4Linear(linear.weight, linear.bias, act_dtype)
+    return Int8Linear(linear.weight, linear.bias, act_dtype)
+
+
+def quantize_model(model: nn.Module, mode: str | QuantMode, *, act_dtype: torch.dtype) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` of ``model`` by its quantized form.
+
+    Linear layers take ``mode`` (int4 falls back to int8 where ``in_features`` is not a multiple
+    of 32); the output projection (``lm_head``) takes int8 per channel in both modes (its
+    weight is usually the tied embedding, a Q8_0 tensor in GGUFs, and 4-bit there costs quality
+    for little speed); the input embedding, a plain ``nn.Embedding`` or Gemma's scaled one
+    (``embed_scale``), becomes :class:`Int8Embedding`; other embeddings are kept. Scales are stored in
+    ``act_dtype``; call this on the model's device before casting it to ``act_dtype``, with the
+    weights still fp32 so the codes are computed from full-precision values.
+    Returns ``model``. ``mode`` none returns ``model`` untouched.
+    """
+    mode = parse_quantization(mode)
+    if mode is QuantMode.NONE:
+        return model
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        layer_mode = QuantMode.INT8 if linear is out_emb else mode
+        _set_module(model, name, _quantized_linear(linear, layer_mode, act_dtype))
+    if type(in_emb) is nn.Embedding or (isinstance(in_emb, nn.Embedding) and hasattr(in_emb, "embed_scale")):
+        model.set_input_embeddings(Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None)))
+    return model
+
+
+def _set_module(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer storage of ``model`` (tied weights once)."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
