@@ -11,10 +11,10 @@ Every block is in exactly one state::
     in use    ref_count  > 0                  (never evicted; may or may not have a key)
 
 Eviction order: among cached blocks that no other cached block depends on (leaves of the
-prefix tree), the one with the smallest ``policy.sort_key``. Keys live in a lazy heap: an
-entry is valid only while its ``version`` matches the block's, so a hit or a priority
-change just bumps the version (O(1)) and eviction pops stale entries. Every operation is
-O(log n) in the number of blocks (amortised over stale heap entries).
+prefix tree), the one with the smallest ``policy.sort_key``. Keys live in a lazy heap
+(``pool_heaps.py``): an entry is valid only while its ``version`` matches the block's, so a
+hit or a priority change just bumps the version (O(1)) and eviction pops stale entries.
+Every operation is O(log n) in the number of blocks (amortised over stale heap entries).
 
 Retention (TensorRT-LLM semantics, SPEC section 3; ``retention.py``): a block's optional
 ``duration_s`` starts counting when it is *released* (a block in use never expires); once it
@@ -27,15 +27,17 @@ invariant and raises ``RuntimeError``.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from types import MappingProxyType
 
 from kvreuse.cache.eviction import EvictionPolicy, LRUPolicy
 from kvreuse.cache.hashing import BlockHash
-from kvreuse.cache.integrity import check_pool
+from kvreuse.cache.integrity import PoolView, check_pool
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, EvictedBlock, KVBlock  # re-exported: callers import them from here
+from kvreuse.cache.pool_heaps import EvictionHeap, ExpiryHeap
+from kvreuse.cache.prefix_index import PrefixIndex
 from kvreuse.events.records import (
     DEVICE_LEVEL,
     AllBlocksCleared,
@@ -81,20 +83,15 @@ class BlockPool:
         self._events = events
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._free: deque[KVBlock] = deque(self.blocks)
-        self._cached: dict[BlockHash, KVBlock] = {}
-        # cached blocks per parent key, parent cached or not: a lower tier receives a chain
-        # leaf first (device eviction order), so a block may arrive after its children
-        self._children: dict[BlockHash, int] = {}
+        self._index = PrefixIndex()  # registered blocks by key, child and priority counts
         # evicted blocks not yet taken (record_evictions): a lower tier copies them out
         self._evicted: list[EvictedBlock] | None = [] if record_evictions else None
         self._num_cached_free = 0  # registered blocks with ref_count == 0
-        self._heap: list[tuple[tuple, int, int, int]] = []  # (key, seq, version, block_id)
-        self._heap_seq = 0
-        self._expiry: list[tuple[float, int, int]] = []  # (expires_at, version, block_id)
+        self._heap = EvictionHeap()  # cached leaves by policy.sort_key
+        self._expiry = ExpiryHeap()  # released blocks' running durations
         self._tick = 0
         self.num_evictions = 0
         self.evictions_by_priority: dict[int, int] = {}  # priority at eviction -> blocks evicted
-        self._held_by_priority: dict[int, int] = {}  # priority -> registered blocks (in use or not)
         self._emit(CacheCreated({cache_level: num_blocks}))
 
     # ------------------------------------------------------------------ queries
@@ -115,14 +112,14 @@ class BlockPool:
     def blocks_by_priority(self) -> dict[int, int]:
         """Registered blocks (in use or cached) per retention priority, zero counts left out.
         A copy: the caller may keep it."""
-        return {p: n for p, n in sorted(self._held_by_priority.items()) if n}
+        return {p: n for p, n in sorted(self._index.held_by_priority.items()) if n}
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
     def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
         """The registered block with this key, or ``None``. Does not modify the pool."""
-        return self._cached.get(block_hash)
+        return self._index.get(block_hash)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], token_blocks: Sequence[Sequence[int]]) -> list[KVBlock]:
         """The longest run of leading blocks already registered whose stored tokens equal
@@ -132,7 +129,7 @@ class BlockPool:
         """
         hits: list[KVBlock] = []
         for block_hash, tokens in zip(block_hashes, token_blocks):
-            block = self._cached.get(block_hash)
+            block = self._index.get(block_hash)
             if block is None or block.token_ids != tuple(tokens):
                 break
             hits.append(block)
@@ -140,7 +137,7 @@ class BlockPool:
 
     def cached_hashes(self) -> list[KVBlock]:
         """Every registered block (in use or not), for snapshots."""
-        return list(self._cached.values())
+        return list(self._index.blocks.values())
 
     # ------------------------------------------------------------------ mutations
     def acquire(self, blocks: Iterable[KVBlock]) -> None:
@@ -216,7 +213,7 @@ class BlockPool:
         """
         if block.ref_count <= 0:
             raise RuntimeError(f"register of block {block.block_id} that no request holds")
-        existing = self._cached.get(block_hash)
+        existing = self._index.get(block_hash)
         if existing is not None:
             return existing
         if block.block_hash is not None:
@@ -228,15 +225,7 @@ class BlockPool:
         block.priority = priority
         block.duration_s = duration_s
         block.expires_at = None
-        self._cached[block_hash] = block
-        self._held_by_priority[priority] = self._held_by_priority.get(priority, 0) + 1
-        block.num_cached_children = self._children.get(block_hash, 0)
-        if parent_hash is not None:
-            self._children[parent_hash] = self._children.get(parent_hash, 0) + 1
-        parent = self._cached.get(parent_hash) if parent_hash is not None else None
-        if parent is not None:
-            parent.num_cached_children += 1
-            parent.version += 1  # no longer a leaf
+        self._index.add(block)
         self._emit(
             BlocksStored(
                 parent_hash,
@@ -303,15 +292,14 @@ class BlockPool:
 
     def next_expiry(self) -> float | None:
         """Clock time of the earliest pending expiry (it may have been cancelled since), or None."""
-        return self._expiry[0][0] if self._expiry else None
+        return self._expiry.next_expiry()
 
     def expire(self, now: float | None = None) -> int:
         """Drop every released block whose duration has run out back to the default
         priority (``allocate`` calls this before it evicts). Returns how many changed."""
         now = self.clock() if now is None else now
         changed = 0
-        while self._expiry and self._expiry[0][0] <= now:
-            expires_at, version, block_id = heapq.heappop(self._expiry)
+        for expires_at, block_id in self._expiry.pop_due(now):
             block = self.blocks[block_id]
             if block.expires_at != expires_at or block.block_hash is None or block.ref_count:
                 continue
@@ -329,7 +317,7 @@ class BlockPool:
         ``AllBlocksCleared``; that event names no level, so a tier below (another
         ``cache_level``) reports ``BlocksRemoved`` at its level instead."""
         removed = [self._forget(self._pop_victim()) for _ in range(self._num_cached_free)]
-        if not self._cached and self.cache_level == DEVICE_LEVEL:
+        if not self._index.blocks and self.cache_level == DEVICE_LEVEL:
             self._emit(AllBlocksCleared())
         elif removed:
             self._emit(BlocksRemoved(tuple(removed), self.cache_level))
@@ -340,7 +328,14 @@ class BlockPool:
         """Raise ``RuntimeError`` if the bookkeeping is inconsistent: free + cached + in use
         == total, ref counts >= 0, index, children and per-priority counts agree, and no
         block in use has a running duration. O(n): for tests and idle checks."""
-        check_pool(self)
+        check_pool(self.view())
+
+    def view(self) -> PoolView:
+        """The bookkeeping, read-only (``integrity.PoolView``); valid until the pool changes."""
+        return PoolView(num_blocks=self.num_blocks, blocks=tuple(self.blocks), free=tuple(self._free),
+                        cached=MappingProxyType(self._index.blocks), children=MappingProxyType(self._index.children),
+                        held_by_priority=MappingProxyType(self._index.held_by_priority),
+                        num_cached_free=self._num_cached_free)
 
     # ------------------------------------------------------------------ internals
     def _next_tick(self) -> int:
@@ -355,8 +350,7 @@ class BlockPool:
         old = block.priority
         block.priority = priority
         if block.block_hash is not None:
-            self._held_by_priority[old] -= 1
-            self._held_by_priority[priority] = self._held_by_priority.get(priority, 0) + 1
+            self._index.reprioritize(old, priority)
             self._emit(BlockUpdated(block.block_hash, old_priority=old, new_priority=priority))
 
     def _start_expiry(self, block: KVBlock) -> None:
@@ -372,46 +366,25 @@ class BlockPool:
         its expiry into the expiry heap."""
         block.version += 1
         if block.expires_at is not None:
-            heapq.heappush(self._expiry, (block.expires_at, block.version, block.block_id))
+            self._expiry.push(block)
         if block.num_cached_children == 0:
-            self._heap_seq += 1
-            heapq.heappush(self._heap, (self.policy.sort_key(block), self._heap_seq, block.version, block.block_id))
+            self._heap.push(self.policy.sort_key(block), block)
 
     def _pop_victim(self) -> KVBlock:
-        while self._heap:
-            _, _, version, block_id = heapq.heappop(self._heap)
-            block = self.blocks[block_id]
-            if (
-                block.version == version
-                and block.ref_count == 0
-                and block.block_hash is not None
-                and block.num_cached_children == 0
-            ):
-                return block
-        raise RuntimeError("no evictable block although the free count says there is one")
+        return self._heap.pop_victim(self.blocks)
 
     def _unregister(self, block: KVBlock, *, evicted: bool = True) -> None:
         """Remove an unheld cached block from the index (it becomes a bare block).
         ``evicted``: made room under memory pressure (counted); a reset is not."""
         if self._on_evict is not None:
             self._on_evict(block)
-        del self._cached[block.block_hash]  # type: ignore[arg-type]
-        self._held_by_priority[block.priority] -= 1
+        leaf_parent = self._index.remove(block)
         self._num_cached_free -= 1
         if evicted:
             self.num_evictions += 1
             self.evictions_by_priority[block.priority] = self.evictions_by_priority.get(block.priority, 0) + 1
-        if block.parent_hash is not None:
-            left = self._children[block.parent_hash] - 1
-            if left:
-                self._children[block.parent_hash] = left
-            else:
-                del self._children[block.parent_hash]
-        parent = self._cached.get(block.parent_hash) if block.parent_hash is not None else None
-        if parent is not None:
-            parent.num_cached_children -= 1
-            if parent.num_cached_children == 0 and parent.ref_count == 0:
-                self._make_evictable(parent)
+        if leaf_parent is not None and leaf_parent.ref_count == 0:
+            self._make_evictable(leaf_parent)
         block.reset()
 
     def _forget(self, block: KVBlock) -> BlockHash:
