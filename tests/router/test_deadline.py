@@ -24,8 +24,13 @@ MARGIN_S = 0.5  # scheduling slack on a loaded 2-core machine
 
 
 def _event(text: str) -> bytes:
-    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+    chunk = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+    }
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
@@ -43,6 +48,7 @@ def _timed(coro_fn):
             return await coro_fn(), time.monotonic() - start
         except Stalled as exc:
             return exc, time.monotonic() - start
+
     return asyncio.run(run())
 
 
@@ -58,6 +64,7 @@ def test_a_read_that_answers_in_time_returns_its_result():
     async def soon():
         await asyncio.sleep(0.05)
         return b"chunk"
+
     e = Executor("http://a", healthy=True)
     got, took = _timed(lambda: within(soon(), e, since=time.monotonic(), limit_s=2.0, setting="--flag"))
     assert got == b"chunk" and took < 1.0
@@ -81,6 +88,7 @@ def test_a_down_executor_that_still_sends_keeps_its_read():
     async def late():
         await asyncio.sleep(0.3)  # after the mark, within the grace
         return b"chunk"
+
     e = Executor("http://a", healthy=True)
 
     async def scenario():
@@ -91,17 +99,26 @@ def test_a_down_executor_that_still_sends_keeps_its_read():
     assert got == b"chunk"
 
 
-@pytest.mark.parametrize(("first_byte", "progress", "want"), [
-    (300.0, 10.0, Deadlines(300.0, 10.0)), (0.0, 0.0, Deadlines(None, None)), (5.0, 0.0, Deadlines(5.0, None)),
-])
+@pytest.mark.parametrize(
+    ("first_byte", "progress", "want"),
+    [
+        (300.0, 10.0, Deadlines(300.0, 10.0)),
+        (0.0, 0.0, Deadlines(None, None)),
+        (5.0, 0.0, Deadlines(5.0, None)),
+    ],
+)
 def test_flag_values_become_deadlines_zero_meaning_none(first_byte, progress, want):
     assert Deadlines.of(first_byte, progress) == want
 
 
-@pytest.mark.parametrize(("first_byte", "progress", "flag"), [
-    (-1.0, 10.0, "--upstream-first-byte-timeout"), (300.0, float("inf"), "--upstream-progress-timeout"),
-    (float("nan"), 10.0, "--upstream-first-byte-timeout"),
-])
+@pytest.mark.parametrize(
+    ("first_byte", "progress", "flag"),
+    [
+        (-1.0, 10.0, "--upstream-first-byte-timeout"),
+        (300.0, float("inf"), "--upstream-progress-timeout"),
+        (float("nan"), 10.0, "--upstream-first-byte-timeout"),
+    ],
+)
 def test_bad_flag_values_are_refused_naming_the_flag(first_byte, progress, flag):
     with pytest.raises(ValueError, match=f"^{flag} must be a finite number of seconds >= 0"):
         Deadlines.of(first_byte, progress)
@@ -113,16 +130,25 @@ def test_bad_flag_values_are_refused_naming_the_flag(first_byte, progress, flag)
 def _route(handler, names, deadlines, calls, *, migration_limit=0):
     """``calls(http, router)`` against a router app over executors ``names`` answered by
     ``handler(request)`` (async)."""
+
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as upstream:
-            router = Router([Executor(n, healthy=True) for n in names], PromptHasher(None, HashSettings("m", 4, "sha256")),
-                            make_policy("round_robin"), client=upstream, seed=0, migration_limit=migration_limit,
-                            deadlines=deadlines)
+            hasher = PromptHasher(None, HashSettings("m", 4, "sha256"))
+            router = Router(
+                [Executor(n, healthy=True) for n in names],
+                hasher,
+                make_policy("round_robin"),
+                client=upstream,
+                seed=0,
+                migration_limit=migration_limit,
+                deadlines=deadlines,
+            )
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_router_app(router)), base_url="http://r")
             try:
                 return await calls(http, router)
             finally:
                 await http.aclose()
+
     return asyncio.run(scenario())
 
 
@@ -144,8 +170,9 @@ STREAM = {"prompt": [1, 2, 3], "max_tokens": 8, "stream": True}
 
 def test_a_stream_that_stalls_mid_response_ends_with_the_error_event_at_the_deadline():
     async def handler(request):
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Chunks([_event("Hello"), _event(" wor")]))
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Chunks([_event("Hello"), _event(" wor")])
+        )
 
     async def calls(http, router):
         start = time.monotonic()
@@ -153,12 +180,15 @@ def test_a_stream_that_stalls_mid_response_ends_with_the_error_event_at_the_dead
         return raw, time.monotonic() - start, router
 
     raw, took, router = _route(handler, ["http://a"], Deadlines(60.0, 0.4), calls)
-    message = ("the executor serving this stream (http://a) failed mid-response: it sent no byte for 0.4 s "
-               "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
-               "(--migration-limit 0); the output is incomplete")
+    message = (
+        "the executor serving this stream (http://a) failed mid-response: it sent no byte for 0.4 s "
+        "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
+        "(--migration-limit 0); the output is incomplete"
+    )
     error = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
     assert raw.status_code == 200
-    assert raw.content == _event("Hello") + _event(" wor") + b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
+    error_event = b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
+    assert raw.content == _event("Hello") + _event(" wor") + error_event
     assert 0.4 <= took < 0.4 + MARGIN_S
     e = router.executors["http://a"]
     assert not e.healthy and e.last_error == "a stream stalled: it sent no byte for 0.4 s (--upstream-progress-timeout)"
@@ -177,20 +207,27 @@ def test_a_stream_whose_executor_is_marked_down_ends_a_grace_after_the_mark():
 
     raw, took = _route(handler, ["http://a"], Deadlines(60.0, 60.0, down_grace_s=0.2), calls)
     assert raw.content.startswith(_event("Hi") + b'data: {"error":')
-    assert ("failed mid-response: it was marked down (/health answered 503) and sent no byte for 0.2 s after; "
-            "it could not be continued") in raw.text
+    assert (
+        "failed mid-response: it was marked down (/health answered 503) and sent no byte for 0.2 s after; "
+        "it could not be continued"
+    ) in raw.text
     assert 0.5 <= took < 0.5 + MARGIN_S
 
 
 def _answering_b(hang_a):
     """Executor a hangs (``hang_a``: before its headers); b answers a short stream or JSON."""
+
     async def handler(request):
         if request.url.host == "a":
             await hang_a()
         if json.loads(request.content).get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  stream=_Chunks([_event("from b") + b"data: [DONE]\n\n"], stall=False))
+            return httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream"},
+                stream=_Chunks([_event("from b") + b"data: [DONE]\n\n"], stall=False),
+            )
         return httpx.Response(200, json={"choices": [{"text": "from b"}]})
+
     return handler
 
 
@@ -217,8 +254,7 @@ def test_a_non_streamed_request_has_no_first_byte_deadline_but_moves_when_its_ex
         return raw, time.monotonic() - start
 
     # the first-byte deadline (0.2 s) is a stream's: the wait lasts until the mark (0.8 s) and its grace
-    raw, took = _route(_answering_b(_forever), ["http://a", "http://b"], Deadlines(0.2, 60.0, down_grace_s=0.2),
-                       calls)
+    raw, took = _route(_answering_b(_forever), ["http://a", "http://b"], Deadlines(0.2, 60.0, down_grace_s=0.2), calls)
     assert raw.status_code == 200 and raw.json() == {"choices": [{"text": "from b"}]}
     assert raw.headers["x-kvreuse-executor"] == "http://b"
     assert 1.0 <= took < 1.0 + MARGIN_S

@@ -24,8 +24,9 @@ MAX_TOKENS = 300  # ~3 s of decoding here: the stop lands mid-reply
 PROGRESS_S = 2.0
 MIGRATION_S = 6.0  # a continuation's prefill on the survivor, on a loaded 2-core machine
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
-BODIES = [("/v1/completions", {"prompt": " ".join(f"hung executor {i} sentence {j};" for j in range(10))})
-          for i in range(2)] + [("/v1/chat/completions", {"messages": [{"role": "user", "content": "a chat " * 20}]})]
+BODIES = [
+    ("/v1/completions", {"prompt": " ".join(f"hung executor {i} sentence {j};" for j in range(10))}) for i in range(2)
+] + [("/v1/chat/completions", {"messages": [{"role": "user", "content": "a chat " * 20}]})]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,40 @@ def cluster(tmp_path_factory):
         for url in urls:
             wait_healthy(url, list(execs.values()), timeout=300)
         # probes once at start, then every 600 s: only the deadline can notice the stop
-        routers.append(router(names["deadline"], urls, logs, "--routing-policy", "round_robin", "--health-interval",
-                              "600", "--upstream-progress-timeout", str(PROGRESS_S)).start())
+        routers.append(
+            router(
+                names["deadline"],
+                urls,
+                logs,
+                "--routing-policy",
+                "round_robin",
+                "--health-interval",
+                "600",
+                "--upstream-progress-timeout",
+                str(PROGRESS_S),
+            ).start()
+        )
         # the deadline is far: the health probe (every 0.3 s, 2 s timeout) notices the stop
-        routers.append(router(names["health"], urls, logs, "--routing-policy", "round_robin",
-                              "--upstream-progress-timeout", "120").start())
-        routers.append(router(names["off"], urls, logs, "--routing-policy", "round_robin", "--health-interval",
-                              "600", "--upstream-progress-timeout", str(PROGRESS_S), "--migration-limit", "0").start())
+        routers.append(
+            router(
+                names["health"], urls, logs, "--routing-policy", "round_robin", "--upstream-progress-timeout", "120"
+            ).start()
+        )
+        routers.append(
+            router(
+                names["off"],
+                urls,
+                logs,
+                "--routing-policy",
+                "round_robin",
+                "--health-interval",
+                "600",
+                "--upstream-progress-timeout",
+                str(PROGRESS_S),
+                "--migration-limit",
+                "0",
+            ).start()
+        )
         state = {"execs": execs, **{k: f"http://127.0.0.1:{p}" for k, p in names.items()}}
         for name in names:
             wait_healthy(state[name], [*execs.values(), *routers], all_of=2)
@@ -92,6 +120,7 @@ def _stop_one_mid_reply(cluster, url: str, requests: list) -> tuple[str, list, f
                 progress[i] = (served_by, n)
                 if len(progress) == len(requests) and all(k >= 3 for _, k in progress.values()):
                     started.set()
+
         return seen
 
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -119,7 +148,7 @@ def test_a_stopped_executors_stream_moves_and_ends_with_the_uninterrupted_reply(
     victim, results, _ = _stop_one_mid_reply(cluster, url, BODIES)
     moved = [i for i, (served_by, _, _) in enumerate(results) if served_by == victim]
     assert 0 in moved
-    for (path, body), ref, (_, events, gap) in zip(BODIES, reference, results):
+    for (_, body), ref, (_, events, _) in zip(BODIES, reference, results):
         assert _text(events, "messages" in body) == ref  # [DONE], no error event, the same greedy text
     gaps = [results[i][2] for i in moved]
     # the deadline router waits its deadline; the health router the probe's 2 s timeout and a 1 s grace
@@ -136,6 +165,7 @@ def test_without_migration_a_stopped_executors_stream_ends_with_the_error_event_
     assert error["code"] == "executor_failed" and error["message"] == (
         f"the executor serving this stream ({victim}) failed mid-response: it sent no byte for {PROGRESS_S:g} s "
         "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
-        "(--migration-limit 0); the output is incomplete")
+        "(--migration-limit 0); the output is incomplete"
+    )
     assert PROGRESS_S <= gap < PROGRESS_S + 2.0
     assert _text(results[1][1], False)  # the other executor's stream is whole

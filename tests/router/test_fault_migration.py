@@ -14,13 +14,29 @@ import httpx
 
 from kvreuse.router.deadline import Deadlines
 
-from .test_migration import CHAT, COMPLETION, _counts, _events, _Executors, _post, _reply, _scenario
-from .test_migration import executor_app  # noqa: F401 - the module's fixture
+from .test_migration import (
+    CHAT,
+    COMPLETION,
+    _counts,
+    _events,
+    _Executors,
+    _post,
+    _reply,
+    _scenario,
+    executor_app,  # noqa: F401 - the module's fixture
+)
 
-ENGINE_ERROR = {"error": {"message": "engine step failed: RuntimeError('boom')", "type": "internal_server_error",
-                          "param": None, "code": None}}
-REQUEST_ERROR = {"error": {"message": "top_p: must be > 0", "type": "invalid_request_error", "param": "top_p",
-                           "code": None}}
+ENGINE_ERROR = {
+    "error": {
+        "message": "engine step failed: RuntimeError('boom')",
+        "type": "internal_server_error",
+        "param": None,
+        "code": None,
+    }
+}
+REQUEST_ERROR = {
+    "error": {"message": "top_p: must be > 0", "type": "invalid_request_error", "param": "top_p", "code": None}
+}
 
 
 def _sse(body: dict) -> bytes:
@@ -60,8 +76,11 @@ class _Faulting(_Executors):
         if kind == "stall":
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Body(kept, stall=True))
         error = ENGINE_ERROR if kind == "error" else REQUEST_ERROR
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Body(kept + _sse(error) + b"data: [DONE]\n\n", stall=False))
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=_Body(kept + _sse(error) + b"data: [DONE]\n\n", stall=False),
+        )
 
 
 def _reference(app, body, path, chat):
@@ -72,8 +91,13 @@ def _reference(app, body, path, chat):
 def test_a_stream_that_stalls_is_continued_at_the_deadline_to_the_uninterrupted_reply(executor_app):  # noqa: F811
     reference = _reference(executor_app, CHAT, "/v1/chat/completions", True)
     start = time.monotonic()
-    raw, transport, router = _scenario(executor_app, _post(CHAT, "/v1/chat/completions"), cuts=[("stall", 4)],
-                                       transport_type=_Faulting, deadlines=Deadlines(60.0, 0.5))
+    raw, transport, router = _scenario(
+        executor_app,
+        _post(CHAT, "/v1/chat/completions"),
+        cuts=[("stall", 4)],
+        transport_type=_Faulting,
+        deadlines=Deadlines(60.0, 0.5),
+    )
     assert time.monotonic() - start >= 0.5
     assert _reply(_events(raw), True) == reference
     assert _counts(router) == {"continued": 1.0}
@@ -86,8 +110,9 @@ def test_a_stream_that_stalls_is_continued_at_the_deadline_to_the_uninterrupted_
 def test_an_engine_error_event_mid_stream_is_continued_to_the_uninterrupted_reply(executor_app):  # noqa: F811
     reference = _reference(executor_app, COMPLETION, "/v1/completions", False)
     for n in (0, 3):  # before any event (the request again) and mid-reply (a continuation)
-        raw, transport, router = _scenario(executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("error", n)],
-                                           transport_type=_Faulting)
+        raw, transport, router = _scenario(
+            executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("error", n)], transport_type=_Faulting
+        )
         assert _reply(_events(raw), False) == reference, n  # the engine's error never reaches the client
         assert _counts(router) == {"continued": 1.0}
         first = transport.streams[0][0]
@@ -95,8 +120,9 @@ def test_an_engine_error_event_mid_stream_is_continued_to_the_uninterrupted_repl
 
 
 def test_an_error_event_the_request_caused_ends_the_stream_as_sent(executor_app):  # noqa: F811
-    raw, transport, router = _scenario(executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("request", 3)],
-                                       transport_type=_Faulting)
+    raw, transport, router = _scenario(
+        executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("request", 3)], transport_type=_Faulting
+    )
     events = _events(raw)
     assert events[-2:] == [REQUEST_ERROR, "[DONE]"] and len(events) == 5
     assert len(transport.streams) == 1 and _counts(router) == {}
@@ -104,8 +130,9 @@ def test_an_error_event_the_request_caused_ends_the_stream_as_sent(executor_app)
 
 def test_an_engine_500_is_retried_and_a_400_is_passed_straight_through(executor_app):  # noqa: F811
     reference = _reference(executor_app, COMPLETION, "/v1/completions", False)
-    raw, transport, router = _scenario(executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("500", 0)],
-                                       transport_type=_Faulting)
+    raw, transport, router = _scenario(
+        executor_app, _post(COMPLETION, "/v1/completions"), cuts=[("500", 0)], transport_type=_Faulting
+    )
     assert _reply(_events(raw), False) == reference
     (first, *_), (second, *_) = transport.streams
     assert first == "http://a" and second != first and router.num_retries == 1
@@ -115,8 +142,10 @@ def test_an_engine_500_is_retried_and_a_400_is_passed_straight_through(executor_
         r = await http.post("/v1/completions", json={**COMPLETION, "stream": False})
         return r.status_code, r.json()
 
-    for faults, answer, asked in (([("400", 0)], (400, REQUEST_ERROR), 1),  # the request's: not retried
-                                  ([("500", 0)] * 4, (500, ENGINE_ERROR), 4)):  # every executor's: the last one's words
+    for faults, answer, asked in (
+        ([("400", 0)], (400, REQUEST_ERROR), 1),  # the request's: not retried
+        ([("500", 0)] * 4, (500, ENGINE_ERROR), 4),
+    ):  # every executor's: the last one's words
         got, transport, router = _scenario(executor_app, call, cuts=faults, transport_type=_Faulting)
         assert got == answer and len(transport.streams) == asked
         assert router.num_retries == (0 if asked == 1 else 4)  # each executor's 500 counts

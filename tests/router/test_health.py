@@ -18,14 +18,21 @@ URLS = ("http://10.1.2.3:8001", "http://10.1.2.4:8002")
 
 def _get(requests, *, healthy=(True, False), api_key=None):
     """``[(path, key or None)]`` -> responses of a router app over two executors."""
+
     async def scenario():
         executors = [Executor(u, healthy=h) for u, h in zip(URLS, healthy)]
         executors[1].last_error = f"connection failed: {URLS[1]} refused"
-        router = Router(executors, PromptHasher(None, HashSettings("m", 4, "sha256")), make_policy("kv"),
-                        client=httpx.AsyncClient(), seed=0)
+        router = Router(
+            executors,
+            PromptHasher(None, HashSettings("m", 4, "sha256")),
+            make_policy("kv"),
+            client=httpx.AsyncClient(),
+            seed=0,
+        )
         app = build_router_app(router, api_key=api_key)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
             return [await c.get(p, headers={"authorization": f"Bearer {k}"} if k else {}) for p, k in requests]
+
     return asyncio.run(scenario())
 
 
@@ -44,8 +51,10 @@ def test_health_stays_open_and_addressless_with_keys():
 
 
 def test_the_executors_route_names_them_for_an_admin_key_only():
-    admin, tenant, none = _get([("/v1/route/executors", "admin"), ("/v1/route/executors", "tkey"),
-                                ("/v1/route/executors", None)], api_key=["admin", "tkey:alpha"])
+    admin, tenant, none = _get(
+        [("/v1/route/executors", "admin"), ("/v1/route/executors", "tkey"), ("/v1/route/executors", None)],
+        api_key=["admin", "tkey:alpha"],
+    )
     assert [e["url"] for e in admin.json()["executors"]] == list(URLS)
     assert [e["healthy"] for e in admin.json()["executors"]] == [True, False]
     assert admin.json()["executors"][1]["last_error"] == f"connection failed: {URLS[1]} refused"

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvreuse.router.app import build_router_app
-from kvreuse.router.deadline import Deadlines
+from kvreuse.router.deadline import DEFAULT_DEADLINES
 from kvreuse.router.executors import Executor
 from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import PromptHasher
@@ -82,7 +82,7 @@ def _tokenizer(info):
 
 
 def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None, transport_type=None,
-              deadlines=Deadlines()):
+              deadlines=DEFAULT_DEADLINES):
     """Run ``calls(http, client)`` against a fresh router over ``executors`` whose streams are
     cut as ``cuts`` says (``api_key``, ``limiter``: the router app's; ``transport_type``: an
     ``_Executors`` that cuts otherwise; ``deadlines``: the router's); returns (what calls

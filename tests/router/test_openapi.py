@@ -19,13 +19,19 @@ ROUTED = ("/v1/completions", "/v1/chat/completions")
 
 
 def _router_spec() -> dict:
-    router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
-                    make_policy("kv"), client=httpx.AsyncClient(), seed=0)
+    router = Router(
+        [Executor("http://a", healthy=True)],
+        PromptHasher(None, HashSettings("m", 4, "sha256")),
+        make_policy("kv"),
+        client=httpx.AsyncClient(),
+        seed=0,
+    )
 
     async def get():
         app = build_router_app(router)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
             return (await c.get("/openapi.json")).json()
+
     return asyncio.run(get())
 
 
@@ -52,10 +58,43 @@ def test_the_routed_bodies_are_the_executors_models_schema_for_schema():
 def test_explain_takes_either_body_and_the_other_routes_stay_described():
     spec = _router_spec()
     body = spec["paths"]["/v1/route/explain"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert sorted(s["$ref"] for s in body["anyOf"]) == ["#/components/schemas/ChatCompletionRequest",
-                                                        "#/components/schemas/CompletionRequest"]
+    assert sorted(s["$ref"] for s in body["anyOf"]) == [
+        "#/components/schemas/ChatCompletionRequest",
+        "#/components/schemas/CompletionRequest",
+    ]
     assert {p: sorted(ops) for p, ops in spec["paths"].items()} == {
-        "/v1/completions": ["post"], "/v1/chat/completions": ["post"], "/v1/route/explain": ["post"],
-        "/v1/models": ["get"], "/health": ["get"], "/metrics": ["get"], "/v1/route/executors": ["get"],
+        "/v1/completions": ["post"],
+        "/v1/chat/completions": ["post"],
+        "/v1/route/explain": ["post"],
+        "/v1/models": ["get"],
+        "/health": ["get"],
+        "/metrics": ["get"],
+        "/v1/route/executors": ["get"],
     }
     assert spec["paths"]["/v1/completions"]["post"]["operationId"] == "completions_v1_completions_post"
+
+
+def test_docs_and_redoc_answer_as_openapi_json_does():
+    router = Router(
+        [Executor("http://a", healthy=True)],
+        PromptHasher(None, HashSettings("m", 4, "sha256")),
+        make_policy("kv"),
+        client=httpx.AsyncClient(),
+        seed=0,
+    )
+
+    async def get():
+        app = build_router_app(router, api_key="key")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
+            return {
+                (p, k): (await c.get(p, headers={"authorization": "Bearer key"} if k else {}))
+                for p in ("/openapi.json", "/docs", "/redoc")
+                for k in (False, True)
+            }
+
+    got = asyncio.run(get())
+    for with_key, status in ((False, 401), (True, 200)):
+        assert {p: r.status_code for (p, k), r in got.items() if k is with_key} == dict.fromkeys(
+            ("/openapi.json", "/docs", "/redoc"), status
+        )
+    assert '"CompletionRequest"' in got[("/docs", True)].text  # the description is in the page

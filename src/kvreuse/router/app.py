@@ -27,7 +27,8 @@ and corrected to the usage the executor answers with. A refusal is the executor'
 ``Retry-After`` included, and reaches no executor.
 
 ``/openapi.json`` describes the request bodies with the executor's models
-(``kvreuse.router.openapi``); the routes still forward the client's bytes.
+(``kvreuse.router.openapi``); the routes still forward the client's bytes. ``/docs`` and
+``/redoc`` show it as the executor's do, and answer as ``/openapi.json`` does.
 
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
@@ -56,6 +57,7 @@ from kvreuse.api.middleware import (
 )
 from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
 from kvreuse.router.openapi import install_openapi
+from kvreuse.server import docs_routes
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
@@ -86,6 +88,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     app = FastAPI(title="kvreuse router", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.router = router
     install_openapi(app)  # the request bodies described with the executor's models
+    app.include_router(docs_routes.router)  # /docs, /redoc: the executor's pages, guarded as /openapi.json is
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:

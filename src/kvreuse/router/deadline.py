@@ -68,8 +68,18 @@ class Deadlines:
         return cls(first_byte_s or None, progress_s or None)
 
 
-async def within(aw: Awaitable[T], executor: Executor, *, since: float, limit_s: float | None, setting: str,
-                 grace_s: float = DOWN_GRACE_S) -> T:
+DEFAULT_DEADLINES = Deadlines()
+
+
+async def within(
+    aw: Awaitable[T],
+    executor: Executor,
+    *,
+    since: float,
+    limit_s: float | None,
+    setting: str,
+    grace_s: float = DOWN_GRACE_S,
+) -> T:
     """``await aw`` (a read from ``executor``), unless ``limit_s`` passes from ``since`` (a
     ``time.monotonic()``: the last byte, or the request's sending) or ``executor`` is marked
     down and ``grace_s`` passes without the result. Then ``aw`` is cancelled (and waited
@@ -84,8 +94,9 @@ async def within(aw: Awaitable[T], executor: Executor, *, since: float, limit_s:
             if down_seen is not None:
                 ends.append(max(since, down_seen) + grace_s)
             timeout = None if not ends else max(0.0, min(ends) - time.monotonic())
-            await asyncio.wait({task} if down_seen is not None else {task, down}, timeout=timeout,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {task} if down_seen is not None else {task, down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             if task.done():
                 return task.result()
             now = time.monotonic()
@@ -95,8 +106,10 @@ async def within(aw: Awaitable[T], executor: Executor, *, since: float, limit_s:
             if limit_s is not None and now >= since + limit_s:
                 raise Stalled(f"it sent no byte for {limit_s:g} s ({setting})", timed_out=True)
             if down_seen is not None and now >= max(since, down_seen) + grace_s:
-                raise Stalled(f"it was marked down ({executor.last_error}) and sent no byte for {grace_s:g} s after",
-                              timed_out=False)
+                raise Stalled(
+                    f"it was marked down ({executor.last_error}) and sent no byte for {grace_s:g} s after",
+                    timed_out=False,
+                )
     finally:
         down.cancel()
         if not task.done():

@@ -44,12 +44,15 @@ def install_openapi(app: FastAPI) -> None:
     """Make ``app.openapi()`` describe the routed endpoints' bodies with the executor's
     models (the app's other routes as they are)."""
     twins = _stand_ins()
-    replaced = {(r.path, m) for r in twins for m in r.methods}
+    replaced = {(r.path, m) for r in twins for m in r.methods or ()}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            own = [r for r in app.routes
-                   if not (isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods))]
+            own = [
+                r
+                for r in app.routes
+                if not (isinstance(r, APIRoute) and any((r.path, m) in replaced for m in r.methods or ()))
+            ]
             app.openapi_schema = get_openapi(title=app.title, version=app.version, routes=[*twins, *own])
         return app.openapi_schema
 

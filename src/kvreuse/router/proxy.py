@@ -13,8 +13,8 @@ then on.
 
 A stream that breaks after that (the connection drops, it closes without
 ``data: [DONE]``, or it sends no byte for ``--upstream-progress-timeout`` or for a second
-after its executor is marked down: ``kvreuse.router.deadline``) is continued on another executor from what the client has
-(``kvreuse.router.migration``, up to ``Router.migration_limit`` executors). With
+after its executor is marked down: ``kvreuse.router.deadline``) is continued on another
+executor from what the client has (``kvreuse.router.migration``, up to ``Router.migration_limit`` executors). With
 ``--migration-limit 0``, or when it cannot be continued, it ends with the whole events
 received so far, then one OpenAI-style error event, ``data: {"error": {"message": ...,
 "code": "executor_failed"}}``, which the official client raises as an ``APIError``; the

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvreuse.router.deadline import Deadlines
+from kvreuse.router.deadline import DEFAULT_DEADLINES, Deadlines
 from kvreuse.router.executors import (
     Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
 )
@@ -58,7 +58,7 @@ class Router:
     def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
                  client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
                  executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, deadlines: Deadlines = Deadlines()) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
         self.executors = {e.name: e for e in executors}
         # how long an upstream read may wait (kvreuse.router.deadline)
         self.deadlines = deadlines

@@ -3,10 +3,11 @@ non-streamed request, or a streamed one whose first chunk has arrived (``Upstrea
 
 ``send`` raises ``Retry`` when nothing reached the client yet and another executor may
 take the request (the connection is refused or breaks, the executor answers 502/503/504 or
-a 500 that is not the request's fault (``executor_fault``), a stream ends before its first byte, or a wait passes its deadline: ``kvreuse.router.deadline``);
-an executor that refuses or drops a connection, or misses a deadline, is marked down at
-once. It raises ``ClientGone`` when the client disconnects first: the upstream request is
-closed, which makes the executor abort it and free its blocks.
+a 500 that is not the request's fault (``executor_fault``), a stream ends before its first
+byte, or a wait passes its deadline: ``kvreuse.router.deadline``); an executor that refuses
+or drops a connection, or misses a deadline, is marked down at once. It raises
+``ClientGone`` when the client disconnects first: the upstream request is closed, which
+makes the executor abort it and free its blocks.
 
 After the first chunk, ``Upstream.chunks`` waits at most the progress deadline for each
 next one (and ends the wait once its executor is marked down and silent): it raises
@@ -23,7 +24,14 @@ from typing import TypeVar
 import httpx
 from fastapi.responses import Response
 
-from kvreuse.router.deadline import FIRST_BYTE_SETTING, PROGRESS_SETTING, Deadlines, Stalled, within
+from kvreuse.router.deadline import (
+    DEFAULT_DEADLINES,
+    FIRST_BYTE_SETTING,
+    PROGRESS_SETTING,
+    Deadlines,
+    Stalled,
+    within,
+)
 from kvreuse.router.executors import Executor
 from kvreuse.router.sse import EventSplitter, payload
 
@@ -105,7 +113,7 @@ class Upstream:
     place until ``close`` (idempotent), which also closes the connection."""
 
     def __init__(self, executor: Executor, resp: httpx.Response, first: bytes, rest: AsyncIterator[bytes],
-                 blocks: int, deadlines: Deadlines = Deadlines()) -> None:
+                 blocks: int, deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
         self.executor, self.resp, self.blocks = executor, resp, blocks
         self.status_code = resp.status_code
         self.content_type = resp.headers.get("content-type", "text/event-stream")
@@ -151,7 +159,7 @@ class Upstream:
 
 async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
                blocks: int, gone: asyncio.Future | None, *, stream: bool = True,
-               deadlines: Deadlines = Deadlines()) -> Response | Upstream:
+               deadlines: Deadlines = DEFAULT_DEADLINES) -> Response | Upstream:
     """``executor``'s response to ``raw`` at ``path``. Raises ``Retry`` or ``ClientGone``
     (``executor.end`` is then the caller's); a returned ``Response`` has ended its place,
     an ``Upstream`` ends it when closed. ``stream``: ``raw`` asks for a stream, so its
