@@ -1,16 +1,20 @@
 """TensorRT-LLM retention: per-block priorities, validation, and the pool's retention rules
 (expiry at release + duration, reuse overwrite, lowest priority first, leaves only), with
-exact block ids and eviction order and ``check_integrity`` after every step."""
+exact block ids and eviction order and ``check_integrity`` after every step; and retention typed
+from the edge to the sequence."""
 
 import pytest
 
+from kvreuse import LLM, SamplingParams
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, BlockPool
 from kvreuse.cache.eviction import PriorityPolicy
 from kvreuse.cache.hashing import hash_token_blocks
 from kvreuse.cache.retention import (
     KvCacheRetentionConfig,
     TokenRangeRetentionConfig,
+    as_retention,
     block_priorities,
+    checked_retention,
     decode_duration_ms,
     decode_retention_priority,
     ranges_from_message_boundaries,
@@ -274,3 +278,38 @@ def test_set_retention_on_a_cached_block_restarts_its_duration():
     assert a[0].expires_at == 4.0
     with pytest.raises(RuntimeError):
         pool.set_retention(pool.blocks[1], 60, None)  # never registered
+
+
+# Retention is typed from the edge to the sequence: ``LLM.generate`` converts the JSON form
+# once (``as_retention``); the engine takes a ``KvCacheRetentionConfig`` or ``None`` and
+# refuses anything else before it queues the request.
+def test_checked_retention_passes_a_config_or_none_and_refuses_the_rest():
+    config = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 8, 80)])
+    assert checked_retention(config) is config
+    assert checked_retention(None) is None
+    with pytest.raises(ValueError) as info:
+        checked_retention({"decode_retention_priority": 10})  # type: ignore[arg-type]
+    assert str(info.value) == ("kv_cache_retention_config: expected a KvCacheRetentionConfig, got dict "
+                               "(convert the JSON form with kvreuse.cache.retention.as_retention)")
+
+
+def test_as_retention_converts_the_json_form_once():
+    config = as_retention({"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
+                           "decode_retention_priority": 10})
+    assert config == KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 8, 80)], 10)
+    assert as_retention(config) is config and as_retention(None) is None
+
+
+def test_the_engine_refuses_the_json_form_before_queueing(tiny_llama):
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="^kv_cache_retention_config: expected a KvCacheRetentionConfig, got dict"):
+        engine.add_request("json", list(range(1, 13)), SamplingParams(max_tokens=1),
+                           retention={"decode_retention_priority": 10})  # type: ignore[arg-type]
+    assert not engine.has_unfinished_requests()
+    engine.pool.check_integrity()
+    assert engine.pool.num_used_blocks == 0
+    # the same mapping through the edge (LLM.generate) is converted and applied
+    llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1, temperature=0),
+                 retention={"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}]})
+    assert engine.pool.blocks_by_priority() == {80: 2, 35: 1}
