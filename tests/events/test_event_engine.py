@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from kvreuse.events.buffer import EventBuffer
-from kvreuse.events.records import BlocksRemoved, KVSnapshot, event_from_json
 from kvreuse.events.publisher import ZmqEventPublisher
+from kvreuse.events.records import BlocksRemoved, KVSnapshot, event_from_json
 from tests.events.event_helpers import CacheMirror, engine_thread_snapshot
-from tests.events.test_event_routes import Server, read_sse
+from tests.server.test_events_routes import Server, read_sse
 from tests.events.test_zmq_events import SUBSCRIBER
 
 BS = 16

@@ -7,7 +7,7 @@ backend (``encode_special_tokens``): every call sets it, then encodes with it, a
 releases the GIL. The tests put another thread's tokenizer call exactly between the two (a
 proxy of the backend parks the first encode until the other call has run), the interleaving
 that made a request overlapping a schema registration get its role markers split into text
-(24 new tokens instead of 12, tests/server/test_schema_slices.py)."""
+(24 new tokens instead of 12, tests/server/test_schema_routes.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """PML modules served from the block pool (tiny models): exactness against the prefix cache,
 positions of union members and arguments as the engine runs them, eviction and recompute,
-persistence to a schema dir, and bad prompts leaving the pool intact."""
+persistence to a schema dir, and bad prompts leaving the pool intact; last, one module as the
+whole prefix on the default model (SmolLM2-135M, fp32) gives the prefix cache's logits."""
 
 import pytest
 import torch
@@ -582,3 +583,37 @@ def test_a_repaired_pml_request_counts_its_copies_beside_what_the_modules_keep(t
     assert outs and outs[-1].finished and outs[-1].num_recomputed_tokens > 0
     llm.engine.check_integrity()
     assert llm.engine.pool.num_used_blocks == 0
+
+
+# PML exactness on the default model (SmolLM2-135M, fp32): a prompt selecting one module
+# used as a plain prefix gives the prefix cache's logits (<= 1e-4) at every step.
+KELL_DOC = ("The observatory on Mount Kell was built in 1911 by the engineer Ada Varga. Its main telescope has a "
+            "mirror of 1.2 metres and is used every clear night from October to March. ") * 3
+# The module is the whole prefix: a module attends only to itself (and its scaffolds), so
+# anything before it in the schema (a system turn) would not be seen, unlike a plain prefix.
+KELL_SCHEMA = f'<schema name="kell"><module name="doc">{KELL_DOC}</module></schema>'
+KELL_PROMPT = '<prompt schema="kell"><doc/> Question: who built the observatory? Answer:</prompt>'
+
+
+def test_single_module_matches_prefix_cache_on_default_model(default_model):
+    params = SamplingParams(max_tokens=4, temperature=0)
+    pml = LLM(loaded=default_model, kv_cache_memory_gib=0.05)
+    pml.register_schema(KELL_SCHEMA)
+    schema = pml.engine.modules.schemas["kell"]
+    prepared = pml.engine.modules.prepare(KELL_PROMPT)
+    pml.engine.pool.release(reversed(prepared.context.blocks))
+    prefix = list(schema.module("").stored_token_ids) + list(schema.module("doc").stored_token_ids)
+    plain = prefix + prepared.token_ids
+    assert prepared.position_ids == list(range(len(prefix), len(plain)))
+    spy = LogitsSpy(pml)
+    out = pml.generate(KELL_PROMPT, params)[0]
+    assert out.num_cached_tokens == len(prefix)
+
+    ref = LLM(loaded=default_model, kv_cache_memory_gib=0.05)
+    ref.generate(plain, params)
+    ref_spy = LogitsSpy(ref)
+    again = ref.generate(plain, params)[0]
+    assert again.num_cached_tokens >= len(prefix) - 16
+    assert again.token_ids == out.token_ids
+    for a, b in zip(spy.rows, ref_spy.rows, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
