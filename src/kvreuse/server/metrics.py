@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import RequestOutput
+    from kvreuse.engine.outputs import EngineStats
 
 # vLLM's TTFT buckets, trimmed; CPU prefill of long prompts runs into seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -91,17 +92,14 @@ class _EngineCollector(Collector):
         for priority, count in sorted(s.blocks_by_priority.items()):
             held.add_metric([*values, str(priority)], count)
         yield held
-        # Fields newer engines report; absent ones are simply not exported.
-        if (preemptions := getattr(s, "num_preemptions", None)) is not None:
-            yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).",
-                          preemptions)
-        if (computed := getattr(s, "tokens_computed", None)) is not None:
-            yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill, decode and PML module "
-                          "precompute).", computed)
-        if (drafted := getattr(s, "spec_decode_num_draft_tokens", None)) is not None:
-            yield counter("kvreuse:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens verified.", drafted)
-            yield counter("kvreuse:spec_decode_num_accepted_tokens", "Of the draft tokens verified, those accepted.",
-                          s.spec_decode_num_accepted_tokens)
+        yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).",
+                      s.num_preemptions)
+        yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill, decode and PML module "
+                      "precompute).", s.tokens_computed)
+        yield counter("kvreuse:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens verified.",
+                      s.spec_decode_num_draft_tokens)
+        yield counter("kvreuse:spec_decode_num_accepted_tokens", "Of the draft tokens verified, those accepted.",
+                      s.spec_decode_num_accepted_tokens)
         if self._event_buffer is not None:
             events = self._event_buffer.stats()
             yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
@@ -109,25 +107,25 @@ class _EngineCollector(Collector):
             yield gauge("kvreuse:kv_events_last_id", "Id of the newest KV event.", events["last_event_id"])
         refused = CounterMetricFamily("kvreuse:schema_store_refused", "Schema-dir files refused (recomputed), by reason.",
                                       labels=[*labels, "reason"])
-        for reason, n in sorted((getattr(s, "schema_store_refused", None) or {}).items()):
+        for reason, n in sorted(s.schema_store_refused.items()):
             refused.add_metric([*values, reason], n)
         yield refused
         filled = CounterMetricFamily("kvreuse:schema_modules_filled", "PML modules put into the pool, by source "
                                      "(computed, or loaded from --schema-dir).", labels=[*labels, "source"])
-        for source, n in sorted((getattr(s, "schema_modules_filled", None) or {}).items()):
+        for source, n in sorted(s.schema_modules_filled.items()):
             filled.add_metric([*values, source], n)
         yield filled
         yield counter("kvreuse:schema_precompute_slices", "Engine steps that ran a slice of a schema registration.",
-                      getattr(s, "schema_slices", 0))
+                      s.schema_slices)
         yield gauge("kvreuse:schemas_registering", "Schema registrations queued or being precomputed.",
-                    getattr(s, "schemas_registering", 0))
+                    s.schemas_registering)
         yield counter("kvreuse:seam_repair_tokens", "Assembled tokens (PML modules, documents) recomputed by seam "
-                      "repair (--blend-*, a request's blend).", getattr(s, "seam_repair_tokens", 0))
+                      "repair (--blend-*, a request's blend).", s.seam_repair_tokens)
         yield counter("kvreuse:document_tokens_computed", "Document tokens run through the model (chat messages "
                       "marked kvreuse.document, completions documents), with the text they are encoded after.",
-                      getattr(s, "document_tokens_computed", 0))
+                      s.document_tokens_computed)
         yield counter("kvreuse:document_tokens_reused", "Document tokens found cached when a request acquired its "
-                      "documents.", getattr(s, "document_tokens_reused", 0))
+                      "documents.", s.document_tokens_reused)
         yield from _tier_metrics(s, labels, values)
         yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
                     0.0 if self._engine.integrity_error else 1.0)
@@ -170,11 +168,10 @@ def gauge_family(name: str, doc: str, labels: list[str], values: list[str], valu
     return family
 
 
-def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metric]:
+def _tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Iterator[Metric]:
     """Hits by tier, blocks / bytes / seconds moved per direction, host occupancy by priority,
     and the disk / remote stores' own counters. Nothing without tiers."""
-    by_tier = getattr(s, "prefix_cache_hits_tokens_by_tier", None) or {}
-    tiers = getattr(s, "tiers", None) or {}
+    by_tier, tiers = s.prefix_cache_hits_tokens_by_tier, s.tiers
     if not tiers:
         return
     from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
@@ -191,9 +188,9 @@ def _tier_metrics(s: Any, labels: list[str], values: list[str]) -> Iterator[Metr
         family.add_metric([*values, direction], host.get(stat, 0))
     yield from families.values()
     for stat, doc in (("num_blocks", "Blocks in the host tier."), ("num_cached_blocks", "Blocks the host tier holds.")):
-        family = GaugeMetricFamily(f"kvreuse:host_tier_{stat}", doc, labels=labels)
-        family.add_metric(values, host.get(stat, 0))
-        yield family
+        gauge = GaugeMetricFamily(f"kvreuse:host_tier_{stat}", doc, labels=labels)
+        gauge.add_metric(values, host.get(stat, 0))
+        yield gauge
     held = GaugeMetricFamily("kvreuse:host_tier_blocks_by_priority", "Host-tier blocks, by retention priority.",
                              labels=[*labels, "priority"])
     for key, n in sorted(host.items()):
@@ -294,4 +291,4 @@ class ServerMetrics:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         from kvreuse.api.limit_metrics import TenantsHidden
 
-        return generate_latest(TenantsHidden(self.registry)), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
+        return generate_latest(TenantsHidden(self.registry)), CONTENT_TYPE_LATEST
