@@ -38,8 +38,8 @@ from pathlib import Path
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.api.chat_prompt import special_lead
+from kvreuse.engine.blend import Blend
 from kvreuse.engine.document_cache import DocumentPrompt
-from kvreuse.engine.seam_repair import SeamRepair
 from kvreuse.pml.prepared import prepare_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
@@ -54,8 +54,8 @@ SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.
 
 def setting_key(setting: tuple) -> tuple[int, float, int, int]:
     """``(first_tokens, ratio, deviation_layer, last_tokens)`` of a SETTINGS entry, the order of
-    SeamRepair's fields (the missing ones take SeamRepair's defaults)."""
-    default = SeamRepair()
+    Blend's fields (the missing ones take Blend's defaults)."""
+    default = Blend()
     k, r, layer, last = (*setting, *(default.deviation_layer, default.last_tokens)[len(setting) - 2:])
     return int(k), float(r), int(layer), int(last)
 
@@ -139,12 +139,12 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
         rows_ttft.setdefault("full", []).append(llm.generate(plain[i], first, cache_salt=f"cold-{i}-{time.time()}")[0].ttft_s)
         for setting in map(setting_key, SETTINGS):
             rows_ttft.setdefault(setting, []).append(
-                llm.generate(prompts[i], first, blend=SeamRepair(*setting))[0].ttft_s)
+                llm.generate(prompts[i], first, blend=Blend(*setting))[0].ttft_s)
     out["full"]["ttft_median_s"] = statistics.median(rows_ttft["full"]) if timed else None
     answers = {}
     for setting in map(setting_key, SETTINGS):
         k, r, layer, last = setting
-        blend = SeamRepair(k, r, layer, last)
+        blend = Blend(k, r, layer, last)
         t0 = time.perf_counter()
         mod = llm.generate(prompts, params, blend=blend)
         wall = time.perf_counter() - t0
