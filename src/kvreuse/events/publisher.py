@@ -37,6 +37,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgpack
 import zmq
@@ -109,10 +110,9 @@ def snapshot_to_vllm_events(snapshot: KVSnapshot, hash_format: str = "int") -> l
 
 def encode_batch(ts: float, events: list[dict], data_parallel_rank: int, event_encoding: str = "array") -> bytes:
     """msgpack of ``[ts, [events], data_parallel_rank]``; events positional (tag first) or maps."""
+    wire: list[list[Any]] | list[dict] = events
     if event_encoding == "array":
         wire = [[e["type"], *(e[f] for f in WIRE_FIELDS[e["type"]])] for e in events]
-    else:
-        wire = events
     return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)
 
 
@@ -191,7 +191,7 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
 
-    def start(self) -> "ZmqEventPublisher":
+    def start(self) -> ZmqEventPublisher:
         self._thread.start()
         return self
 
@@ -243,7 +243,7 @@ class ZmqEventPublisher:
         while not self._stop.is_set():
             try:
                 cursor = self._publish_new(cursor)
-            except Exception:  # noqa: BLE001 - the publisher must outlive one bad batch
+            except Exception:  # logged: the publisher must outlive one bad batch
                 logger.exception("KV event publisher: batch after event %d failed; retrying", cursor)
                 self._stop.wait(0.1)
 
@@ -275,7 +275,7 @@ class ZmqEventPublisher:
             return None
         try:
             return self.snapshot_fn()
-        except Exception:  # noqa: BLE001 - e.g. the engine stopped: fall back to a sequence gap
+        except Exception:  # logged; e.g. the engine stopped: fall back to a sequence gap
             logger.warning("KV event publisher: snapshot for resync failed; leaving a sequence gap", exc_info=True)
             return None
 
