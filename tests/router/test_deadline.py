@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvreuse.router.app import build_router_app
-from kvreuse.router.deadline import Deadlines, Stalled, within
+from kvreuse.router.deadline import Deadlines, ReadClock, Stalled, within
 from kvreuse.router.executors import Executor
 from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher
@@ -81,7 +81,7 @@ def test_marking_the_executor_down_ends_a_silent_wait_after_the_grace():
     assert isinstance(got, Stalled) and not got.timed_out
     assert str(got) == "it was marked down (/health answered 503) and sent no byte for 0.3 s after"
     assert 0.5 <= took < 0.5 + MARGIN_S
-    assert not e._down_waiters  # nothing left registered
+    assert not e.on_down  # nothing left registered
 
 
 def test_a_down_executor_that_still_sends_keeps_its_read():
@@ -97,6 +97,45 @@ def test_a_down_executor_that_still_sends_keeps_its_read():
 
     got, _ = _timed(scenario)
     assert got == b"chunk"
+
+
+def test_a_clock_times_each_read_from_its_start_not_the_first_reads():
+    async def paced(gaps):
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            yield gap
+
+    async def scenario():
+        clock = ReadClock(Executor("http://a", healthy=True), limit_s=0.4, setting="--flag")
+        chunks = paced([0.15] * 8 + [0.8])  # 1.2 s of steady chunks, then silence past the limit
+        got, start = [], time.monotonic()
+        try:
+            while True:
+                got.append(await clock.read(anext(chunks)))
+        except Stalled as exc:
+            return got, str(exc), time.monotonic() - start
+        finally:
+            clock.close()
+
+    got, message, took = asyncio.run(scenario())
+    assert got == [0.15] * 8 and message == "it sent no byte for 0.4 s (--flag)"
+    assert 1.2 + 0.4 <= took < 1.2 + 0.4 + MARGIN_S
+
+
+def test_a_read_cancelled_from_outside_is_cancelled_not_stalled():
+    async def scenario():
+        clock = ReadClock(Executor("http://a", healthy=True), limit_s=0.3, setting="--flag")
+        reader = asyncio.ensure_future(clock.read(_forever()))
+        await asyncio.sleep(0.1)
+        reader.cancel()  # the client left
+        try:
+            await reader
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            clock.close()
+
+    assert asyncio.run(scenario()) == "cancelled"
 
 
 @pytest.mark.parametrize(

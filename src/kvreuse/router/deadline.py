@@ -71,6 +71,88 @@ class Deadlines:
 DEFAULT_DEADLINES = Deadlines()
 
 
+class ReadClock:
+    """The deadlines of the reads from ``executor``, one at a time, each awaited in its
+    caller's task (``read``). One timer per clock, re-armed only when it fires before the
+    current read's end, so a stream's chunk costs a clock reading, not a timer or a task;
+    ``executor.mark_down`` brings it forward. ``close`` when done."""
+
+    def __init__(
+        self, executor: Executor, *, limit_s: float | None, setting: str, grace_s: float = DOWN_GRACE_S
+    ) -> None:
+        self.executor, self.limit_s, self.setting, self.grace_s = executor, limit_s, setting, grace_s
+        self._since = 0.0  # when the current read began (time.monotonic(), the loop's clock)
+        self._down_seen: float | None = None  # when the executor was first seen down
+        self._task: asyncio.Task | None = None  # the task reading now
+        self._timer: asyncio.TimerHandle | None = None
+        self._stalled: Stalled | None = None  # what the timer ended the current read with
+
+    async def read(self, aw: Awaitable[T], *, since: float | None = None) -> T:
+        """``await aw`` unless ``limit_s`` passes from ``since`` (default: now) or the
+        executor is, or gets, marked down and ``grace_s`` passes from then (or ``since``,
+        the later) without the result: then ``aw`` is cancelled and ``Stalled`` raised."""
+        self._since = time.monotonic() if since is None else since
+        if not self.executor.healthy and self._down_seen is None:
+            self._down_seen = time.monotonic()
+        self._task = asyncio.current_task()
+        self.executor.on_down.add(self._marked_down)
+        self._arm()
+        try:
+            return await aw
+        except asyncio.CancelledError:
+            stalled, self._stalled = self._stalled, None
+            if stalled is not None and self._task is not None and self._task.uncancel() == 0:
+                raise stalled from None  # our cancellation alone: the read stalled
+            raise
+        finally:
+            self._task = None
+            self.executor.on_down.discard(self._marked_down)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _ends(self) -> tuple[float | None, float | None]:
+        """(the deadline's end, the grace's end) of the current read."""
+        limit_end = None if self.limit_s is None else self._since + self.limit_s
+        down_end = None if self._down_seen is None else max(self._since, self._down_seen) + self.grace_s
+        return limit_end, down_end
+
+    def _arm(self) -> None:
+        end = _earliest(*self._ends())
+        if end is None or (self._timer is not None and self._timer.when() <= end):
+            return  # no end, or the timer fires first and re-arms then
+        self.close()
+        self._timer = asyncio.get_running_loop().call_at(end, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if self._task is None:
+            return  # between reads: the next one arms it
+        limit_end, down_end = self._ends()
+        now = time.monotonic()
+        end = _earliest(limit_end, down_end)
+        if end is None:
+            return
+        if now < end:
+            self._timer = asyncio.get_running_loop().call_at(end, self._fire)
+            return
+        if down_end is not None and (limit_end is None or down_end < limit_end):
+            self._stalled = Stalled(
+                f"it was marked down ({self.executor.last_error}) and sent no byte for {self.grace_s:g} s after",
+                timed_out=False,
+            )
+        else:
+            self._stalled = Stalled(f"it sent no byte for {self.limit_s:g} s ({self.setting})", timed_out=True)
+        self._task.cancel()
+
+    def _marked_down(self) -> None:
+        if self._down_seen is None:
+            self._down_seen = time.monotonic()
+        self._arm()
+
+
 async def within(
     aw: Awaitable[T],
     executor: Executor,
@@ -80,38 +162,17 @@ async def within(
     setting: str,
     grace_s: float = DOWN_GRACE_S,
 ) -> T:
-    """``await aw`` (a read from ``executor``), unless ``limit_s`` passes from ``since`` (a
-    ``time.monotonic()``: the last byte, or the request's sending) or ``executor`` is marked
-    down and ``grace_s`` passes without the result. Then ``aw`` is cancelled (and waited
-    for) and ``Stalled`` raised, naming ``setting`` for a deadline. A result that is ready
-    wins."""
-    task = asyncio.ensure_future(aw)
-    down = executor.down_signal()
-    down_seen: float | None = None
+    """One ``ReadClock.read``: ``await aw`` (a read from ``executor``), unless ``limit_s``
+    passes from ``since`` (a ``time.monotonic()``: the last byte, or the request's sending)
+    or ``executor`` is marked down and ``grace_s`` passes without the result. Then ``aw``
+    is cancelled and ``Stalled`` raised, naming ``setting`` for a deadline."""
+    clock = ReadClock(executor, limit_s=limit_s, setting=setting, grace_s=grace_s)
     try:
-        while True:
-            ends = [] if limit_s is None else [since + limit_s]
-            if down_seen is not None:
-                ends.append(max(since, down_seen) + grace_s)
-            timeout = None if not ends else max(0.0, min(ends) - time.monotonic())
-            await asyncio.wait(
-                {task} if down_seen is not None else {task, down}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            if task.done():
-                return task.result()
-            now = time.monotonic()
-            if down_seen is None and down.done():
-                down_seen = now
-                continue
-            if limit_s is not None and now >= since + limit_s:
-                raise Stalled(f"it sent no byte for {limit_s:g} s ({setting})", timed_out=True)
-            if down_seen is not None and now >= max(since, down_seen) + grace_s:
-                raise Stalled(
-                    f"it was marked down ({executor.last_error}) and sent no byte for {grace_s:g} s after",
-                    timed_out=False,
-                )
+        return await clock.read(aw, since=since)
     finally:
-        down.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        clock.close()
+
+
+def _earliest(*ends: float | None) -> float | None:
+    known = [e for e in ends if e is not None]
+    return min(known) if known else None

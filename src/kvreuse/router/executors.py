@@ -8,9 +8,8 @@ Executors can share a router only when their block keys agree: same model identi
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +111,8 @@ class Executor:
     requests_routed: int = 0
     failures: int = 0  # requests that failed before their first byte here
     last_error: str | None = None
-    # futures of reads waiting on this executor, completed when it is marked down (kvreuse.router.deadline)
-    _down_waiters: set[asyncio.Future] = field(default_factory=set, repr=False, compare=False)
+    # called when it is marked down: the reads waiting on it (kvreuse.router.deadline.within)
+    on_down: set[Callable[[], None]] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -138,24 +137,12 @@ class Executor:
         self.in_flight_blocks -= blocks
 
     def mark_down(self, reason: str) -> None:
-        """Take it out of routing; every ``down_signal`` waiting on it completes."""
+        """Take it out of routing; every ``on_down`` callback runs (the reads waiting on it
+        then end unless a byte comes within their grace)."""
         self.healthy = False
         self.last_error = reason
-        waiters, self._down_waiters = self._down_waiters, set()
-        for future in waiters:
-            if not future.done():
-                future.set_result(None)
-
-    def down_signal(self) -> asyncio.Future:
-        """A future of the running loop that completes when this executor is marked down
-        (done already if it is down now). Cancel it when it is no longer wanted."""
-        future = asyncio.get_running_loop().create_future()
-        if not self.healthy:
-            future.set_result(None)
-        else:
-            self._down_waiters.add(future)
-            future.add_done_callback(self._down_waiters.discard)
-        return future
+        for callback in list(self.on_down):
+            callback()
 
     def status(self) -> dict:
         return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,

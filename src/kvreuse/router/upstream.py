@@ -29,6 +29,7 @@ from kvreuse.router.deadline import (
     FIRST_BYTE_SETTING,
     PROGRESS_SETTING,
     Deadlines,
+    ReadClock,
     Stalled,
     within,
 )
@@ -119,7 +120,8 @@ class Upstream:
         self.content_type = resp.headers.get("content-type", "text/event-stream")
         self._first: bytes | None = first
         self._rest = rest
-        self._deadlines = deadlines
+        self._clock = ReadClock(executor, limit_s=deadlines.progress_s, setting=PROGRESS_SETTING,
+                                grace_s=deadlines.down_grace_s)
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -130,11 +132,9 @@ class Upstream:
         if self._first is not None:
             first, self._first = self._first, None
             yield first
-        d = self._deadlines
         while True:
             try:
-                chunk = await within(anext(self._rest), self.executor, since=time.monotonic(), limit_s=d.progress_s,
-                                     setting=PROGRESS_SETTING, grace_s=d.down_grace_s)
+                chunk = await self._clock.read(anext(self._rest))
             except StopAsyncIteration:
                 return
             except Stalled as exc:
@@ -153,6 +153,7 @@ class Upstream:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._clock.close()
             await self.resp.aclose()
             self.executor.end(self.blocks)
 
