@@ -17,8 +17,8 @@ from kvreuse.events.buffer import EventBuffer
 from kvreuse.events.publisher import ZmqEventPublisher
 from kvreuse.events.records import BlocksRemoved, KVSnapshot, event_from_json
 from tests.events.event_helpers import CacheMirror, engine_thread_snapshot
+from tests.events.test_publisher import SUBSCRIBER
 from tests.server.test_events_routes import Server, read_sse
-from tests.events.test_zmq_events import SUBSCRIBER
 
 BS = 16
 

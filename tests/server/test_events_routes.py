@@ -20,7 +20,7 @@ from kvreuse.events.records import KVSnapshot, event_from_json
 from kvreuse.server import events_routes
 from kvreuse.server.context import EventFeed
 from tests.events.event_helpers import CacheMirror, locked_snapshot
-from tests.events.test_zmq_events import run_requests  # same request driver as the ZMQ tests
+from tests.events.test_publisher import run_requests  # same request driver as the ZMQ tests
 
 BS = 4
 

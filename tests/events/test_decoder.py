@@ -24,7 +24,7 @@ from kvreuse.events.records import (
 )
 from kvreuse.events.wire import hash_from_wire
 from kvreuse.router.index import KVIndex, index_key
-from tests.events.test_zmq_events import BS, run_requests
+from tests.events.test_publisher import BS, run_requests
 
 
 def h8(n: int) -> BlockHash:
