@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
@@ -50,59 +48,16 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
-from kvreuse.pml.module_fill import MODULE_PRIORITY, ModuleFill, PoolBusy  # noqa: F401 - re-exported
+from kvreuse.pml.kv_access import KVAccess, ModuleKV  # noqa: F401 - KVAccess re-exported
+from kvreuse.pml.module_fill import MODULE_PRIORITY, FillSource, ModuleFill, PoolBusy  # noqa: F401 - re-exported
 from kvreuse.pml.prepared import is_pml_prompt  # noqa: F401 - re-exported (server routes)
 from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, prepare_prompt
 from kvreuse.pml.registration import Progress, Registration, Settle
+from kvreuse.pml.schema_info import SchemaInfo  # re-exported (llm, engine)
 from kvreuse.pml.schema_cost import SchemaCost, SchemaLimits, check_cost
 from kvreuse.pml.schema_store import SchemaStore
 
 log = logging.getLogger(__name__)
-
-ModuleKV = Any  # one module's KV [layers, 2, tokens, kv_heads, head_dim]: the runner's and the store's, opaque here
-
-
-class KVAccess(Protocol):
-    """What the module cache needs from the engine's runner (``ModelRunner`` has these methods)."""
-
-    def precompute_chunk(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                         start: int, end: int) -> None:
-        """Tokens ``start..end`` of one causal pass writing token ``i``'s KV to ``slots[i]``
-        (no logits), attending to the keys of tokens ``..start`` already written."""
-        ...
-
-    def write_kv(self, slots: Sequence[int], kv: ModuleKV, first_token: int = 0) -> None:
-        """Write tokens ``first_token..`` of a stored module's KV into ``slots``."""
-        ...
-
-    def read_kv(self, slots: Sequence[int]) -> ModuleKV:
-        """A host copy of the KV in ``slots``, in the store's layout."""
-        ...
-
-
-@dataclass(frozen=True)
-class SchemaInfo:
-    name: str
-    schema_hash: str
-    length: int  # positions of the schema; prompt text starts here
-    modules: tuple[str, ...]  # qualified names of the stored modules
-    stored_tokens: int  # KV tokens kept for all its modules
-    precompute_tokens: int  # tokens its modules' precompute passes run (what --schema-max-tokens limits)
-    kv_bytes: int  # bytes its modules' blocks take in the pool (what --schema-max-bytes limits)
-    computed: int  # modules computed by this call
-    loaded: int  # modules loaded from the schema dir by this call
-    present: int  # modules already in the pool
-    persisted: bool | None = None  # its file is in the schema dir; None: no schema dir
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name, "schema_hash": self.schema_hash, "length": self.length,
-            "modules": list(self.modules), "stored_tokens": self.stored_tokens,
-            "precompute_tokens": self.precompute_tokens, "kv_bytes": self.kv_bytes,
-            "computed": self.computed, "loaded": self.loaded, "present": self.present,
-            "persisted": self.persisted,
-        }
-
 
 class ModuleCache:
     """Registered schemas and their module blocks in ``kv``'s pool, which they enter through
@@ -334,11 +289,21 @@ class ModuleCache:
         hold them now; nothing is held then."""
         fill = ModuleFill.begin(self, schema, module)
         try:
-            fill.run()
-            return fill.finish()
+            ran = fill.run()
+            self.record_fill(ran)
+            blocks = fill.finish()
         except BaseException:
             fill.abandon()
             raise
+        self.record_fill(0, fill.source)
+        return blocks
+
+    def record_fill(self, tokens: int, filled: FillSource | None = None) -> None:
+        """Count ``tokens`` of module precompute run and, once a module is in the pool,
+        where it came from (``filled``). Its fills and registrations report here."""
+        self.tokens_computed += tokens
+        if filled is not None:
+            self.modules_filled[filled.value] += 1
 
     def read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> ModuleKV:
         """The module's stored KV, for the store (a host copy, through the runner)."""

@@ -3,10 +3,10 @@ chunk by chunk.
 
 ::
 
-    ModuleFill.begin(cache, schema, module) ── admission: cached blocks held, fresh ones for the rest
+    ModuleFill.begin(host, schema, module) ── admission: cached blocks held, fresh ones for the rest
         │ all cached ─▶ PRESENT      │ the store holds it ─▶ LOADED (runner.write_kv)
         │ else ─▶ COMPUTED: scratch blocks for the context tokens, the precompute pass laid out
-    run(max_tokens) ── the next chunks of that pass (a fixed grid of ``cache.chunk_tokens``)
+    run(max_tokens) ── the next chunks of that pass (a fixed grid of ``host.chunk_tokens``); returns the tokens run
     finish() ── blocks registered (priority 90), scratch released ─▶ the module's blocks, held by the caller
     abandon() ── everything the fill holds released (a failed or dropped registration)
 
@@ -16,13 +16,16 @@ engine step (a schema registered on a serving engine) give the same KV, bit for 
 ``run`` calls other steps may run: the fill's blocks are held and not yet registered, so
 nothing else reads, matches or evicts them.
 
+A fill reads its host (the ``ModuleCache``, through the ``FillHost`` protocol) and never
+writes it: it returns what it ran, and its caller counts it (``ModuleCache.record_fill``).
+
 Engine thread only.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvreuse.cache.block_pool import KVBlock
 from kvreuse.cache.hashing import BlockHash
@@ -31,8 +34,11 @@ from kvreuse.pml import CompiledModule, CompiledSchema
 from kvreuse.pml.schema_store import StoreMismatch
 
 if TYPE_CHECKING:
+    from kvreuse.cache.block_pool import BlockPool
+    from kvreuse.cache.kv_cache_manager import KVCacheManager
     from kvreuse.pml.compiled import PrecomputeInput
-    from kvreuse.pml.module_cache import ModuleCache
+    from kvreuse.pml.kv_access import KVAccess
+    from kvreuse.pml.schema_store import SchemaStore
 
 
 MODULE_PRIORITY = 90  # retention priority of module blocks: eviction spares them unless memory requires
@@ -56,10 +62,24 @@ def _keep_retention(index: int) -> None:
     return None  # a request reading a module asks nothing: its blocks keep their priority (and no duration)
 
 
+class FillHost(Protocol):
+    """What a fill reads from the module cache that starts it (``ModuleCache`` has these)."""
+
+    kv: KVCacheManager  # admission, allocation and registration of the module's blocks
+    pool: BlockPool  # kv's pool
+    store: SchemaStore | None
+    runner: KVAccess
+    chunk_tokens: int  # the grid precompute passes run on
+
+    def module_hashes(self, schema: CompiledSchema, module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
+        """Keys and token lists of the module's blocks (the last may be partial)."""
+        ...
+
+
 class ModuleFill:
     """The blocks of one module, held from ``begin`` to ``finish`` or ``abandon``."""
 
-    def __init__(self, cache: ModuleCache, schema: CompiledSchema, module: CompiledModule,
+    def __init__(self, cache: FillHost, schema: CompiledSchema, module: CompiledModule,
                  hashes: list[BlockHash], pieces: list[tuple[int, ...]], blocks: list[KVBlock], num_hits: int) -> None:
         self.cache = cache
         self.schema = schema
@@ -76,7 +96,7 @@ class ModuleFill:
         self._next = 0  # tokens of the pass done so far
 
     @classmethod
-    def begin(cls, cache: ModuleCache, schema: CompiledSchema, module: CompiledModule, *,
+    def begin(cls, cache: FillHost, schema: CompiledSchema, module: CompiledModule, *,
               promote: bool = False, use_cached: bool = True) -> ModuleFill:
         """Hold the module's blocks and fill what the pool or the store can; what is left to
         compute is ``tokens_left``. ``promote`` (registration) lifts blocks already cached
@@ -130,7 +150,7 @@ class ModuleFill:
 
     def run(self, max_tokens: int | None = None) -> int:
         """Run the next chunks of the pass, at least one, while they fit in ``max_tokens``
-        (``None``: all of them); returns the tokens run."""
+        (``None``: all of them); returns the tokens run (the caller counts them)."""
         done = 0
         step = self.cache.chunk_tokens
         while self.tokens_left and (done == 0 or max_tokens is None or done + self.next_chunk <= max_tokens):
@@ -139,19 +159,17 @@ class ModuleFill:
             self.cache.runner.precompute_chunk(run.token_ids, run.position_ids, self._slots, start, end)  # type: ignore[union-attr]
             self._next = end
             done += end - start
-        self.cache.tokens_computed += done
         return done
 
     def finish(self) -> list[KVBlock]:
         """Register the module's blocks (priority 90) and let the scratch go; returns the
-        blocks, one reference each now owned by the caller (release them tail first).
-        Call once ``tokens_left`` is 0."""
+        blocks, one reference each now owned by the caller (release them tail first; it
+        counts the module as filled from ``source``). Call once ``tokens_left`` is 0."""
         assert self.tokens_left == 0, "finish() before the precompute pass ran"
         self._release_scratch()
         if self._num_hits < len(self._hashes):
             self.cache.kv.register_blocks(self.blocks, self._hashes, self._pieces, self._num_hits, len(self.blocks),
                                           default_priority=MODULE_PRIORITY)
-        self.cache.modules_filled[self.source.value] += 1
         blocks, self.blocks = self.blocks, []
         return blocks
 

@@ -21,6 +21,10 @@ blocks, or the model fails) is settled with the error and leaves nothing held; a
 is busy while requests run or wait (they free blocks when they end) only makes it wait for
 a later step.
 
+A registration reads and drives its host (the ``ModuleCache``, through the
+``RegistrationHost`` protocol) by its methods only: what it runs it reports through
+``record_fill``.
+
 Engine thread only.
 """
 
@@ -29,14 +33,16 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreuse.cache.block_pool import KVBlock
 from kvreuse.pml.compiled import CompiledSchema
-from kvreuse.pml.module_fill import FillSource, ModuleFill, PoolBusy
+from kvreuse.pml.module_fill import FillHost, FillSource, ModuleFill, PoolBusy
 
 if TYPE_CHECKING:
-    from kvreuse.pml.module_cache import ModuleCache, SchemaInfo
+    from kvreuse.pml.compiled import CompiledModule
+    from kvreuse.pml.kv_access import ModuleKV
+    from kvreuse.pml.schema_info import SchemaInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +50,26 @@ Progress = Callable[[int, int, str], None]  # (modules done, modules total, qual
 Settle = Callable[[Any, bool], None]  # (SchemaInfo, False) when registered, (exception, True) when it failed
 
 
+class RegistrationHost(FillHost, Protocol):
+    """What a registration needs from the module cache that starts it (``ModuleCache``)."""
+
+    schemas: dict[str, CompiledSchema]  # the versions serving, by name
+
+    def demote(self, schema: CompiledSchema) -> None: ...
+
+    def install(self, schema: CompiledSchema, pml_text: str, kv: dict[str, ModuleKV], *, save: bool) -> None: ...
+
+    def info(self, name: str, computed: int = 0, loaded: int = 0, present: int = 0) -> SchemaInfo: ...
+
+    def read_kv(self, module: CompiledModule, blocks: list[KVBlock]) -> ModuleKV: ...
+
+    def record_fill(self, tokens: int, filled: FillSource | None = None) -> None: ...
+
+
 class Registration:
     """One schema's modules put into the pool, a budget of precompute tokens at a time."""
 
-    def __init__(self, cache: ModuleCache, schema: CompiledSchema, pml_text: str, *,
+    def __init__(self, cache: RegistrationHost, schema: CompiledSchema, pml_text: str, *,
                  progress: Progress | None = None, settle: Settle | None = None) -> None:
         self.cache = cache
         self.schema = schema
@@ -88,6 +110,7 @@ class Registration:
                 if room is not None and used and fill.next_chunk > room:
                     return used  # whole modules or whole chunks only: the rest waits for the next step
                 ran = fill.run(room)
+                self.cache.record_fill(ran)
                 used += ran
                 self.tokens_computed += ran
                 if fill.tokens_left:
@@ -114,6 +137,7 @@ class Registration:
 
     def _finish_module(self, fill: ModuleFill) -> None:
         blocks = fill.finish()
+        self.cache.record_fill(0, fill.source)
         self._fill = None
         try:
             if self.cache.store is not None:
