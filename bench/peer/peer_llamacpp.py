@@ -1,4 +1,12 @@
-"""kvreuse vs llama.cpp on the same GGUF file, side by side in one run.
+"""kvreuse vs llama.cpp in-process (llama-cpp-python, weight repacking OFF) on the same GGUF file.
+
+Retired as the peer comparison: the peer is ``llama-server`` at its defaults, measured by
+``bench/peer/peer_server.py`` (server vs server over HTTP). This script is kept only for a CPU
+where llama.cpp's default crashes (its weight repacking segfaulted on every multi-token batch on
+the AMX Xeon of 2026-12-04, which is why it turns repacking off: a slower llama.cpp than users
+run), and because ``bench/decode/spec_decode.py`` loads llama.cpp in-process through ``LlamaCpp``
+below. There, prefer ``peer_server.py --llama-server-args --no-repack`` with a llama-server
+built with ``-DGGML_AMX=OFF``, and say so beside the figures.
 
     CMAKE_ARGS="-DGGML_AMX=OFF" .venv/bin/pip install llama-cpp-python==0.3.36   # bench only
     .venv/bin/python bench/peer/peer_llamacpp.py [--reps 5] [--prefix 2048] [--decode 128] [--threads 2]
