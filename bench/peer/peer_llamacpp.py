@@ -294,7 +294,8 @@ def main() -> None:
                 r["cold_prefill_s"].append(cold)
                 r["cached_ttft_s"].append(cached)
                 r["decode_long_tok_s"].append(decode_long)
-            print(f"rep {rep} {c.name:>13}: decode {decode:6.1f} tok/s  cold {cold:6.2f} s  cached {cached * 1e3:7.1f} ms"
+            print(f"rep {rep} {c.name:>13}: decode {decode:6.1f} tok/s  cold {cold:6.2f} s"
+                  f"  cached {cached * 1e3:7.1f} ms"
                   f"  decode after {len(long_prompt)} {decode_long:6.1f} tok/s", file=sys.stderr)
     med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
     peer = med["llama.cpp"]
@@ -325,7 +326,8 @@ def main() -> None:
                           "cached_ttft_vs_memory_floor": round(med[c.name]["cached_ttft_s"] / memory_floor, 2)}
         limits["decode_ceiling_tok_s"][c.name] = round(floor["read_gb_s"] * 1e9 / wb, 1)
     doc = {
-        "gguf": path.name, "threads": args.threads, "llamacpp_repack": args.llamacpp_repack, "reps": args.reps, "prefix_tokens": args.prefix,
+        "gguf": path.name, "threads": args.threads, "llamacpp_repack": args.llamacpp_repack, "reps": args.reps,
+        "prefix_tokens": args.prefix,
         "decode_tokens": args.decode, "median": med, "limits": limits,
         "vs_llamacpp": {name: {"decode": round(m["decode_tok_s"] / peer["decode_tok_s"], 3),
                                "decode_after_long_prompt": round(m["decode_long_tok_s"] / peer["decode_long_tok_s"], 3),
