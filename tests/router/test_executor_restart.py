@@ -25,7 +25,7 @@ from kvreuse.router.policy import make_policy
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher
 from kvreuse.router.router import INSTANCE_HEADER, Router
 
-from .test_index_policy import BS, _fill
+from .test_index import BS, _fill
 
 URL = "http://x"
 

@@ -14,7 +14,7 @@ from kvreuse.router.executors import ExecutorInfo, IncompatibleExecutors, check_
 from kvreuse.router.feeds import ZmqFeed
 from kvreuse.router.index import KVIndex, index_key
 
-from .test_index_policy import BS, _fill
+from .test_index import BS, _fill
 
 
 def _info(url: str, model_id: str = "m@1", block_size: int = 16, algo: str = "sha256") -> ExecutorInfo:
