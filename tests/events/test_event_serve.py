@@ -17,10 +17,10 @@ import redis
 
 from kvreuse.events.records import event_from_json
 from tests.events.event_helpers import CacheMirror, dumping_subscriber
-from tests.serve_process import free_port, running_server
-from tests.tiers.redis_server import RedisServer
 from tests.events.test_event_engine import wire_blocks
+from tests.serve_process import free_port, running_server
 from tests.server.test_events_routes import read_sse
+from tests.tiers.redis_server import RedisServer
 
 DUMPING_SUBSCRIBER = dumping_subscriber(r"""
 blocks = {}

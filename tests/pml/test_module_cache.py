@@ -8,8 +8,8 @@ import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine.context import ContextState
-from kvreuse.pml.module_cache import MODULE_PRIORITY
 from kvreuse.pml import PMLSemanticError, PMLSyntaxError
+from kvreuse.pml.module_cache import MODULE_PRIORITY
 from kvreuse.pml.schema_cost import SchemaTooLarge
 from tests.engine_helpers import LogitsSpy
 
@@ -215,7 +215,6 @@ def test_more_corrupt_store_modes_cost_one_recompute(tiny_llama, tmp_path, mode)
         tensors.pop(sorted(tensors)[0])
         save_file(tensors, str(path), metadata={**meta, "checksum": _checksum(tensors)})
     else:
-        import json
         import struct
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
