@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvreuse.engine import invariant_attention
 from kvreuse.engine.flash import attend_alone, flash, merge
 # the batch description lives in forward_batch.py; importable from here too (runner, models)
 from kvreuse.engine.forward_batch import DecodeBatch, ForwardContext, KeyTable, PrefillItem
@@ -85,12 +86,13 @@ def attend(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     t = query.shape[0]
     if len(ctx.prefills) == 1 and ctx.decodes is None and ctx.prefills[0].num_new == t:
-        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window, layer_idx)
+        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window, layer_idx,
+                            ctx.invariant)
     out = torch.empty_like(query)  # [T, heads, d]
     for item in ctx.prefills:
         span = slice(item.start, item.start + item.num_new)
         out[span] = _attend_item(item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window,
-                                 layer_idx)
+                                 layer_idx, ctx.invariant)
     if ctx.decodes is not None:
         d = ctx.decodes
         b, lmax = d.kv_slots.shape
@@ -115,8 +117,14 @@ def _attend_item(
     scale: float,
     sliding_window: int | None,
     layer: int = 0,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """One sequence's new tokens over its keys: ``[n, heads, d]``."""
+    """One sequence's new tokens over its keys: ``[n, heads, d]``. ``invariant``: a plain item
+    (keys in one frame, causal by order, full attention) through the batch-invariant kernel;
+    documents' frames and seam repair's masks keep their paths (their reuse is approximate)."""
+    if invariant and item.frames is None and not item.masked and not sliding_window:
+        slots = item.kv_slots  # [L] every key in attention order, the new ones last
+        return invariant_attention.attend(q, k_cache.index_select(1, slots), v_cache.index_select(1, slots), scale)
     if item.frames is not None:
         if sliding_window:
             raise RuntimeError("attention: keys in several RoPE frames on a sliding-window layer "

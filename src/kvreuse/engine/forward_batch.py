@@ -122,3 +122,6 @@ class ForwardContext:
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     prefills: list[PrefillItem]
     decodes: DecodeBatch | None
+    # --deterministic: plain items attend through engine/invariant_attention.py (a row's output
+    # independent of the rows beside it); the runner then sends no padded decode batch
+    invariant: bool = False

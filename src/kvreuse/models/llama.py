@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvreuse.engine.attention import ForwardContext, attend
+from kvreuse.models import invariant
 from kvreuse.models.quant import fused_projection
 
 
@@ -48,14 +49,19 @@ class LlamaForward:
     still works). The step then runs on ``[T, hidden]`` rows: per layer two RMSNorms, three
     matmuls plus ``down_proj``, RoPE on q and k together, one ``attend`` call.
 
+    ``invariant``: every projection and norm through :mod:`kvreuse.models.invariant`, so a
+    row's logits do not depend on the rows beside it (``--deterministic``; attention is the
+    ``ForwardContext``'s part).
+
     The caller must hold ``torch.inference_mode()`` and check ``supports(model)`` first.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, invariant: bool = False) -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model; use its transformers forward")
         cfg = model.config
         self.model = model
+        self.invariant = invariant
         self.hidden = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -87,21 +93,30 @@ class LlamaForward:
         cos = cos[0].unsqueeze(1)  # [T, 1, d]: broadcast over the q and k heads
         sin = (sin[0] * self._sign.to(sin.device, sin.dtype)).unsqueeze(1)  # [T, 1, d]
         qk_heads = heads + kv
+        proj, norm = (invariant.project, _invariant_norm) if self.invariant else (_call, rms_norm)
         for i, layer in enumerate(self.layers[:num_layers]):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h).view(t, qk_heads + kv, d)  # [T, heads + 2 kv, d]: q, k, v heads
+            h = norm(x, layer.input_norm, eps)
+            qkv = proj(layer.qkv, h).view(t, qk_heads + kv, d)  # [T, heads + 2 kv, d]: q, k, v heads
             qk = qkv[:, :qk_heads]
             # RoPE on q and k at once; transformers' apply_rotary_pos_emb computes the same
             qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin)  # [T, heads + kv, d]
             o = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], kv_context, layer.scaling)  # [T, heads, d]
-            x = x + layer.o_proj(o.reshape(t, heads * d))
-            h = rms_norm(x, layer.post_norm, eps)
-            gu = layer.gate_up(h)  # [T, 2 * intermediate]
-            x = x + layer.down_proj(F.silu(gu[:, : layer.inter]).mul_(gu[:, layer.inter :]))
+            x = x + proj(layer.o_proj, o.reshape(t, heads * d))
+            h = norm(x, layer.post_norm, eps)
+            gu = proj(layer.gate_up, h)  # [T, 2 * intermediate]
+            x = x + proj(layer.down_proj, F.silu(gu[:, : layer.inter]).mul_(gu[:, layer.inter :]))
         if num_layers is not None:
             return None
-        x = rms_norm(x[logits_index], self.final_norm, eps)  # [n, hidden]
-        return self.model.lm_head(x)  # [n, vocab]
+        x = norm(x[logits_index], self.final_norm, eps)  # [n, hidden]
+        return proj(self.model.lm_head, x)  # [n, vocab]
+
+
+def _call(layer, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def _invariant_norm(x: torch.Tensor, w: _NormWeight, eps: float) -> torch.Tensor:
+    return invariant.rms_norm(x, w.weight, eps)
 
 
 class _Layer:
