@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kvreuse.api.cache_breakpoints import (
-    BreakpointPolicy, Breakpoint, CachePlan, CacheUsage, Segment, check_breakpoints,
+    Breakpoint,
+    BreakpointPolicy,
+    CachePlan,
+    CacheUsage,
+    Segment,
+    check_breakpoints,
 )
 from kvreuse.cache.retention import TokenRangeRetentionConfig as R
 
@@ -63,7 +68,8 @@ def test_check_breakpoints_rules():
     with pytest.raises(ValueError, match=r"^messages\[4\]\.content\[0\]\.cache_control: a request may have at most 4"):
         check_breakpoints(five)
     with pytest.raises(ValueError, match=r"^system\[0\]\.cache_control\.ttl: a 1h cache_control may not follow"):
-        check_breakpoints([Breakpoint(0, "5m", "tools[0].cache_control"), Breakpoint(1, "1h", "system[0].cache_control")])
+        check_breakpoints([Breakpoint(0, "5m", "tools[0].cache_control"),
+                           Breakpoint(1, "1h", "system[0].cache_control")])
     with pytest.raises(ValueError, match=r"^cache_control\.ttl: must be one of 5m, 1h, got '2h'"):
         check_breakpoints([Breakpoint(0, "2h", "cache_control")])
 

@@ -145,7 +145,7 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generati
     if not any(r is not None for r in retentions) and not any(flags):
         return ChatPrompt(token_ids, None)
     bounds = message_boundaries(tokenizer, dicts, len(token_ids), kwargs, text)
-    documents = document_parts(token_ids, bounds, flags, _rendered_lead(tokenizer, token_ids)) if any(flags) else None
+    documents = document_parts(token_ids, bounds, flags, rendered_lead(tokenizer, token_ids)) if any(flags) else None
     if not any(r is not None for r in retentions):
         return ChatPrompt(token_ids, None, documents)
     try:
@@ -164,7 +164,7 @@ def special_lead(tokenizer) -> list[int]:
     return full[: starts[0]] if starts else []
 
 
-def _rendered_lead(tokenizer, token_ids: list[int]) -> list[int]:
+def rendered_lead(tokenizer, token_ids: list[int]) -> list[int]:
     """The BOS a rendered chat starts with: the tokenizer's own lead (:func:`special_lead`), or
     a BOS the template rendered though the tokenizer adds none to a prompt."""
     bos = getattr(tokenizer, "bos_token_id", None)

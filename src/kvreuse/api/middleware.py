@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvreuse.api.errors import error_body, limit_response
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
-from kvreuse.api.tenants import SEES_TENANTS, APIKeys, needs_admin, tenant_of
+from kvreuse.api.tenants import SEES_TENANTS, APIKeys, needs_admin, presented_key, tenant_of
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
@@ -82,7 +82,7 @@ def is_guarded(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` of one of ``api_key`` (specs ``KEY`` or
+    """Require ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) of one of ``api_key`` (specs ``KEY`` or
     ``KEY:TENANT``, ``kvreuse.api.tenants``) on every guarded path (``is_guarded``);
     ``/health``, ``/metrics``, ``/version`` and ``/dashboard`` stay open for probes and
     scrapers, as in vLLM. It runs before the body is read. A tenant key gets a 403 on the
@@ -99,15 +99,15 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") == METRICS_PATH:
-            known, tenant = self.keys.lookup(dict(scope.get("headers", ())).get(b"authorization", b""))
+            known, tenant = self.keys.lookup(presented_key(dict(scope.get("headers", ()))))
             scope.setdefault("state", {})[SEES_TENANTS] = self.tenant_labels_public or (known and tenant is None)
         if scope["type"] != "http" or not is_guarded(scope.get("path", "")) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers", ())).get(b"authorization", b"")
-        known, tenant = self.keys.lookup(given)
+        known, tenant = self.keys.lookup(presented_key(dict(scope.get("headers", ()))))
         if not known:
-            await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                              "(or 'x-api-key: <key>')",
                               code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
             return
         if tenant is not None and needs_admin(scope["method"], scope["path"]):
@@ -118,7 +118,7 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # POST: what generates tokens
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})  # POST: what generates tokens
 LEASE_STATE = "tenant_lease"  # scope["state"] key of the request's Lease
 
 

@@ -73,6 +73,16 @@ class APIKeys:
         return frozenset(t for t in self.tenants.values() if t is not None)
 
 
+def presented_key(headers: Mapping[bytes, bytes]) -> bytes:
+    """The credential of a request's (lower-cased) headers, as ``APIKeys.lookup`` takes it:
+    ``Authorization: Bearer KEY`` (OpenAI's clients), else ``x-api-key: KEY`` (Anthropic's),
+    which names the same keys and tenants."""
+    given = headers.get(b"authorization", b"")
+    if not given and (key := headers.get(b"x-api-key", b"")):
+        return b"Bearer " + key
+    return given
+
+
 def needs_admin(method: str, path: str) -> bool:
     """Whether a tenant key is refused (403) on ``method path``."""
     if any(path == p or path.startswith(p + "/") for p in ADMIN_PATHS):
