@@ -28,13 +28,14 @@ from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.events.records import KVSnapshot
 from kvreuse.server import (
     chat_routes, completions_routes, dashboard_routes, docs_routes, events_routes, executor_info_routes,
-    info_routes, schema_routes, tokenize_routes,
+    info_routes, messages_routes, schema_routes, tokenize_routes,
 )
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
 from kvreuse.api.limiter import TenantLimiter
 from kvreuse.api.tenants import APIKeys
+from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
 from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ def build_app(
     app.include_router(events_routes.build_router(ctx.events))  # KV events: long-poll, SSE, snapshot (docs/events.md)
     app.include_router(dashboard_routes.router)  # GET /dashboard and the /v1/kv_cache_stats it polls
     app.include_router(tokenize_routes.router)  # vLLM's /tokenize, /detokenize, /reset_prefix_cache, /version
+    app.include_router(messages_routes.router)  # Anthropic's /v1/messages (docs/anthropic.md)
     app.include_router(docs_routes.router)  # /docs, /redoc: guarded as /openapi.json is
     # Added last = outermost: the size limit runs before the key check reads nothing; the
     # tenant limit runs inside the key check, which names the tenant.
@@ -129,4 +131,5 @@ def build_app(
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, api_key=keys, tenant_labels_public=metrics_tenant_labels)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages*
     return app
