@@ -20,7 +20,7 @@ from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo
 from kvreuse.pml.prepared import is_pml_prompt
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.engine.blend import Blend, BlendOverride
 
 PromptType = str | list[int] | DocumentPrompt
 
@@ -44,7 +44,7 @@ class LLM:
         *,
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | Mapping[str, Any] | None = None,
-        blend: "SeamRepair | Mapping[str, Any] | None" = None,
+        blend: "Blend | Mapping[str, Any] | None" = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
@@ -52,8 +52,8 @@ class LLM:
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
         ``retention`` applies to every prompt: a ``KvCacheRetentionConfig`` or its JSON form
-        (a mapping, converted here once). ``blend`` is the seam repair of the assembled PML
-        modules or documents (``SeamRepair(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``;
+        (a mapping, converted here once). ``blend`` is the blend of the assembled PML modules or
+        documents (``Blend(first_tokens, ratio)`` or ``{"first_tokens": k, "ratio": r}``, parsed here once;
         ``None`` or a field left out: the engine's ``document_blend_*`` for documents (on by
         default), ``blend_*`` for PML modules (off by default)); each output's
         ``num_recomputed_tokens`` says how many it recomputed.
@@ -70,17 +70,18 @@ class LLM:
         else:
             per_prompt = [sampling_params or SamplingParams()] * len(prompts)
         config = as_retention(retention)  # the engine takes the typed config
+        override: BlendOverride | None = None  # blend, parsed once at the first prompt that has seams
         ids = []
         for prompt, params in zip(prompts, per_prompt):
             rid = f"llm-{next(self._ids)}"
             try:
-                if isinstance(prompt, DocumentPrompt):  # documents: KV reused at any position
-                    self.engine.add_document_request(rid, prompt, params, cache_salt=cache_salt, retention=config,
-                                                     blend=blend)
-                elif isinstance(prompt, str) and is_pml_prompt(prompt):  # docs/pml.md: a registered schema
-                    prepared = self.engine.prepare_prompt(prompt)  # compiled once, here (the engine thread)
-                    self.engine.add_prepared_request(rid, prepared, params, cache_salt=cache_salt, retention=config,
-                                                     blend=blend)
+                if isinstance(prompt, DocumentPrompt) or (isinstance(prompt, str) and is_pml_prompt(prompt)):
+                    # documents (KV reused at any position) or PML over a registered schema (docs/pml.md),
+                    # compiled once, here (the engine thread)
+                    prepared = prompt if isinstance(prompt, DocumentPrompt) else self.engine.prepare_prompt(prompt)
+                    override = override or BlendOverride.of(blend)  # ValueError naming the field
+                    assembled = self.engine.intake.assemble(prepared, params, cache_salt=cache_salt, blend=override)
+                    self.engine.add_request(rid, assembled, params, cache_salt=cache_salt, retention=config)
                 else:
                     token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                     self.engine.add_request(rid, token_ids, params, cache_salt=cache_salt, retention=config)
@@ -110,7 +111,7 @@ class LLM:
     def remove_schema(self, name: str) -> bool:
         """Forget a registered schema (its blocks fall to the default priority and its file in
         ``schema_dir`` is deleted), as ``DELETE /v1/schemas/{name}``; ``False`` if unknown."""
-        return self.engine.modules.remove(name)
+        return self.engine.schemas.remove(name)
 
     def chat(
         self,

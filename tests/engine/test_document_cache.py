@@ -118,7 +118,7 @@ def test_segments_and_positions(tiny_llama):
     head, a, b, q = tok.encode("System:"), tok.encode(DOCS[0]), tok.encode(DOCS[1]), tok.encode(QUESTION)
     llm = make(tiny_llama)
     engine = llm.engine
-    engine.add_document_request("r", DocumentPrompt.of([(head, False), (a, True), (b, True), (q, False)]), GREEDY)
+    engine.add_prepared_request("r", DocumentPrompt.of([(head, False), (a, True), (b, True), (q, False)]), GREEDY)
     seq = engine.scheduler.waiting[0]
     h, na, nb = len(head), len(a), len(b)
     assert seq.context.segments == (
@@ -279,7 +279,7 @@ def test_documents_are_read_in_place_repaired_or_not(tiny_llama):
     llm = make(tiny_llama)
     engine, bs = llm.engine, llm.engine.block_size
     prompt = DocumentPrompt.of([(head, False), (a, True), (b, True), (q, False)])
-    engine.add_document_request("r", prompt, GREEDY)
+    engine.add_prepared_request("r", prompt, GREEDY)
     seq = engine.scheduler.waiting[0]
     h, na, nb = len(head), len(a), len(b)
     # the head is encoded after nothing (shift 0); each document after the head, at h..
@@ -292,7 +292,7 @@ def test_documents_are_read_in_place_repaired_or_not(tiny_llama):
     engine.check_integrity()
     engine.abort_request("r")
     engine.check_integrity()
-    engine.add_document_request("p", prompt, GREEDY, blend={"first_tokens": 1, "ratio": 0, "last_tokens": 0})
+    engine.add_prepared_request("p", prompt, GREEDY, blend={"first_tokens": 1, "ratio": 0, "last_tokens": 0})
     repaired = engine.scheduler.waiting[0]
     # first_tokens 1: the first token of the head, of a and of b recomputed into one private block
     assert repaired.context.shift_array.tolist() == [0] * h + [0] * na + [0] + [na] * (nb - 1)
@@ -329,7 +329,7 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
     gives what the same repair over moved copies gives: the same recomputed count, every logits
     row within 1e-4 (fp32), the same greedy tokens; nothing left held. Recomputed in chunks of 2
     tokens (each reading only the keys up to its last position), in place, it gives the same."""
-    from kvreuse.engine import model_runner
+    from kvreuse.engine import blend_pass
     from kvreuse.engine.document_cache import DocumentCache
 
     tok = tiny_llama.tokenizer
@@ -339,7 +339,7 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
     for in_place in (True, False, "chunked"):
         llm = make(tiny_llama)
         if in_place == "chunked":
-            monkeypatch.setattr(model_runner, "RECOMPUTE_CHUNK_TOKENS", 2)
+            monkeypatch.setattr(blend_pass, "RECOMPUTE_CHUNK_TOKENS", 2)
         if not in_place:  # the sliding-window models' path: every document copied to its positions
             real = DocumentCache.source
             monkeypatch.setattr(DocumentCache, "source", lambda self, layout, salt, in_place=True:
@@ -376,7 +376,7 @@ def test_in_place_capacity_counts_a_fill_s_scratch(tiny_llama):
     peak = 4 + 15 + 18
     small = LLM(loaded=tiny_llama, kv_cache_memory_gib=20 * per_block / 2**30, block_size=4, **NO_DEFAULT_REPAIR)
     with pytest.raises(ValueError, match="kv-cache-memory"):
-        small.engine.add_document_request("r", prompt, ONE)
+        small.engine.add_prepared_request("r", prompt, ONE)
     small.engine.check_integrity()
     assert small.engine.pool.num_used_blocks == 0
     exact = LLM(loaded=tiny_llama, kv_cache_memory_gib=peak * per_block / 2**30, block_size=4, **NO_DEFAULT_REPAIR)
@@ -401,7 +401,7 @@ def test_a_decoding_request_moves_its_in_place_context_to_one_run(tiny_llama):
     engine, bs = llm.engine, llm.engine.block_size
     llm.generate(DocumentPrompt.of([(d, True) for d in docs] + [(q, False)]), ONE)  # encoded in another order
     spy = LogitsSpy(llm)
-    engine.add_document_request("r", prompt, GREEDY)
+    engine.add_prepared_request("r", prompt, GREEDY)
     (seq,) = engine.requests()
     engine.step()  # the prompt, over the documents in place
     assert seq.context.shift_array is not None and not seq.is_prefill
@@ -467,7 +467,7 @@ def test_the_capacity_check_does_not_depend_on_the_load_at_arrival(tiny_llama):
         if busy:  # another request holds blocks when this one arrives: its context cannot be held now
             engine.add_request("other", ids(rng, 300), SamplingParams(max_tokens=5, temperature=0))
             engine.step()
-        engine.add_document_request("doc", prompt_, params)  # accepted either way
+        engine.add_prepared_request("doc", prompt_, params)  # accepted either way
         done = step_to_end(engine)
         assert done["doc"].finished and len(done["doc"].output_token_ids) == 90
         assert engine.pool.num_used_blocks == 0
@@ -497,8 +497,8 @@ def test_a_mark_that_is_not_an_object_is_a_value_error_in_llm_chat(tiny_llama):
 
 def test_repair_keeps_the_segments(tiny_llama):
     engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR).engine
-    engine.add_document_request("plain", ledger_prompt(tiny_llama.tokenizer), ONE)
-    engine.add_document_request("rep", ledger_prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})
+    engine.add_prepared_request("plain", ledger_prompt(tiny_llama.tokenizer), ONE)
+    engine.add_prepared_request("rep", ledger_prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})
     seqs = {s.request_id: s for s in engine.requests()}
     assert len(seqs["plain"].context.segments) == 4  # head text, two documents, the question
     assert seqs["rep"].context.segments == seqs["plain"].context.segments
@@ -509,7 +509,7 @@ def test_a_reacquired_context_counts_only_what_the_first_acquisition_found(tiny_
     """A context let go and acquired again (a waiting request under pressure) finds the request's
     own freshly computed documents cached; they are not reported as cached tokens."""
     engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR).engine
-    engine.add_document_request("r", ledger_prompt(tiny_llama.tokenizer), ONE, blend=blend)
+    engine.add_prepared_request("r", ledger_prompt(tiny_llama.tokenizer), ONE, blend=blend)
     (seq,) = engine.requests()
     assert engine.documents.tokens_computed > 0
     seq.context.release()
@@ -525,7 +525,7 @@ def test_ttft_includes_the_context_acquisition_and_repair(tiny_llama, monkeypatc
     import time
 
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
-    real = llm.engine.runner.recompute
-    monkeypatch.setattr(llm.engine.runner, "recompute", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
+    real = llm.engine.blend_pass.recompute
+    monkeypatch.setattr(llm.engine.blend_pass, "recompute", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
     out = llm.generate(ledger_prompt(tiny_llama.tokenizer), ONE, blend={"first_tokens": 1})[0]
     assert out.num_recomputed_tokens == 3 and out.ttft_s >= 0.3  # one per piece: head text, two documents

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.engine import llm_engine
+from kvreuse.engine import spec_decode
 from kvreuse.engine.spec_decode import SpecState, accepted_length, propose
 
 
@@ -84,13 +84,13 @@ class SettleSpy:
     def __init__(self, llm):
         self.calls: list[tuple[int, int, int]] = []
         engine = llm.engine
-        original = engine._settle_draft
+        original = engine.outputs._settle_draft
 
         def settle(seq, drafted, accepted, kept):
             self.calls.append((drafted, accepted, kept))
             original(seq, drafted, accepted, kept)
 
-        engine._settle_draft = settle
+        engine.outputs._settle_draft = settle
 
     @property
     def cut_inside_a_run(self) -> bool:
@@ -155,7 +155,7 @@ def oracle_drafts(monkeypatch, prompt: list[int], answer: list[int], wrong_every
         return [t + 1 if wrong_every and (m + j) % wrong_every == wrong_every - 1 else t
                 for j, t in enumerate(answer[m : m + k])]
 
-    monkeypatch.setattr(llm_engine, "propose", propose)
+    monkeypatch.setattr(spec_decode, "propose", propose)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "oracle_wrong_every_5"])
@@ -204,7 +204,7 @@ def test_eos_or_stop_token_inside_an_accepted_run(tiny_llama, monkeypatch, how):
     cut = 0
     for end in sorted(set(long[1:])):
         if how == "eos":
-            base_llm.engine.eos_token_ids = spec_llm.engine.eos_token_ids = frozenset({end})
+            base_llm.engine.outputs.eos_token_ids = spec_llm.engine.outputs.eos_token_ids = frozenset({end})
             params = SamplingParams(max_tokens=40, temperature=0, logprobs=1)
         else:
             params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, stop_token_ids=[end])
@@ -259,7 +259,7 @@ def test_a_draft_never_preempts_anyone(tiny_llama):
         scheduler._preempt = preempt
         spec = run(llm, prompts, params)
         assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in base], trial
-    assert checked > 0 and llm.engine.spec_accepted_tokens > 0
+    assert checked > 0 and llm.engine.outputs.spec_accepted_tokens > 0
 
 
 def test_many_random_prompts_small_pool(tiny_llama):

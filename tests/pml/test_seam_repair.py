@@ -1,4 +1,4 @@
-"""Seam repair (engine/seam_repair.py, engine/repaired_context.py, ModelRunner.recompute) on
+"""Blend (engine/blend.py, engine/blended_context.py, BlendPass.recompute) on
 tiny random models: everything recomputed equals full prefill of the concatenated prompt;
 nothing recomputed equals no repair exactly; shared module blocks are never written."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.engine.blend import Blend
 from kvreuse.pml import compile_prompt, parse_prompt
 from tests.engine_helpers import LogitsSpy, step_to_end
 
@@ -17,7 +17,7 @@ SCHEMA = """<schema name="s">Notes:
 <module name="b">Every ledger on the island is kept in the harbour office at dusk.</module>
 </schema>"""
 PROMPT = '<prompt schema="s"><a/><b/>Where is the ledger kept?</prompt>'
-ALL = SeamRepair(first_tokens=10**6, ratio=1.0)
+ALL = Blend(first_tokens=10**6, ratio=1.0)
 
 
 def make(loaded, **kw) -> LLM:
@@ -43,24 +43,24 @@ def module_kv(llm: LLM) -> torch.Tensor:
 
 def test_policy_first_tokens_and_ratio():
     starts = np.array([0, 5, 7])
-    assert SeamRepair(2, 0.0).select(starts, 10, None).tolist() == [0, 1, 5, 6, 7, 8]
-    assert SeamRepair(0, 0.0).select(starts, 10, None).tolist() == []
+    assert Blend(2, 0.0).select(starts, 10, None).tolist() == [0, 1, 5, 6, 7, 8]
+    assert Blend(0, 0.0).select(starts, 10, None).tolist() == []
     dev = np.array([0, 9, 1, 8, 0, 0, 7, 0, 0, 6], dtype=float)
-    assert SeamRepair(0, 0.3).select(starts, 10, dev).tolist() == [1, 3, 6]
-    assert SeamRepair(1, 0.2).select(starts, 10, dev).tolist() == [0, 1, 3, 5, 7]
-    assert SeamRepair(0, 1.0).select(starts, 10, dev).tolist() == list(range(10))
+    assert Blend(0, 0.3).select(starts, 10, dev).tolist() == [1, 3, 6]
+    assert Blend(1, 0.2).select(starts, 10, dev).tolist() == [0, 1, 3, 5, 7]
+    assert Blend(0, 1.0).select(starts, 10, dev).tolist() == list(range(10))
 
 
 @pytest.mark.parametrize("bad, field", [({"ratio": 1.5}, "blend.ratio"), ({"first_tokens": -1}, "blend.first_tokens"),
                                         ({"ratio": "x"}, "blend.ratio"), ({"k": 1}, "blend"), ([1], "blend")])
 def test_policy_bad_values_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
-        SeamRepair.from_json(bad, SeamRepair())
+        Blend.from_json(bad, Blend())
 
 
 def test_policy_defaults_fill_missing_fields():
-    assert SeamRepair.from_json({"ratio": 0.2}, SeamRepair(4, 0.1)) == SeamRepair(4, 0.2)
-    assert SeamRepair.from_json(None, SeamRepair(4, 0.1)) == SeamRepair(4, 0.1)
+    assert Blend.from_json({"ratio": 0.2}, Blend(4, 0.1)) == Blend(4, 0.2)
+    assert Blend.from_json(None, Blend(4, 0.1)) == Blend(4, 0.1)
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
@@ -131,7 +131,7 @@ def test_partial_repair_keeps_modules_and_pool(tiny_llama):
 
 
 def test_policy_huge_first_tokens_chooses_every_token():
-    assert SeamRepair(first_tokens=2**63).select(np.array([0, 3]), 5, None).tolist() == [0, 1, 2, 3, 4]
+    assert Blend(first_tokens=2**63).select(np.array([0, 3]), 5, None).tolist() == [0, 1, 2, 3, 4]
 
 
 
@@ -203,8 +203,8 @@ def test_the_deviation_pass_runs_once_while_a_request_waits(tiny_llama, monkeypa
     llm.register_schema(SCHEMA)
     engine = llm.engine
     calls = []
-    real = engine.runner.seam_deviation
-    monkeypatch.setattr(engine.runner, "seam_deviation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine.blend_pass.seam_deviation
+    monkeypatch.setattr(engine.blend_pass, "seam_deviation", lambda *a, **k: calls.append(1) or real(*a, **k))
     blend = {"ratio": 0.5}
     engine.add_prepared_request("r", engine.prepare_prompt(PROMPT), GREEDY, blend=blend)
     (seq,) = engine.requests()

@@ -20,9 +20,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo, field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvreuse.api.body import check_text
+from kvreuse.api.cache_breakpoints import prompt_cache_retention_config
 from kvreuse.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvreuse.events.records import TIER_NAMES  # level -> what users read (re-exported)
 
@@ -64,8 +69,26 @@ class _GenerationRequest(BaseModel):
     # kvreuse / vLLM extras
     cache_salt: StrictStr | None = Field(default=None, min_length=1)
     kv_cache_retention_config: dict[str, Any] | None = None
-    # seam repair of a PML prompt's assembled modules: {"first_tokens": k, "ratio": r}
-    # (engine/seam_repair.py; absent: the server's --blend-*; both 0: off)
+    # OpenAI's prompt caching: a routing affinity key (``kvreuse route`` keeps a key's requests on one
+    # executor), and "24h" keeps the prompt a day (folded into kv_cache_retention_config, docs/anthropic.md)
+    prompt_cache_key: StrictStr | None = Field(default=None, min_length=1, max_length=1024)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+
+    @field_validator("prompt_cache_retention")
+    @classmethod
+    def _one_retention(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value == "24h" and info.data.get("kv_cache_retention_config") is not None:
+            raise PydanticCustomError("value_error", "give prompt_cache_retention or kv_cache_retention_config, "
+                                                     "not both")
+        return value
+
+    @model_validator(mode="after")
+    def _fold_prompt_cache_retention(self) -> Any:
+        if self.prompt_cache_retention == "24h":
+            self.kv_cache_retention_config = prompt_cache_retention_config(self.prompt_cache_retention)
+        return self
+    # blend of a prompt's assembled modules or documents: {"first_tokens": k, "ratio": r}
+    # (engine/blend.py, parsed once by server/serving.py: parse_blend; absent: the server's default)
     blend: Any = None
     request_id: StrictStr | None = None
     # vLLM extra: the prompt's token ids and each choice's generated ids in the response (streamed:
@@ -312,7 +335,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     were accepted and rejected (OpenAI's predicted-output fields)."""
     details: dict[str, Any] = {"cached_tokens": cached_tokens}
     recomputed = sum(out.num_recomputed_tokens for out in outputs)
-    if recomputed:  # seam repair recomputed some assembled (cached) tokens: an extension
+    if recomputed:  # blend recomputed some assembled (cached) tokens: an extension
         details["recomputed_tokens"] = recomputed
     tiered = [split for out in outputs if (split := out.cached_tokens_by_tier) is not None]
     if tiered:  # the engine has tiers below the device pool

@@ -1,19 +1,11 @@
-"""The asyncio face of the engine: one background thread owns the ``LLMEngine``.
+"""The asyncio face of the engine: the engine's typed front door, over one engine thread.
 
-::
-
-    asyncio callers ──generate()──▶ inbox (thread-safe) ──▶ engine thread: add / abort / step
-          ▲                                                        │
-          └──── per-request asyncio.Queue ◀── loop.call_soon_threadsafe ◀──┘
-
-The engine thread is the only thread that touches the engine, its block pool and the
-model. It drains the inbox, steps while there is work and otherwise sleeps on an event;
-whenever it goes idle it runs ``pool.check_integrity()`` and logs loudly on failure.
-
-Failure containment: a ``ValueError`` from ``add_request`` reaches only that caller (as
-``ValueError``); any other exception while adding or delivering fails only that request;
-an exception from ``step()`` fails every in-flight request with ``EngineError`` and aborts
-them so their blocks return to the pool. The loop itself keeps running.
+Routes and the CLI call only the named methods here (``generate``, ``prepare_pml``,
+``module_blocks``, ``register_schema``, ``list_schemas``, ``remove_schema``,
+``reset_prefix_cache``, ``kv_snapshot``, ``fresh_stats``, ``check_integrity``...), each with
+typed arguments; each runs its work on the engine thread (``engine/engine_loop.py``), the only
+thread that touches the ``LLMEngine``, between steps. ``call`` (any function of the engine)
+is for tests.
 """
 
 from __future__ import annotations
@@ -21,75 +13,54 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvreuse.engine.engine_loop import Abort, Add, Call, EngineDeadError, EngineError, EngineLoop, Stop, Stream
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.tiers.setup import store_stats
+from kvreuse.tiers.tier_stats import store_stats
 
 if TYPE_CHECKING:
     from kvreuse.cache.retention import KvCacheRetentionConfig
-    from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-    from kvreuse.pml.module_cache import SchemaInfo
+    from kvreuse.engine.blend import BlendOverride
     from kvreuse.engine.document_cache import DocumentPrompt
+    from kvreuse.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+    from kvreuse.engine.schema_service import SchemaListing
+    from kvreuse.events.buffer import EventBuffer
+    from kvreuse.events.records import KVSnapshot
+    from kvreuse.pml.module_cache import SchemaInfo
     from kvreuse.pml.prepared import PreparedPrompt
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineError"]  # the errors are engine_loop's, raised to callers here
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class EngineError(RuntimeError):
-    """The engine failed while serving a request (an internal error, HTTP 500)."""
+@dataclass(frozen=True)
+class ExecutorFacts:
+    """What an executor is, fixed once its engine is built (``/v1/kvreuse/info``)."""
 
+    model_name: str
+    model_id: str
+    model_path: Path | None
+    hash_algorithm: str
+    enable_prefix_caching: bool
+    num_blocks: int
+    cache_levels: tuple[str, ...]  # the device pool's level, then the tiers below it
+    remote_store: str | None  # the remote store's identity (no credentials), or None
+    eos_token_ids: tuple[int, ...]  # sorted: what ends a request
 
-class EngineDeadError(EngineError):
-    """The engine thread is not running (never started, or shut down)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Stream:
-    """Where one request's outputs go: an asyncio queue living on ``loop``."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # items: RequestOutput, or an exception to raise in the caller
-
-    def put(self, item: Any) -> None:
-        """Called from the engine thread. Raises ``RuntimeError`` if the loop is closed."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    retention: KvCacheRetentionConfig | None
-    stream: _Stream
-    prepared: PreparedPrompt | DocumentPrompt | None = None  # PML or documents (built at the edge); KV assembled here
-    blend: dict | None = None  # its seam repair (LLMEngine.add_prepared_request); None: the engine's default
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-    stream: _Stream  # whose request: a rejected duplicate id must not abort the one in flight
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """Run ``fn(engine)`` in the engine thread and hand ``settle(value, failed)`` the result."""
-
-    fn: Callable[[Any], Any]
-    settle: Callable[[Any, bool], None]  # must be safe to call from the engine thread
-
-
-class _Stop:
-    pass
+    @classmethod
+    def of(cls, engine: LLMEngine) -> ExecutorFacts:
+        return cls(engine.model_name, engine.model_id, engine.loaded.path, engine.config.hash_algorithm,
+                   engine.config.enable_prefix_caching, engine.pool.num_blocks,
+                   tuple(pool.cache_level for pool in engine.cache.pools()), engine.cache.remote_store_id,
+                   tuple(sorted(engine.eos_token_ids)))
 
 
 def _loop_future() -> tuple[asyncio.Future, Callable[[Any, bool], None]]:
@@ -131,26 +102,21 @@ class AsyncEngine:
         self.block_size: int = engine.block_size
         self.pool_tokens: int = engine.pool.num_blocks * engine.block_size  # tokens the device pool holds
         self.vocab_size: int = engine.loaded.shape.vocab_size
-        self.document_context_blocks = engine.document_context_blocks  # pure: reads fixed settings only
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self._stats_lock = threading.Lock()
-        self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
+        self.event_buffer: EventBuffer | None = engine.events  # thread-safe; None: events off
+        self.facts = ExecutorFacts.of(engine)
+        self._loop = EngineLoop(engine)
         # the disk / remote stores count on their writer thread and breaker clock, between
         # steps too: stats() reads their (thread-safe) counters live, not from the snapshot
         self._stores = engine.stores
-        self._integrity_error: str | None = None
         self._thread: threading.Thread | None = None
-        self._running = False
-        engine.watch_stores(self._wake.set)  # finished disk / remote writes wake an idle loop
+        engine.cache.watch_stores(self._loop.wake.set)  # finished disk / remote writes wake an idle loop
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvreuse-engine", daemon=True)
+        self._loop.running = True
+        self._thread = threading.Thread(target=self._loop.run, name="kvreuse-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -158,17 +124,16 @@ class AsyncEngine:
         queued disk / remote writes are finished (``LLMEngine.close``)."""
         if self._thread is None:
             return
-        self._inbox.put(_Stop())
-        self._wake.set()
+        self._loop.send(Stop())
         self._thread.join(timeout)
         self._thread = None
         self.engine.close()
 
     @property
     def is_running(self) -> bool:
-        return self._running and self._thread is not None and self._thread.is_alive()
+        return self._loop.running and self._thread is not None and self._thread.is_alive()
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ requests
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -178,11 +143,12 @@ class AsyncEngine:
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | None = None,
         prepared: PreparedPrompt | DocumentPrompt | None = None,
-        blend: dict | None = None,
+        blend: BlendOverride | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative text/tokens plus the new delta) until one
-        has ``finished``. With ``prepared`` (a PML prompt from ``call(lambda e:
-        e.prepare_prompt(text))``) the prompt is that, and ``prompt_token_ids`` is ignored.
+        has ``finished``. With ``prepared`` (a PML prompt from ``prepare_pml``, or a
+        ``DocumentPrompt``) the prompt is that, and ``prompt_token_ids`` is ignored; ``blend``
+        (parsed at the edge) is its blend.
 
         Raises ``ValueError`` when the engine rejects the request (message names the field),
         ``EngineError`` if the engine fails while serving it. If the consumer stops early
@@ -191,8 +157,8 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._send(_Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, prepared, blend))
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._loop.send(Add(request_id, list(prompt_token_ids), params, cache_salt, retention, stream, prepared, blend))
         finished = False
         try:
             while True:
@@ -206,37 +172,23 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._send(_Abort(request_id, stream))
+                self._loop.send(Abort(request_id, stream))
 
-    def stats(self) -> EngineStats:
-        """The snapshot taken by the engine thread after its latest step (never blocks on it),
-        with the disk / remote stores' counters read now."""
-        with self._stats_lock:
-            snapshot = self._stats
-        if self._stores is None:
-            return snapshot
-        live = store_stats(self._stores)  # per level: the stores' counters now, over the step's ledger counts
-        return replace(snapshot, tiers=snapshot.tiers | {lv: snapshot.tiers.get(lv, {}) | c for lv, c in live.items()})
+    def document_context_blocks(self, prompt: DocumentPrompt, blend: BlendOverride | None = None) -> int:
+        """Blocks a documents prompt's context holds once acquired (``PromptIntake.context_blocks``).
+        Pure, any thread: reads fixed settings only."""
+        return self.engine.intake.context_blocks(prompt, blend)
 
-    @property
-    def integrity_error(self) -> str | None:
-        """The message of the latest failed idle integrity check, or ``None`` if it passed."""
-        return self._integrity_error
+    async def prepare_pml(self, pml_text: str) -> PreparedPrompt:
+        """Compile a PML ``<prompt>`` over the registered schemas, on the engine thread (where
+        they live). The result is frozen: pass it to ``generate(prepared=...)``. Raises ``PMLError``."""
+        return await self._on_engine(lambda engine: engine.prepare_prompt(pml_text))
 
-    async def check_integrity(self) -> None:
-        """Run the engine's ``check_integrity()`` (pool and request references) in the engine
-        thread; raises its ``RuntimeError``."""
-        await self.call(lambda engine: engine.check_integrity())
+    async def module_blocks(self, prompt: PreparedPrompt) -> int:
+        """Blocks the modules of a prepared PML prompt take in the pool."""
+        return await self._on_engine(lambda engine: engine.schemas.module_blocks(prompt))
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(engine)`` in the engine thread between steps and return its result
-        (or raise its exception). For tests, admin endpoints and snapshots."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        future, settle = _loop_future()
-        self._send(_Call(fn, settle))
-        return await future
-
+    # ------------------------------------------------------------------ schemas
     async def register_schema(self, pml_text: str) -> SchemaInfo:
         """Register a PML schema without stopping the requests in flight: compiled and checked
         against the cost limits in a worker thread (``PMLError`` at once, nothing computed),
@@ -246,19 +198,70 @@ class AsyncEngine:
         Cancelling the caller does not stop the registration (it completes on its own)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        compiled = await asyncio.to_thread(self.engine.modules.compile, pml_text)  # fixed settings only
+        compiled = await asyncio.to_thread(self.engine.schemas.compile, pml_text)  # fixed settings only
         future, settle = _loop_future()
 
         def settle_failure(value: Any, failed: bool) -> None:
             if failed:  # queued: the registration settles when it ends
                 settle(value, True)
 
-        self._send(_Call(lambda e: e.submit_schema(pml_text, settle, compiled=compiled), settle_failure))
+        self._loop.send(Call(lambda e: e.submit_schema(pml_text, settle, compiled=compiled), settle_failure))
         return await future
 
+    async def list_schemas(self) -> SchemaListing:
+        """The registered schemas and the registrations in progress."""
+        return await self._on_engine(lambda engine: engine.schemas.listing())
+
+    async def remove_schema(self, name: str) -> bool:
+        """Forget a registered schema; ``False`` if it is not registered."""
+        return await self._on_engine(lambda engine: engine.schemas.remove(name))
+
+    # ------------------------------------------------------------------ caches and introspection
+    async def reset_prefix_cache(self) -> int:
+        """``LLMEngine.reset_prefix_cache``: cached blocks not in use dropped; returns how many."""
+        return await self._on_engine(lambda engine: engine.reset_prefix_cache())
+
+    async def kv_snapshot(self) -> KVSnapshot:
+        """``LLMEngine.kv_snapshot``, between steps. Raises ``RuntimeError`` when events are off."""
+        return await self._on_engine(lambda engine: engine.kv_snapshot())
+
+    def kv_snapshot_blocking(self, timeout: float | None = None) -> KVSnapshot:
+        """``kv_snapshot`` for plain threads (the ZMQ publisher). Raises ``TimeoutError`` after
+        ``timeout`` seconds, ``EngineDeadError``."""
+        return self.call_blocking(lambda engine: engine.kv_snapshot(), timeout)
+
+    async def fresh_stats(self) -> EngineStats:
+        """``LLMEngine.stats`` taken now, between steps (``stats`` returns the last published)."""
+        return await self._on_engine(lambda engine: engine.stats())
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken by the engine thread after its latest step (never blocks on it),
+        with the disk / remote stores' counters read now."""
+        snapshot = self._loop.latest_stats
+        if self._stores is None:
+            return snapshot
+        live = store_stats(self._stores)  # per level: the stores' counters now, over the step's ledger counts
+        return replace(snapshot, tiers=snapshot.tiers | {lv: snapshot.tiers.get(lv, {}) | c for lv, c in live.items()})
+
+    @property
+    def integrity_error(self) -> str | None:
+        """The message of the latest failed idle integrity check, or ``None`` if it passed."""
+        return self._loop.integrity_error
+
+    async def check_integrity(self) -> None:
+        """Run the engine's ``check_integrity()`` (pool and request references) in the engine
+        thread; raises its ``RuntimeError``."""
+        await self._on_engine(lambda engine: engine.check_integrity())
+
+    # ------------------------------------------------------------------ any function (tests)
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` in the engine thread between steps and return its result (or
+        raise its exception). For tests; routes use the named methods above."""
+        return await self._on_engine(fn)
+
     def call_blocking(self, fn: Callable[[Any], T], timeout: float | None = None) -> T:
-        """``call`` for plain threads (the ZMQ publisher's snapshot, the CLI). Raises
-        ``fn``'s exception, ``TimeoutError`` after ``timeout`` seconds, ``EngineDeadError``."""
+        """``call`` for plain threads. Raises ``fn``'s exception, ``TimeoutError`` after
+        ``timeout`` seconds, ``EngineDeadError``."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -269,170 +272,12 @@ class AsyncEngine:
             else:
                 future.set_result(value)
 
-        self._send(_Call(fn, settle))
+        self._loop.send(Call(fn, settle))
         return future.result(timeout)
 
-    # ------------------------------------------------------------------ engine thread
-    def _send(self, command: object) -> None:
-        self._inbox.put(command)
-        self._wake.set()
-
-    def _run(self) -> None:
-        logger.debug("engine thread started")
-        try:
-            while self._running:
-                self._drain_inbox()
-                if not self._running:
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                    continue
-                # Durations that ran out while idle fall back to priority 35 now (metrics,
-                # dashboard and BlockUpdated events follow), not at the next allocation.
-                self.engine.pool.expire()
-                self.engine.sync_stores()  # store writes finished while idle: their events now
-                self._publish_stats()
-                self._idle_integrity_check()
-                # Clear before re-checking the inbox so a command sent in between is not missed.
-                self._wake.clear()
-                if self._inbox.empty():
-                    self._wake.wait(self._until_next_expiry())
-        except BaseException:  # noqa: BLE001 - the loop must never die silently
-            logger.critical("engine thread crashed; failing every in-flight request", exc_info=True)
-            raise
-        finally:
-            self._running = False
-            self._fail_all(EngineDeadError("the engine has stopped"))
-            self.engine.registrations.fail_all(EngineDeadError("the engine has stopped"))
-            self._drain_after_stop()
-
-    def _until_next_expiry(self) -> float | None:
-        """Seconds to sleep while idle: until the pool's next retention expiry, else forever."""
-        pool = self.engine.pool
-        due = pool.next_expiry()
-        return None if due is None else min(max(due - pool.clock(), 0.01), 3600.0)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                self._add(command)
-            elif isinstance(command, _Abort):
-                self._abort(command)
-            elif isinstance(command, _Call):
-                self._call(command)
-            elif isinstance(command, _Stop):
-                self._running = False
-                return
-
-    def _add(self, cmd: _Add) -> None:
-        if cmd.request_id in self._streams:
-            self._deliver(cmd.stream, ValueError(f"request_id {cmd.request_id!r} is already in flight"))
-            return
-        try:
-            if cmd.prepared is not None:
-                self.engine.add_prepared_request(
-                    cmd.request_id, cmd.prepared, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention,
-                    blend=cmd.blend,
-                )
-            else:
-                self.engine.add_request(
-                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention
-                )
-        except ValueError as exc:
-            self._deliver(cmd.stream, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the loop
-            logger.exception("add_request(%s) failed", cmd.request_id)
-            self._safe_engine_abort(cmd.request_id)
-            self._deliver(cmd.stream, EngineError(f"internal error adding request: {exc}"))
-            return
-        self._streams[cmd.request_id] = cmd.stream
-
-    def _abort(self, cmd: _Abort) -> None:
-        if self._streams.get(cmd.request_id) is not cmd.stream:
-            return  # finished already, or never admitted (e.g. a duplicate id): nothing of this caller runs
-        del self._streams[cmd.request_id]
-        self._safe_engine_abort(cmd.request_id)
-
-    def _call(self, cmd: _Call) -> None:
-        try:
-            result = cmd.fn(self.engine)
-        except Exception as exc:  # noqa: BLE001 - handed back to the caller
-            cmd.settle(exc, True)
-        else:
-            cmd.settle(result, False)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the in-flight requests, keep serving
-            logger.exception("engine step failed; failing %d in-flight requests", len(self._streams))
-            for request_id in list(self._streams):
-                self._safe_engine_abort(request_id)
-            self._fail_all(EngineError(f"internal engine error: {exc}"))
-            self._publish_stats()
-            return
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted while this step ran; the engine has already been told
-            if output.finished:
-                del self._streams[output.request_id]
-            if not self._deliver(stream, output) and not output.finished:
-                self._abort(_Abort(output.request_id, stream))
-        self.engine.precompute_slice()  # schemas registering: a slice between two steps
-        self._publish_stats()
-
-    def _deliver(self, stream: _Stream, item: Any) -> bool:
-        try:
-            stream.put(item)
-            return True
-        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
-            return False
-
-    def _fail_all(self, exc: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            self._deliver(stream, exc)
-
-    def _drain_after_stop(self) -> None:
-        """Answer whatever arrived after the loop stopped, so no caller waits forever."""
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            dead = EngineDeadError("the engine has stopped")
-            if isinstance(command, _Add):
-                self._deliver(command.stream, dead)
-            elif isinstance(command, _Call):
-                command.settle(dead, True)
-
-    def _safe_engine_abort(self, request_id: str) -> None:
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:  # noqa: BLE001
-            logger.exception("abort_request(%s) failed", request_id)
-
-    def _publish_stats(self) -> None:
-        try:
-            snapshot = self.engine.stats()
-        except Exception:  # noqa: BLE001
-            logger.exception("engine.stats() failed")
-            return
-        with self._stats_lock:
-            self._stats = snapshot
-
-    def _idle_integrity_check(self) -> None:
-        try:
-            self.engine.check_integrity()
-        except Exception as exc:  # noqa: BLE001 - report, do not crash the server
-            if self._integrity_error is None:
-                logger.error("BLOCK POOL INTEGRITY CHECK FAILED while idle: %s", exc, exc_info=True)
-            self._integrity_error = str(exc)
-        else:
-            self._integrity_error = None
+    async def _on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        future, settle = _loop_future()
+        self._loop.send(Call(fn, settle))
+        return await future

@@ -1,10 +1,12 @@
-"""``SeamRepair``: which assembled tokens to recompute against the assembled context.
+"""``Blend``: which assembled tokens to recompute against the assembled context.
 
 Modules (PML) and documents are encoded apart, so their KV never attended to each other.
 Before a request's own tokens run, a chosen set of the assembled tokens is recomputed
-through every layer against everything before it by position (the mechanics are the model
-runner's: ``ModelRunner.seam_deviation`` / ``recompute``; the copy-on-write is
-``engine/repaired_context.py``'s). This object only chooses, from two knobs:
+through every layer against everything before it by position (the model passes are
+``engine/blend_pass.py``'s; the copy-on-write is ``engine/blended_context.py``'s).
+This object only chooses, from these knobs (a request's ``blend`` field, the server's
+``--blend-*`` / ``--document-blend-*``; the idea is CacheBlend's and EPIC's, the one name
+in this code is *blend*):
 
 - ``first_tokens`` (EPIC's attention-sink fix): the first ``k`` tokens of every segment
   (module or document);
@@ -18,8 +20,8 @@ runner's: ``ModelRunner.seam_deviation`` / ``recompute``; the copy-on-write is
   deeper layer costs ``deviation_layer + 1`` layers of the context's prefill instead of 2
   (a layer past the model's last means its last); only read when the ratio picks a token.
 
-The chosen set is the union of the three. ``SeamRepair()`` (all 0) chooses nothing: the
-request runs exactly as without repair. Pure: no pool, no model.
+The chosen set is the union of the three. ``Blend()`` (all 0) chooses nothing: the
+request runs exactly as without blend. Pure: no pool, no model.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 
 DEVIATION_LAYER = 1  # CacheBlend's: the deviation pass runs layers 0..1 over the context
+FIELDS = ("first_tokens", "ratio", "deviation_layer", "last_tokens")  # a request's blend knobs
 
 
 @dataclass(frozen=True)
-class SeamRepair:
-    """The repair a request asks for; validated where built (``ValueError`` naming the field)."""
+class Blend:
+    """The blend a request asks for: parsed once, at the edge (``from_json``), and carried as
+    this value to the engine; validated where built (``ValueError`` naming the field)."""
 
     first_tokens: int = 0  # leading tokens of each segment always recomputed (0: none)
     ratio: float = 0.0  # share of the assembled tokens recomputed by KV deviation, in [0, 1]
@@ -55,21 +59,20 @@ class SeamRepair:
             raise ValueError(f"blend.deviation_layer must be an integer >= 1, got {self.deviation_layer!r}")
 
     @classmethod
-    def from_json(cls, obj: object, default: "SeamRepair") -> "SeamRepair":
+    def from_json(cls, obj: object, default: Blend) -> Blend:
         """A request's ``blend`` field: ``None`` -> ``default`` (the server's setting); an
         object with any of ``first_tokens``, ``ratio``, ``deviation_layer``, ``last_tokens`` (a
         missing one takes the default's value). Raises ``ValueError`` naming the field."""
         if obj is None:
             return default
-        if isinstance(obj, SeamRepair):
+        if isinstance(obj, Blend):
             return obj
         if not isinstance(obj, Mapping):
             raise ValueError(f"blend must be an object {{\"first_tokens\": k, \"ratio\": r}}, got {type(obj).__name__}")
-        fields = ("first_tokens", "ratio", "deviation_layer", "last_tokens")
-        unknown = sorted(set(obj) - set(fields))
+        unknown = sorted(set(obj) - set(FIELDS))
         if unknown:
-            raise ValueError(f"blend: unknown field(s) {unknown}; expected {', '.join(fields)}")
-        return cls(**{f: getattr(default, f) if obj.get(f) is None else obj[f] for f in fields})
+            raise ValueError(f"blend: unknown field(s) {unknown}; expected {', '.join(FIELDS)}")
+        return cls(**{f: getattr(default, f) if obj.get(f) is None else obj[f] for f in FIELDS})
 
     @property
     def enabled(self) -> bool:
@@ -106,6 +109,36 @@ class SeamRepair:
             order = np.argsort(-np.asarray(deviation, dtype=np.float64), kind="stable")  # [n] most deviant first
             chosen[order[:k]] = True
         return np.flatnonzero(chosen).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class BlendOverride:
+    """A request's ``blend`` as parsed once at the edge (the HTTP routes, ``LLM.generate``) and
+    carried to the engine: the knobs it sets, ``None`` for each it leaves to the server's
+    default for its prompt's kind (``--blend-*`` for PML modules, ``--document-blend-*`` for
+    documents, known only where the prompt is assembled). Valid by construction through ``of``;
+    ``over(default)`` is the ``Blend`` that runs."""
+
+    first_tokens: int | None = None
+    ratio: float | None = None
+    deviation_layer: int | None = None
+    last_tokens: int | None = None
+
+    @classmethod
+    def of(cls, obj: object) -> BlendOverride | None:
+        """``None`` -> ``None`` (every knob the default's); a ``BlendOverride`` itself; a ``Blend``
+        (every knob set); or the JSON object ``Blend.from_json`` reads. Raises ``ValueError``
+        naming the field."""
+        if obj is None or isinstance(obj, BlendOverride):
+            return obj
+        if isinstance(obj, Blend):
+            return cls(**{f: getattr(obj, f) for f in FIELDS})
+        Blend.from_json(obj, Blend())  # checks the object, its field names and every value given
+        return cls(**{f: obj.get(f) for f in FIELDS})  # type: ignore[attr-defined]  # a Mapping: checked above
+
+    def over(self, default: Blend) -> Blend:
+        """The blend that runs: these knobs, ``default``'s where ``None``."""
+        return Blend(**{f: getattr(default, f) if getattr(self, f) is None else getattr(self, f) for f in FIELDS})
 
 
 def _runs(firsts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

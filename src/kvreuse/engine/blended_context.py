@@ -1,25 +1,25 @@
-"""``RepairedSource``: a context source whose KV is seam-repaired for one request.
+"""``BlendedSource``: a context source whose KV is blended for one request.
 
 Wraps the ``ContextSource`` of an assembled context (PML modules, documents) and,
-on every acquisition, repairs the seams between its segments before the request's own
+on every acquisition, blends the seams between its segments before the request's own
 tokens run::
 
     inner.acquire() ── shared segment blocks, one reference each
-       │  runner.seam_deviation (only with a ratio: layers 0..1 into scratch, pool read-only)
-       │  SeamRepair.select ── indices to recompute
+       │  BlendPass.seam_deviation (only with a ratio: layers 0..1 into scratch, pool read-only)
+       │  Blend.select ── indices to recompute
        │  private slots: the chosen tokens get fresh blocks of their own (pool.allocate),
        │                 packed; their keys point there (shift 0), every other key stays put
-       │  runner.recompute ── chosen tokens through every layer, by position, into those slots
+       │  BlendPass.recompute ── chosen tokens through every layer, by position, into those slots
        ▼
-    RepairedKV(blocks, slots, positions, num_recomputed, shifts)
+    BlendedKV(blocks, slots, positions, num_recomputed, shifts)
 
 The shared blocks are never written (other requests read them) and stay held: a module's
 blocks form a chain the pool evicts tail first, so letting go of one block in the middle of a
 held chain would count it free while it cannot be evicted. The private blocks carry no key, so
 releasing them frees them. Documents read in place (``shifts``: keys where they were computed)
-are repaired the same way, the recompute rotating its queries per document; a source whose
+are blended the same way, the recompute rotating its queries per document; a source whose
 blocks are already the request's own (``private_blocks``: documents copied to their request
-positions) is repaired in place. An acquisition the pool cannot hold (the private blocks do
+positions) is blended in place. An acquisition the pool cannot hold (the private blocks do
 not fit) holds nothing and returns ``None``, like any ``ContextSource``. Engine thread only.
 """
 
@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
+from kvreuse.engine.blend import Blend
 from kvreuse.engine.context import ContextSource, HeldKV
-from kvreuse.engine.seam_repair import SeamRepair
 
 
 class SegmentedSource(ContextSource, Protocol):
@@ -47,12 +47,12 @@ class SegmentedSource(ContextSource, Protocol):
     @property
     def private_blocks(self) -> bool:
         """Whether ``acquire``'s blocks are the caller's alone (unregistered copies no other
-        request reads): repair then writes them in place, with no copy-on-write."""
+        request reads): blend then writes them in place, with no copy-on-write."""
         ...
 
 
-class RepairMechanics(Protocol):
-    """What repair needs from the model runner (``ModelRunner`` has these methods)."""
+class BlendMechanics(Protocol):
+    """What blend needs from the model (``engine.blend_pass.BlendPass``)."""
 
     block_size: int
 
@@ -71,8 +71,8 @@ class BlockSource(Protocol):
 
 
 @dataclass(frozen=True)
-class RepairedKV:
-    """Held repaired context (an ``engine.context.HeldKV``): ``blocks`` each carry one
+class BlendedKV:
+    """Held blended context (an ``engine.context.HeldKV``): ``blocks`` each carry one
     reference the holder owns (every shared segment block, then the private blocks; the
     recomputed keys' slots point into those);
     ``num_recomputed`` tokens were recomputed for this acquisition."""
@@ -86,17 +86,17 @@ class RepairedKV:
     shifts: np.ndarray | None = None  # [n] int64 keys read where computed (0: at their position); None: none moved
 
 
-class RepairedSource:
-    """``inner``'s context, seam-repaired by ``repair`` on each acquisition (see the module
-    docstring). ``on_repair(n)`` is told each acquisition's recomputed count (metrics)."""
+class BlendedSource:
+    """``inner``'s context, blended by ``blend`` on each acquisition (see the module
+    docstring). ``on_blend(n)`` is told each acquisition's recomputed count (metrics)."""
 
-    def __init__(self, inner: SegmentedSource, repair: SeamRepair, runner: RepairMechanics, kv: BlockSource,
-                 on_repair: Callable[[int], None] | None = None) -> None:
+    def __init__(self, inner: SegmentedSource, blend: Blend, passes: BlendMechanics, kv: BlockSource,
+                 on_blend: Callable[[int], None] | None = None) -> None:
         self.inner = inner
-        self.repair = repair
-        self.runner = runner
+        self.blend = blend
+        self.passes = passes
         self.kv = kv
-        self.on_repair = on_repair
+        self.on_blend = on_blend
         self._chosen: np.ndarray | None = None  # the selection, made at the first acquisition
         self._held_blocks: int | None = None
 
@@ -110,7 +110,7 @@ class RepairedSource:
     @property
     def held_blocks(self) -> int:
         """Blocks an acquisition keeps: the inner source's, plus the private blocks of the most
-        tokens the repair can choose, packed (``first_tokens`` and ``last_tokens`` of each
+        tokens the blend can choose, packed (``first_tokens`` and ``last_tokens`` of each
         segment + the ratio's share; the selection itself is made at the first acquisition),
         and none when the blocks are already the caller's own."""
         if self._held_blocks is None:
@@ -120,8 +120,8 @@ class RepairedSource:
             else:
                 token_ids, starts = self.inner.assembled_tokens()
                 n = len(token_ids)
-                most = min(n, self.repair.most_by_position(len(starts), n) + self.repair.num_by_deviation(n))
-                self._held_blocks = inner + cdiv(most, self.runner.block_size)
+                most = min(n, self.blend.most_by_position(len(starts), n) + self.blend.num_by_deviation(n))
+                self._held_blocks = inner + cdiv(most, self.passes.block_size)
         return self._held_blocks
 
     @property
@@ -133,27 +133,27 @@ class RepairedSource:
         """The inner source's segments (documents' layout; none for modules)."""
         return getattr(self.inner, "segments", ())
 
-    def acquire(self) -> RepairedKV | None:
+    def acquire(self) -> BlendedKV | None:
         held = self.inner.acquire()
         if held is None:
             return None
         try:
-            repaired = self._repair(held)
+            blended = self._blend(held)
         except BaseException:
             self.inner.release(held)
             raise
-        if repaired is None:
+        if blended is None:
             self.inner.release(held)
             return None
-        if self.on_repair is not None:
-            self.on_repair(repaired.num_recomputed)
-        return repaired
+        if self.on_blend is not None:
+            self.on_blend(blended.num_recomputed)
+        return blended
 
     def release(self, held: HeldKV) -> None:
         self.kv.pool.release(reversed(tuple(held.blocks)))  # type: ignore[attr-defined]
 
-    def _repair(self, held: HeldKV) -> RepairedKV | None:
-        """The repaired KV holding what ``held`` held plus the private blocks, or ``None``
+    def _blend(self, held: HeldKV) -> BlendedKV | None:
+        """The blended KV holding what ``held`` held plus the private blocks, or ``None``
         (nothing changed) when they do not fit in the pool now."""
         slots = np.asarray(held.slots, dtype=np.int64).reshape(-1)  # [n]
         positions = np.asarray(held.positions, dtype=np.int64).reshape(-1)  # [n]
@@ -161,45 +161,45 @@ class RepairedSource:
         shifts = None if shifts is None else np.asarray(shifts, dtype=np.int64).reshape(-1)  # [n]
         token_ids, starts = self.inner.assembled_tokens()
         if len(token_ids) != len(slots):
-            raise RuntimeError(f"seam repair: {len(token_ids)} assembled tokens for {len(slots)} context keys")
+            raise RuntimeError(f"blend: {len(token_ids)} assembled tokens for {len(slots)} context keys")
         if self._chosen is None:
             # Chosen once: the context KV is the same at every acquisition (a module or document
             # recomputed after an eviction is recomputed alike), so a request that waits for
             # room and acquires again does not run the deviation pass again.
             deviation = None
-            if self.repair.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
-                deviation = self.runner.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist(),
-                                                       layer=self.repair.deviation_layer, shifts=shifts)
-            self._chosen = self.repair.select(starts, len(slots), deviation)  # [m]
+            if self.blend.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
+                deviation = self.passes.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist(),
+                                                       layer=self.blend.deviation_layer, shifts=shifts)
+            self._chosen = self.blend.select(starts, len(slots), deviation)  # [m]
         chosen = self._chosen
         blocks = tuple(held.blocks)
         taken = _cached_among(held, chosen)  # what the inner acquisition found cached and is recomputed now
         reused = getattr(held, "num_reused", len(slots)) - taken
         by_level = _less(getattr(held, "reused_by_level", None), taken)
         if not len(chosen):
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level, shifts)
+            return BlendedKV(blocks, tuple(held.slots), tuple(held.positions), 0, reused, by_level, shifts)
         if self.inner.private_blocks:  # nobody else reads them: recompute in place
-            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
-            return RepairedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused, by_level, shifts)
+            self.passes.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
+            return BlendedKV(blocks, tuple(held.slots), tuple(held.positions), len(chosen), reused, by_level, shifts)
         # The shared blocks are never written: the chosen tokens' new KV goes to private blocks
         # of their own, packed, and their keys point there (computed at their positions: shift 0).
         pool = self.kv.pool
-        num_private = cdiv(len(chosen), self.runner.block_size)
+        num_private = cdiv(len(chosen), self.passes.block_size)
         if not pool.can_allocate(num_private):  # type: ignore[attr-defined]
             return None
         private = self.kv.allocate(num_private)
         slots = slots.copy()
-        slots[chosen] = block_slots([b.block_id for b in private], 0, len(chosen), self.runner.block_size)
+        slots[chosen] = block_slots([b.block_id for b in private], 0, len(chosen), self.passes.block_size)
         if shifts is not None:
             shifts = shifts.copy()
             shifts[chosen] = 0
             shifts = shifts if shifts.any() else None
         try:
-            self.runner.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
+            self.passes.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
         except BaseException:
             pool.release(reversed(private))  # type: ignore[attr-defined]
             raise
-        return RepairedKV(blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
+        return BlendedKV(blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
                           by_level, shifts)
 
 

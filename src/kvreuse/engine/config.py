@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.engine.blend import Blend
 from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
 
@@ -41,9 +41,9 @@ class EngineConfig:
     disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
     remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
     tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
-    blend_first_tokens: int = 0  # seam repair: leading tokens of each assembled module recomputed (0: none)
-    blend_ratio: float = 0.0  # seam repair: share of assembled tokens recomputed by KV deviation, in [0, 1]
-    blend_last_tokens: int = 0  # seam repair: trailing tokens of each assembled module recomputed (0: none)
+    blend_first_tokens: int = 0  # blend: leading tokens of each assembled module recomputed (0: none)
+    blend_ratio: float = 0.0  # blend: share of assembled tokens recomputed by KV deviation, in [0, 1]
+    blend_last_tokens: int = 0  # blend: trailing tokens of each assembled module recomputed (0: none)
     # the same for schema-free documents (a DocumentPrompt, chat messages marked as documents):
     # on by default, the setting bench/blend_quality.py chose (docs/benchmarks.md, issue 14): the first
     # and last token of each document; over 800 questions a deviation ratio of 0.1 on top bought no
@@ -54,17 +54,20 @@ class EngineConfig:
     speculative_tokens: int = 0  # prompt lookup: tokens drafted per greedy decode step (0 = off)
     speculative_ngram_max: int = 4  # prompt lookup: longest n-gram matched (tried first)
     speculative_ngram_min: int = 2  # prompt lookup: shortest n-gram matched
+    # batch-invariant kernels: a temperature-0 answer is the same on a prefix-cache miss or hit,
+    # alone or batched, with or without speculation (docs/deterministic.md; costs prefill and decode speed)
+    deterministic: bool = False
 
     @property
-    def blend(self) -> SeamRepair:
-        """The seam repair a PML request gets when it asks for none (``--blend-*``)."""
-        return SeamRepair(self.blend_first_tokens, self.blend_ratio, last_tokens=self.blend_last_tokens)
+    def blend(self) -> Blend:
+        """The blend a PML request gets when it asks for none (``--blend-*``)."""
+        return Blend(self.blend_first_tokens, self.blend_ratio, last_tokens=self.blend_last_tokens)
 
     @property
-    def document_blend(self) -> SeamRepair:
-        """The seam repair a documents request gets when it asks for none (``--document-blend-*``)."""
-        return SeamRepair(self.document_blend_first_tokens, self.document_blend_ratio,
-                          last_tokens=self.document_blend_last_tokens)
+    def document_blend(self) -> Blend:
+        """The blend a documents request gets when it asks for none (``--document-blend-*``)."""
+        return Blend(self.document_blend_first_tokens, self.document_blend_ratio,
+                     last_tokens=self.document_blend_last_tokens)
 
     def __post_init__(self) -> None:
         for prefix, attr in (("--blend-", "blend"), ("--document-blend-", "document_blend")):

@@ -35,7 +35,7 @@ class Segment:
     """One span of a request's prompt, in request order: tokens ``start..start + length`` of
     the prompt as the user sent it, at RoPE positions ``position..position + length``. For a
     ``DOCUMENT``, ``context_start`` is the index of its first key in the context's ``slots`` /
-    ``positions`` (what seam repair recomputes against the assembled context); ``None`` for
+    ``positions`` (what blend recomputes against the assembled context); ``None`` for
     ``TEXT`` (those are the sequence's own tokens)."""
 
     start: int
@@ -85,6 +85,12 @@ class ContextSource(Protocol):
         ...
 
 
+class _Holder(Protocol):
+    """A request that may hold a context (``engine.sequence.Sequence``)."""
+
+    context: PromptContext | None
+
+
 class PromptContext:
     """The handle a ``Sequence`` keeps for its read-only context.
 
@@ -101,7 +107,7 @@ class PromptContext:
         self._num_tokens = source.num_tokens  # asked once: it is read per output
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (slots, positions) of this acquisition
         self._shifts: np.ndarray | None = None  # [c] int64 of this acquisition (HeldKV.shifts), built once
-        self._num_recomputed = getattr(held, "num_recomputed", 0)  # seam repair of the last acquisition
+        self._num_recomputed = getattr(held, "num_recomputed", 0)  # blend of the last acquisition
         # (reused keys, by tier) of the acquisition that found the fewest cached; None: not acquired yet
         self._reused: tuple[int, dict[str, int] | None] | None = None
         if held is not None:
@@ -218,7 +224,7 @@ class PromptContext:
 
     @property
     def num_recomputed_tokens(self) -> int:
-        """Context tokens seam repair recomputed at the last acquisition (0: no repair);
+        """Context tokens blend recomputed at the last acquisition (0: no blend);
         kept after the release, for the request's usage."""
         return self._num_recomputed
 
@@ -240,3 +246,22 @@ class PromptContext:
         self._arrays = self._shifts = None
         if held is not None:
             self._source.release(held)
+
+
+def reacquire_head(waiting: Sequence[_Holder]) -> None:
+    """The first waiting request, if its context KV was let go, acquires it again
+    (recomputing what was evicted meanwhile); if the pool cannot hold it yet it waits."""
+    if waiting and waiting[0].context is not None:
+        waiting[0].context.acquire()  # False: not now, running requests will free blocks
+
+
+def release_behind_head(waiting: Sequence[_Holder]) -> bool:
+    """Nothing runs and the first waiting request cannot be admitted: the context KV that
+    requests behind it hold is in the way. They let it go (it stays cached, evictable) and
+    acquire it again when their turn comes. Returns whether any did."""
+    released = False
+    for seq in list(waiting)[1:]:
+        if seq.context is not None and seq.context.blocks:
+            seq.context.release()
+            released = True
+    return released

@@ -1,6 +1,6 @@
 """Schema-free document reuse: a document's KV computed once, then reused at the positions it takes
 in each request, in any order and combination: read where it lies with the request's queries
-rotated per document (``engine/key_frames.py``, no copy: a request that is not seam-repaired, on a
+rotated per document (``engine/key_frames.py``, no copy: a request that is not blended, on a
 model without sliding windows), or copied with its keys moved (``engine/rope_shift.py``).
 
 ::
@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +51,9 @@ from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
 from kvreuse.engine.context import Segment, SegmentKind
 from kvreuse.events.records import HOST_LEVEL
+
+if TYPE_CHECKING:
+    from kvreuse.engine import sequence
 
 
 class DocumentPoolBusy(ValueError):
@@ -140,7 +144,7 @@ class DocumentContext:
     num_reused: int  # document tokens found cached (the rest were computed by this acquisition)
     reused_by_level: dict[str, int]  # num_reused by the tier each was found in (GPU, CPU, DISK, REMOTE)
     # the num_reused keys as [start, stop) ranges of key indices: each piece's leading keys that were
-    # found cached (what seam repair may take back, engine/repaired_context.py)
+    # found cached (what blend may take back, engine/blended_context.py)
     reused_spans: tuple[tuple[int, int], ...] = ()
     # read in place: [n] int64 request position - encoded position of each key (its K was not
     # moved; attention rotates the queries, engine/key_frames.py); None: copied, keys moved
@@ -171,7 +175,7 @@ class DocumentCache:
     def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> "DocumentSource":
         """The request's ``ContextSource``; ``in_place``: reference the documents' own blocks
         (no copy; the keys stay where they were computed, so only for a request that is not
-        seam-repaired, on a model without sliding-window layers), else copy them moved."""
+        blended, on a model without sliding-window layers), else copy them moved."""
         return DocumentSource(self, layout, salt, in_place)
 
     # ------------------------------------------------------------------ one document
@@ -228,6 +232,21 @@ class DocumentCache:
         own, dst = moved
         return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(np.asarray(positions).tolist()), 0, {})
 
+    def move_framed(self, running: Iterable[sequence.Sequence]) -> None:
+        """Each running request that has finished its prompt over documents read in place gets
+        one moved copy of its context (``moved_copy``) and lets the documents' blocks go: its
+        decode steps then read one run (a short context joins the batched decode) instead of
+        one kernel call per document per layer. The prompt itself never waits for the copy (its
+        first token comes from the keys in place). A pool that cannot hold the copy now leaves
+        the context as it is (the engine tries again next step)."""
+        for seq in running:
+            context = seq.context
+            if context is None or seq.is_prefill or context.shift_array is None:
+                continue
+            copy = self.moved_copy(context.slot_array, context.position_array, context.shift_array)
+            if copy is not None:
+                context.swap(copy)
+
     def moved_blocks(self, slots: np.ndarray, shifts: np.ndarray) -> tuple[list[KVBlock], np.ndarray] | None:
         """The keys in ``slots`` (``[c]`` int64) copied into fresh blocks, each moved by its
         ``shifts``: ``(the blocks, one reference each for the caller; [c] int64 their slots)``,
@@ -257,7 +276,7 @@ class DocumentSource:
 
     @property
     def private_blocks(self) -> bool:
-        """Copies are the request's own (repair writes them in place); in place, they are shared."""
+        """Copies are the request's own (blend writes them in place); in place, they are shared."""
         return not self.in_place
 
     @property
@@ -266,7 +285,7 @@ class DocumentSource:
 
     def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """``([num_tokens] int64 token ids of the context keys in request order, [s] int64 first
-        key index of each piece)`` (``engine.repaired_context.SegmentedSource``): seam repair's
+        key index of each piece)`` (``engine.blended_context.SegmentedSource``): blend's
         ``first_tokens`` apply to every document and text piece."""
         pieces = self.layout.documents
         tokens = np.asarray([t for ids in pieces for t in ids], dtype=np.int64)  # [n]

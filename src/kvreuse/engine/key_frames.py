@@ -14,7 +14,7 @@ key stored at ``n`` that stands for ``n + s`` exactly as the moved key would (up
     frames.queries(layer, q [heads, n, d]) -> [frames, heads, n, d]   per layer
     KeyFrames.by_position(slots, shifts, key positions, query positions, rope, dtype, device)
       the same with every group gathered and masked by position (key visible to a query iff its
-      position <= the query's): seam repair recomputing scattered tokens among documents read in place
+      position <= the query's): blend recomputing scattered tokens among documents read in place
 
 Attention over the groups and the log-sum-exp merge are ``attention.py``'s. Full-attention
 layers only: a sliding window masks keys by position, which the runner keeps on copied

@@ -5,7 +5,8 @@ head_dim]``, allocated once) and turns a list of ``SeqChunk`` into one flattened
 pass; logits are computed only at the positions that sample a token. Every read and write
 of that tensor happens here: ``execute`` (scheduled steps), ``precompute`` (PML modules, no
 logits), ``write_kv`` / ``read_kv`` (module KV from and to the schema store), ``copy_shifted``
-(document KV copied to a request's blocks at its positions).
+(document KV copied to a request's blocks at its positions), ``forward_by_position`` (a
+scratch pass for blend's deviation score, ``engine/blend_pass.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.engine.key_frames import KeyFrames
 from kvreuse.engine.rope_shift import RopeShift
-from kvreuse.engine.seam_repair import DEVIATION_LAYER  # the default layer seam repair compares (CacheBlend)
 from kvreuse.models import llama
 
 
@@ -41,7 +41,7 @@ class SeqChunk:
     context_positions: np.ndarray | None  # [num_context] int64
     sample: bool
     # True: a key is visible to a new token iff its position <= the token's (not by order;
-    # seam repair recomputes scattered tokens among keys on both sides of them)
+    # blend recomputes scattered tokens among keys on both sides of them)
     by_position: bool = False
     num_logits: int = 1  # with sample: logits rows for the last this many new tokens (a verified draft)
 
@@ -84,8 +84,12 @@ class KVLayout:
 class ModelRunner:
     """Owns the model and the KV storage; not thread-safe (engine thread only)."""
 
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int, block_size: int,
+                 deterministic: bool = False) -> None:
+        """``deterministic``: every token's logits independent of what shares its step (the
+        batch-invariant forward and attention, ``--deterministic``); a plain Llama model only."""
         self.model = model
+        self.deterministic = deterministic
         self.layout = layout
         self.block_size = block_size
         self.device = next(model.parameters()).device
@@ -94,10 +98,14 @@ class ModelRunner:
         model.set_attn_implementation(name)
         # Plain Llama checkpoints run our leaner forward (same weights, same results);
         # other families keep the transformers forward with our attention plugged in.
-        self._llama = llama.LlamaForward(model) if llama.supports(model) else None
+        self._llama = llama.LlamaForward(model, invariant=deterministic) if llama.supports(model) else None
+        if deterministic and self._llama is None:
+            raise ValueError(f"--deterministic needs a plain Llama model (kvreuse's own forward); "
+                             f"{getattr(model.config, 'model_type', type(model).__name__)} runs the transformers forward")
         # A decode over a long context reads its keys in place (as a one-token prefill item)
         # instead of joining the padded batch, whose gather copies the whole context per step.
-        self.decode_in_place_min = DECODE_IN_PLACE_MIN
+        # Deterministic: 0, so no decode joins a padded batch (each is its own item, as alone).
+        self.decode_in_place_min = 0 if deterministic else DECODE_IN_PLACE_MIN
         self._rope_shift: RopeShift | None = None  # built on the first copy_shifted (documents)
         num_slots = num_blocks * block_size
         # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
@@ -143,6 +151,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(dev),  # [T]
             prefills=prefills,
             decodes=self._decode_batch(decode_rows) if decode_rows else None,
+            invariant=self.deterministic,
         )
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=dev)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, T]
@@ -211,22 +220,18 @@ class ModelRunner:
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
         return self.kv_cache[:, :, :, index].transpose(2, 3).contiguous().cpu()  # [layers, 2, n, kv_heads, head_dim]
 
-    # ------------------------------------------------------------------ seam repair
+    # ------------------------------------------------------------------ scratch passes
     @torch.inference_mode()
-    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                       layer: int = DEVIATION_LAYER, shifts: np.ndarray | None = None) -> np.ndarray:
-        """How far each assembled token's cached KV (in ``slots``) is from its KV recomputed
-        against the whole assembled context: layers ``0..layer`` are run over every token
-        at its RoPE position, each attending to the keys at or before its position, into a
-        scratch tensor (the pool is only read), and the score is the squared L2 distance of
-        layer ``layer``'s K and V. Returns ``[n]`` float64 (CacheBlend's selection signal).
-        ``shifts`` (``[n]`` int64, documents read in place): how far each cached key stands
-        from where it was computed; its K is rotated by that before the comparison.
-        A plain Llama runs only those layers; other families run their whole forward."""
+    def forward_by_position(self, token_ids: Sequence[int], positions: Sequence[int], through_layer: int) -> torch.Tensor:
+        """One pass over ``token_ids`` at RoPE ``positions``, each token attending to the tokens
+        at or before its position, into a scratch KV tensor (the pool is only read): returns
+        ``[depth, 2, kv_heads, n, head_dim]`` with token ``i``'s K/V at index ``i``, valid for
+        layers ``0..through_layer`` (a plain Llama runs only those; other families run their
+        whole forward, so ``depth`` is every layer there). No logits. ``engine/blend_pass.py``
+        compares it with the cached KV."""
         n = len(token_ids)
-        layer = min(layer, self.layout.num_layers - 1)
-        depth = layer + 1 if self._llama is not None else self.layout.num_layers
         lay = self.layout
+        depth = through_layer + 1 if self._llama is not None else lay.num_layers
         scratch = torch.zeros(depth, 2, lay.num_kv_heads, n, lay.head_dim, dtype=self.dtype, device=self.device)
         own = np.arange(n, dtype=np.int64)  # [n] scratch slot i holds token i
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
@@ -245,47 +250,7 @@ class ModelRunner:
         else:
             self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none,
                        kv_context=ctx)
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
-        cached = self.kv_cache[layer][:, :, index].float()  # [2, kv_heads, n, d]
-        if shifts is not None and np.any(shifts):  # keys read where computed: moved to their positions first
-            one = RopeShift(self.rope_shift().inv_freq[layer : layer + 1])  # this layer's frequencies
-            delta = torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1)).to(self.device)  # [n]
-            cached[0] = one.rotate(cached[0][None], delta)[0]  # [kv_heads, n, d]
-        fresh = scratch[layer].float()  # [2, kv_heads, n, d]
-        return ((fresh - cached) ** 2).sum(dim=(0, 1, 3)).cpu().numpy().astype(np.float64)  # [n]
-
-    def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                  selected: np.ndarray, chunk_tokens: int | None = None, shifts: np.ndarray | None = None) -> None:
-        """Recompute the assembled tokens ``selected`` (``[m]`` ascending indices) through
-        every layer, writing their new KV over their ``slots`` (which the caller owns: seam
-        repair gives them private slots). Each attends to every assembled key at or
-        before its position, the other tokens' cached KV and the selected ones' new KV.
-        ``shifts`` (``[n]`` int64, 0 for the selected): keys read where they were computed
-        (documents in place, ``key_frames.py``); ``None``: every key is at its position.
-        Runs in chunks of ``chunk_tokens`` (default ``RECOMPUTE_CHUNK_TOKENS``) in position
-        order, so a chunk sees the new KV of the chunks before it and nothing later; the result
-        is that of one pass when positions are distinct. A chunk reads only the keys up to its
-        last position: the masked kernel computes every score it is given, hidden or not, so
-        short chunks skip most of the hidden ones (a staircase instead of the full rectangle)."""
-        chunk_tokens = chunk_tokens or RECOMPUTE_CHUNK_TOKENS
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)  # [n]
-        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # [n]
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # [n]
-        moved = None if shifts is None else np.asarray(shifts, dtype=np.int64).reshape(-1)  # [n]
-        sel = np.asarray(selected, dtype=np.int64).reshape(-1)  # [m]
-        sel = sel[np.argsort(pos[sel], kind="stable")]  # position order
-        for start in range(0, len(sel), chunk_tokens):
-            part = sel[start : start + chunk_tokens]  # [k]
-            # every assembled key but this chunk's, up to the chunk's last position (no query of
-            # the chunk sees a later one, so it is not read)
-            others = pos <= pos[part].max()  # [n]
-            others[part] = False
-            keys = np.flatnonzero(others)  # [<= n - k]
-            key_shifts = None if moved is None or not moved[keys].any() else moved[keys]
-            chunk = SeqChunk(ids[part].tolist(), pos[part].tolist(),
-                             KeyTable(slot_arr[keys], slot_arr[part], 1, len(part), key_shifts), pos[keys], False,
-                             by_position=True)
-            self.execute([chunk])
+        return scratch
 
     def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
         """A prefill item whose keys are visible by position: key ``j`` to new token ``i``
@@ -382,11 +347,6 @@ def _key_positions(chunk: SeqChunk) -> np.ndarray:
     return np.concatenate((before, np.asarray(chunk.positions, dtype=np.int64)))
 
 
-# Seam repair's recompute in chunks of this many tokens (position order): each reads the keys up
-# to its last position, so 2 chunks score ~3/4 of what one chunk over every key scores. 417
-# tokens over 4,063 keys (fp32, 1 thread, median of 3): 1024 -> 4.62 s, 256 -> 4.12 s, 128 -> 4.32
-# s, 64 -> 4.57 s (each chunk gathers its keys again and runs every layer's projections).
-RECOMPUTE_CHUNK_TOKENS = 256
 MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small matmuls
 DECODE_IN_PLACE_MIN = 1024  # context tokens from which a decode skips the gathered batch
 

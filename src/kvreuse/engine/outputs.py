@@ -27,7 +27,7 @@ class RequestOutput:
     # num_cached_tokens per tier it came from (GPU = device pool, CPU = host, DISK, REMOTE);
     # None when the engine has no tier below the device pool
     cached_tokens_by_tier: dict[str, int] | None = None
-    # assembled (PML module) tokens seam repair recomputed for this request (0: no repair)
+    # assembled (PML module, document) tokens blend recomputed for this request (0: no blend)
     num_recomputed_tokens: int = 0
     # Prompt lookup: draft tokens verified for this request so far, and how many were accepted
     # (0 and 0 when it does not speculate); accepted tokens cost no forward of their own.
@@ -61,7 +61,7 @@ class EngineStats:
     schema_slices: int = 0  # engine steps that ran a slice of a schema registration
     schemas_registering: int = 0  # registrations queued or in progress
     tokens_computed_modules: int = 0  # of tokens_computed, those of module precompute
-    seam_repair_tokens: int = 0  # assembled tokens recomputed by seam repair (every acquisition)
+    seam_repair_tokens: int = 0  # assembled tokens recomputed by blend (every acquisition; the published name)
     spec_decode_num_draft_tokens: int = 0  # prompt lookup: drafted tokens verified
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted
     document_tokens_computed: int = 0  # of tokens_computed, documents' (with the text they are encoded after)

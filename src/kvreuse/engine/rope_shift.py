@@ -20,7 +20,7 @@ Sliding-window layers need nothing special here: a window masks keys by their Ro
 (``attention.py``), and the shifted keys carry their new positions in the context's position
 array. What the window does not undo is what every reuse of a document gives up: the document's
 KV was computed attending to the text it was encoded after, not to what precedes it in the
-request (seam repair, elsewhere, recomputes some tokens for that).
+request (blend, elsewhere, recomputes some tokens for that).
 
 Pure torch; no pool, no engine.
 """

@@ -1,17 +1,23 @@
 """Prompt-lookup (n-gram) drafting for speculative decoding, as vLLM's ``ngram`` method and
 llama.cpp's lookup decoding: no draft model, the context itself proposes the next tokens.
 
-Pure functions and a small per-request state; no tensors, no engine. The engine
-(``llm_engine.py``) verifies a draft in one forward (the last token plus the draft as a
-short prefill chunk) and keeps the longest prefix the model agrees with, plus the model's
-own next token, so a greedy request's output is exactly what it is without speculation.
+Pure functions and a small per-request state; no tensors, no engine. ``draft_for`` gives the
+running requests their drafts before a step; the engine (``llm_engine.py``) verifies a draft
+in one forward (the last token plus the draft as a short prefill chunk) and the output
+processor (``output_processor.py``) keeps the longest prefix the model agrees with, plus the
+model's own next token, so a greedy request's output is exactly what it is without speculation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvreuse.engine.sequence import Sequence
 
 MAX_BACKOFF_STEPS = 32  # longest pause (decode steps) after drafts that kept not paying
 # A verification costs about 2-2.5 decode steps on CPU (docs/benchmarks.md): it pays from this
@@ -96,3 +102,20 @@ def accepted_length(draft: list[int], targets: list[int]) -> int:
     while a < len(draft) and draft[a] == targets[a]:
         a += 1
     return a
+
+
+def draft_for(running: Iterable[Sequence], *, k_max: int, min_n: int, max_n: int) -> None:
+    """Prompt lookup: give each greedy decoding request that speculates (``seq.spec``) a draft
+    (``propose``) of at most ``k_max`` tokens, never past its ``max_tokens`` (the model's own
+    next token always follows the accepted ones). Every other running request's draft is
+    cleared: a draft lives one step, a stale one is never verified."""
+    for seq in running:
+        spec = seq.spec
+        seq.draft_token_ids = []
+        if spec is None or seq.num_computed_tokens != seq.num_tokens - 1 or not spec.ready():
+            continue
+        k = min(k_max, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if k < 1:
+            continue
+        tokens = spec.tokens(seq.token_ids_between, seq.num_tokens)
+        seq.draft_token_ids = propose(tokens, min_n=min_n, max_n=max_n, k=k)

@@ -353,7 +353,7 @@ class ModuleSource:
 
     def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """``([num_tokens] int64 token ids of the context keys in attention order, [s] int64
-        first key index of each module)`` (``engine.repaired_context.SegmentedSource``; the
+        first key index of each module)`` (``engine.blended_context.SegmentedSource``; the
         dropped key, computed with the new tokens, is not a key)."""
         schema = self.plan.schema
         stored = [schema.module(name).stored_token_ids for name in self.plan.modules]

@@ -55,25 +55,23 @@ async def kvreuse_info(request: Request) -> dict:
     """Process instance id, model identity, cache geometry, hash settings, event transports
     and a tokenizer probe."""
     ctx = context_of(request)
-    engine = ctx.engine.engine  # the LLMEngine behind the AsyncEngine
-    config = engine.config
-    tokenizer = engine.tokenizer
-    loaded = engine.loaded
+    engine = ctx.engine
+    facts, tokenizer = engine.facts, engine.tokenizer
     return {
         "instance_id": ctx.instance_id,
         "model": ctx.served_model_names[0],
-        "model_name": engine.model_name,
-        "model_id": engine.model_id,
-        "model_path": None if loaded.path is None else str(loaded.path),
+        "model_name": facts.model_name,
+        "model_id": facts.model_id,
+        "model_path": None if facts.model_path is None else str(facts.model_path),
         "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
         "block_size": engine.block_size,
-        "hash_algorithm": config.hash_algorithm,
-        "enable_prefix_caching": config.enable_prefix_caching,
+        "hash_algorithm": facts.hash_algorithm,
+        "enable_prefix_caching": facts.enable_prefix_caching,
         "max_model_len": engine.max_model_len,
-        "num_blocks": engine.pool.num_blocks,
-        "cache_levels": [pool.cache_level for pool in engine.cache_pools()],
-        "remote_store": engine.remote_store_id,
-        "eos_token_ids": sorted(engine.eos_token_ids),  # what ends a request (a router continuing a stream)
+        "num_blocks": facts.num_blocks,
+        "cache_levels": list(facts.cache_levels),
+        "remote_store": facts.remote_store,
+        "eos_token_ids": list(facts.eos_token_ids),  # what ends a request (a router continuing a stream)
         "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},
         "tokenizer_probe": tokenizer_probe(tokenizer),
     }

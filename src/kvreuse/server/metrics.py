@@ -119,8 +119,8 @@ class _EngineCollector(Collector):
                       s.schema_slices)
         yield gauge("kvreuse:schemas_registering", "Schema registrations queued or being precomputed.",
                     s.schemas_registering)
-        yield counter("kvreuse:seam_repair_tokens", "Assembled tokens (PML modules, documents) recomputed by seam "
-                      "repair (--blend-*, a request's blend).", s.seam_repair_tokens)
+        yield counter("kvreuse:seam_repair_tokens", "Assembled tokens (PML modules, documents) recomputed by "
+                      "blend (--blend-*, a request's blend).", s.seam_repair_tokens)
         yield counter("kvreuse:document_tokens_computed", "Document tokens run through the model (chat messages "
                       "marked kvreuse.document, completions documents), with the text they are encoded after.",
                       s.document_tokens_computed)

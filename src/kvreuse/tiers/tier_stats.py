@@ -1,56 +1,19 @@
-"""Building the tiers below the device pool from the engine's settings, and reading their stats.
+"""Reading the stats of the tiers below the device pool.
 
-The engine calls ``build_host_tier`` at start (``--host-cache-memory``, ``--disk-cache-dir``,
-``--remote-cache``) and ``tier_stats`` for ``EngineStats.tiers``; ``AsyncEngine.stats`` reads
-``store_stats`` live (the stores move on between steps). Nothing here runs per step.
+The engine calls ``tier_stats`` for ``EngineStats.tiers``; ``AsyncEngine.stats`` reads
+``store_stats`` live (the stores move on between steps). Nothing here runs per step; the
+tiers themselves are built by ``engine/engine_builder.py``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvreuse.cache.eviction import make_policy
-from kvreuse.cache.host_tier import HostTier, OffloadPolicy
 from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL
 
 if TYPE_CHECKING:
-    from kvreuse.engine.llm_engine import EngineConfig
-    from kvreuse.engine.model_runner import KVLayout
+    from kvreuse.cache.host_tier import HostTier
     from kvreuse.tiers.persistent import PersistentTiers
-
-
-def build_host_tier(config: "EngineConfig", layout: "KVLayout", loaded: Any, events: Any,
-                    bytes_per_block: int) -> HostTier | None:
-    """The host tier (with the disk / remote stores below it), or ``None`` when
-    ``--host-cache-memory`` holds no block. Its ``mover`` is set once the runner exists.
-    Raises ``ValueError`` for a malformed ``--remote-cache`` URL."""
-    num_host_blocks = int(config.host_cache_memory_gib * 2**30) // bytes_per_block
-    if num_host_blocks <= 0:
-        return None
-    return HostTier(
-        num_host_blocks, config.block_size, events=events, below=build_stores(config, layout, loaded),
-        policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
-        offload_policy=OffloadPolicy(config.host_offload_min_priority),
-    )
-
-
-def build_stores(config: "EngineConfig", layout: "KVLayout", loaded: Any) -> "PersistentTiers | None":
-    """The disk / remote stores below the host tier, or ``None`` when neither is set."""
-    if config.disk_cache_dir is None and config.remote_cache is None:
-        return None
-    from kvreuse.tiers.disk_store import DiskStore
-    from kvreuse.tiers.namespace import TierNamespace
-    from kvreuse.tiers.persistent import PersistentTiers
-    from kvreuse.tiers.remote_store import RemoteStore
-
-    namespace = TierNamespace(loaded.fingerprint, config.hash_algorithm, config.block_size)
-    disk = None if config.disk_cache_dir is None else DiskStore(
-        config.disk_cache_dir, int(config.disk_cache_size_gib * 2**30), namespace=namespace,
-        ttl_s=config.disk_cache_ttl_s)
-    remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
-    shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
-    return PersistentTiers(namespace, shape, loaded.dtype, disk=disk, remote=remote,
-                           write_through_min_priority=config.tier_write_through_min_priority)
 
 
 def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
@@ -82,7 +45,7 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def store_stats(stores: "PersistentTiers") -> dict[str, dict[str, float]]:
+def store_stats(stores: PersistentTiers) -> dict[str, dict[str, float]]:
     """The disk / remote stores' counters and gauges, per level (``DISK``, ``REMOTE``). Safe
     from any thread (the stores count under their own locks): they change on the writer
     thread and on the breaker's clock, between engine steps too, so readers take them live."""

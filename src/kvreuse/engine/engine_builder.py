@@ -1,0 +1,152 @@
+"""Building an engine's parts from its settings: ``build_engine`` -> ``EngineParts``.
+
+Once, at start, in this order: the model (unless given), the KV layout and pool size, the
+event buffer, the tiers below the device pool (``build_host_tier``: host, disk, remote), the
+device pool and the prefix-cache manager over them (one ``CacheStack``), the scheduler, the
+model runner (which allocates the KV tensor), the PML module cache (with the schemas a
+schema store restores) and the document cache. ``LLMEngine`` wires what it owns on top.
+Raises ``ValueError`` naming the setting when one cannot work (a pool that holds no block,
+a malformed ``--remote-cache`` URL).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvreuse.cache.block_pool import BlockPool
+from kvreuse.cache.eviction import make_policy
+from kvreuse.cache.host_tier import HostTier, OffloadPolicy
+from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
+from kvreuse.engine.allocator import keep_freed_memory
+from kvreuse.engine.blend_pass import BlendPass
+from kvreuse.engine.cache_stack import CacheStack
+from kvreuse.engine.config import EngineConfig
+from kvreuse.engine.document_cache import DocumentCache
+from kvreuse.engine.kv_transfer import HostKVTransfer
+from kvreuse.engine.model_runner import KVLayout, ModelRunner
+from kvreuse.engine.scheduler import Scheduler
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.pml.module_cache import ModuleCache, SchemaInfo
+from kvreuse.pml.registration import RegistrationQueue
+from kvreuse.pml.schema_cost import SchemaLimits
+from kvreuse.pml.schema_store import SchemaStore
+
+if TYPE_CHECKING:
+    from kvreuse.models.loader import LoadedModel
+    from kvreuse.tiers.persistent import PersistentTiers
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What ``build_engine`` made; every part is the engine's (engine thread only)."""
+
+    loaded: LoadedModel
+    max_model_len: int  # --max-model-len, else the model's
+    layout: KVLayout
+    kv_bytes_per_token: int
+    cache: CacheStack
+    scheduler: Scheduler
+    runner: ModelRunner
+    blend_pass: BlendPass
+    modules: ModuleCache  # PML schemas: module KV precomputed into the pool
+    documents: DocumentCache  # schema-free documents: KV computed once, moved to each request's positions
+    registrations: RegistrationQueue  # schemas registered while serving, a slice between steps
+    restored_schemas: list[SchemaInfo]  # schemas a schema store restored at start
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, events: EventBuffer | None = None,
+                 retention_fn: RetentionFn | None = None) -> EngineParts:
+    """Every part of an engine for ``config`` (``loaded``: a model already loaded; ``events``:
+    an event buffer to report to, else one of ``--event-buffer-max-size`` unless that is 0;
+    ``retention_fn``: how a request's retention maps to block priorities). Seeds torch's RNG
+    with ``config.seed`` last."""
+    from kvreuse.models.loader import load_model  # heavy import kept off the router's path
+
+    if loaded is None:
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device, quantization=config.quantization)
+    shape = loaded.shape
+    layout = KVLayout(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        sliding_windows=tuple(sorted({w for w in shape.sliding_window if w is not None})),
+    )
+    kv_bytes_per_token = layout.bytes_per_token(loaded.dtype)
+    bytes_per_block = kv_bytes_per_token * config.block_size
+    num_blocks = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds no block of "
+                         f"{bytes_per_block} bytes")
+    if events is None and config.event_buffer_max_size > 0:
+        events = EventBuffer(config.event_buffer_max_size)  # None = events off (TensorRT-LLM's default)
+    host = build_host_tier(config, layout, loaded, events, bytes_per_block)
+    pool = BlockPool(
+        num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events,
+        record_evictions=host is not None,
+    )
+    kv = KVCacheManager(
+        pool, lower=host, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
+        enable_prefix_caching=config.enable_prefix_caching, retention_fn=retention_fn or request_retention,
+    )
+    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+    runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size, deterministic=config.deterministic)
+    if host is not None:  # its bytes move through the runner's KV tensor
+        host.mover = HostKVTransfer(runner.kv_cache, host.pool.num_blocks, config.block_size)
+    if runner.device.type == "cpu":
+        keep_freed_memory()  # no page faults on activations after a long prefill
+    gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
+    max_model_len = config.max_model_len or shape.max_model_len
+    modules = ModuleCache(
+        kv, runner, loaded.tokenizer, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
+        chunk_tokens=min(config.schema_slice_tokens, config.max_num_batched_tokens),
+        store=None if config.schema_dir is None else SchemaStore(config.schema_dir, loaded.model_id),
+        src_dir=config.schema_src_dir, max_model_len=max_model_len,
+        limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
+    documents = DocumentCache(kv, runner, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
+                              chunk_tokens=config.max_num_batched_tokens)
+    registrations = RegistrationQueue(config.schema_slice_tokens)
+    restored = modules.load_store()  # schemas persisted by an earlier run
+    parts = EngineParts(loaded, max_model_len, layout, kv_bytes_per_token, CacheStack(kv, host, events), scheduler,
+                        runner, BlendPass(runner), modules, documents, registrations, restored)
+    torch.manual_seed(config.seed)
+    return parts
+
+
+def build_host_tier(config: EngineConfig, layout: KVLayout, loaded: Any, events: EventBuffer | None,
+                    bytes_per_block: int) -> HostTier | None:
+    """The host tier (with the disk / remote stores below it), or ``None`` when
+    ``--host-cache-memory`` holds no block. Its ``mover`` is set once the runner exists.
+    Raises ``ValueError`` for a malformed ``--remote-cache`` URL."""
+    num_host_blocks = int(config.host_cache_memory_gib * 2**30) // bytes_per_block
+    if num_host_blocks <= 0:
+        return None
+    return HostTier(
+        num_host_blocks, config.block_size, events=events, below=build_stores(config, layout, loaded),
+        policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
+        offload_policy=OffloadPolicy(config.host_offload_min_priority),
+    )
+
+
+def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any) -> PersistentTiers | None:
+    """The disk / remote stores below the host tier, or ``None`` when neither is set."""
+    if config.disk_cache_dir is None and config.remote_cache is None:
+        return None
+    from kvreuse.tiers.disk_store import DiskStore
+    from kvreuse.tiers.namespace import TierNamespace
+    from kvreuse.tiers.persistent import PersistentTiers
+    from kvreuse.tiers.remote_store import RemoteStore
+
+    namespace = TierNamespace(loaded.fingerprint, config.hash_algorithm, config.block_size)
+    disk = None if config.disk_cache_dir is None else DiskStore(
+        config.disk_cache_dir, int(config.disk_cache_size_gib * 2**30), namespace=namespace,
+        ttl_s=config.disk_cache_ttl_s)
+    remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
+    shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
+    return PersistentTiers(namespace, shape, loaded.dtype, disk=disk, remote=remote,
+                           write_through_min_priority=config.tier_write_through_min_priority)
