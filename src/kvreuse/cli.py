@@ -123,8 +123,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"PML: refuse (400) a schema whose modules' KV takes more bytes in the pool (default: "
                         f"{C.schema_max_bytes})")
     # a request's "blend" overrides these; one set for PML modules, one for schema-free documents
-    for field, what, unit in (("blend", "PML seam repair", "assembled module"),
-                              ("document_blend", "schema-free documents' seam repair", "document")):
+    for field, what, unit in (("blend", "PML blend", "assembled module"),
+                              ("document_blend", "schema-free documents' blend", "document")):
         flag = "--" + field.replace("_", "-")
         p.add_argument(f"{flag}-first-tokens", type=int, default=getattr(C, f"{field}_first_tokens"),
                        help=f"{what}: leading tokens of each {unit} recomputed against the assembled context "
@@ -267,7 +267,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.kv_events_endpoint:
             # The snapshot runs in the engine thread, so it sees the pool between steps.
             publisher = zmq_options.publisher_from_args(
-                args, buffer, lambda: engine.call_blocking(lambda e: e.kv_snapshot(), timeout=30))
+                args, buffer, lambda: engine.kv_snapshot_blocking(timeout=30))
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
                         publisher=publisher, limiter=limiter,  # /v1/kvreuse/info advertises the publisher
                         metrics_tenant_labels=args.metrics_tenant_labels)

@@ -25,7 +25,6 @@ from fastapi import FastAPI
 
 from kvreuse import __version__
 from kvreuse.engine.async_engine import AsyncEngine
-from kvreuse.events.records import KVSnapshot
 from kvreuse.server import (
     chat_routes, completions_routes, dashboard_routes, docs_routes, events_routes, executor_info_routes,
     info_routes, messages_routes, schema_routes, tokenize_routes,
@@ -56,14 +55,10 @@ def _served_names(engine: AsyncEngine, served_model_name: str | Sequence[str] | 
 def engine_event_feed(engine: AsyncEngine) -> EventFeed | None:
     """The engine's KV events (``None`` when its ``LLMEngine`` has no ``EventBuffer``), with
     snapshots taken on the engine thread between steps."""
-    buffer = engine.engine.events
+    buffer = engine.event_buffer
     if buffer is None:
         return None
-
-    async def snapshot() -> KVSnapshot:
-        return await engine.call(lambda e: e.kv_snapshot())
-
-    return EventFeed(buffer, snapshot)
+    return EventFeed(buffer, engine.kv_snapshot)
 
 
 def build_context(

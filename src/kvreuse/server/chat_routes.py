@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.async_engine import EngineError
+from kvreuse.engine.blend import BlendOverride
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
@@ -54,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     request_retention = parse_retention(body.kv_cache_retention_config)
-    blend = parse_blend(body.blend)  # checked on every prompt; PML modules and documents have seams to repair
+    blend = parse_blend(body.blend)  # parsed once, for every prompt; PML modules and documents have seams to blend
     pml = pml_message(body.messages)
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
         return await _create_pml(ctx, body, model, pml, request_retention, blend, request)
@@ -99,16 +100,14 @@ def pml_message(messages) -> str | None:
 
 
 async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
-                      retention: KvCacheRetentionConfig | None, blend: dict[str, Any] | None, request: Request):
+                      retention: KvCacheRetentionConfig | None, blend: BlendOverride | None, request: Request):
     # Compiled once, on the engine thread (where the schemas live); the choices share it.
-    def prepare(engine):  # the module blocks take pool room too: ask for them in the same call
-        prepared = engine.prepare_prompt(pml)
-        return prepared, engine.modules.blocks_of(prepared.plan) * engine.block_size
-
     try:
-        prepared, module_tokens = await ctx.engine.call(prepare)
+        prepared = await ctx.engine.prepare_pml(pml)
     except PMLError as exc:
         raise APIError(str(exc), param="messages") from None
+    # the module blocks take pool room too (the prepared plan pins its schema version)
+    module_tokens = await ctx.engine.module_blocks(prepared) * ctx.engine.block_size
     end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
     # what the context and the pool leave: the new tokens go in blocks of their own, after the modules'

@@ -56,7 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     retention = parse_retention(body.kv_cache_retention_config)
-    blend = parse_blend(body.blend)  # checked on every prompt; PML modules and documents have seams to repair
+    blend = parse_blend(body.blend)  # parsed once, for every prompt; PML modules and documents have seams to blend
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
     pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
@@ -67,8 +67,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     for prompt in prompts:
         pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
         if pml[-1] is not None:
-            text = pml[-1]
-            prepared.append(await ctx.engine.call(lambda engine: engine.prepare_prompt(text)))
+            prepared.append(await ctx.engine.prepare_pml(pml[-1]))
             ids, n = [], prepared[-1].next_position
             check_prompt_length(ctx, n, body.max_tokens, param="prompt")
         elif documents is not None:

@@ -46,7 +46,7 @@ async def kv_cache_stats(request: Request) -> dict[str, Any]:
     Read on the engine thread between steps, so it reflects every request that has
     already returned (``/metrics`` reads the snapshot published after the last step)."""
     ctx = context_of(request)
-    s = await ctx.engine.call(lambda engine: engine.stats())
+    s = await ctx.engine.fresh_stats()
     events: dict[str, Any] = {"enabled": ctx.events is not None}
     if ctx.events is not None:
         events.update(ctx.events.buffer.stats())

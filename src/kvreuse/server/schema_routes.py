@@ -54,17 +54,14 @@ async def create_schema(body: SchemaRequest, request: Request):
 @router.get("/v1/schemas")
 async def list_schemas(request: Request):
     engine = context_of(request).engine
-    infos, pending = await engine.call(lambda e: (
-        [e.modules.info(name) for name in sorted(e.modules.schemas)],
-        [{"name": job.schema.name, "schema_hash": job.schema.schema_hash, "modules_done": job.modules_done,
-          "modules_total": len(job.todo)} for job in e.registrations],
-    ))
-    return {"object": "list", "data": [{"object": "schema", **i.to_json()} for i in infos], "registering": pending}
+    listing = await engine.list_schemas()
+    return {"object": "list", "data": [{"object": "schema", **i.to_json()} for i in listing.schemas],
+            "registering": [job.to_json() for job in listing.registering]}
 
 
 @router.delete("/v1/schemas/{name}")
 async def delete_schema(name: str, request: Request):
     engine = context_of(request).engine
-    if not await engine.call(lambda e: e.modules.remove(name)):
+    if not await engine.remove_schema(name):
         raise APIError(f"schema {name!r} is not registered", status=404, type="not_found_error", param="name")
     return {"object": "schema", "name": name, "deleted": True}

@@ -20,7 +20,7 @@ from kvreuse.api.middleware import lease_of
 from kvreuse.api.protocol import default_max_tokens
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD
 from kvreuse.cache.retention import KvCacheRetentionConfig
-from kvreuse.engine.seam_repair import SeamRepair
+from kvreuse.engine.blend import BlendOverride
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server.context import ServerContext
 from kvreuse.server.errors import ClientDisconnected, from_value_error
@@ -82,10 +82,10 @@ def reply_room(ctx: ServerContext, n: int, *, param: str) -> int:
     return room
 
 
-def document_reply_room(ctx: ServerContext, room: int, documents, blend: dict[str, Any] | None, *, param: str) -> int:
+def document_reply_room(ctx: ServerContext, room: int, documents, blend: BlendOverride | None, *, param: str) -> int:
     """``room`` (a prompt's longest reply) cut to what the KV pool leaves once a documents
     prompt's context holds its blocks (``engine.document_context_blocks``: the documents' own
-    blocks and repair's private ones, as the engine's capacity check counts them; the own
+    blocks and blend's private ones, as the engine's capacity check counts them; the own
     tokens start a block of their own). Raises a 400 naming ``param`` when nothing is left."""
     bs = ctx.engine.block_size
     context_blocks = ctx.engine.document_context_blocks(documents, blend)
@@ -108,16 +108,14 @@ def parse_retention(raw: dict[str, Any] | None) -> KvCacheRetentionConfig | None
         raise APIError(str(exc), param=RETENTION_FIELD) from None
 
 
-def parse_blend(raw: Any) -> dict[str, Any] | None:
-    """Validate a request's ``blend`` (seam repair); the engine fills what it omits from
-    ``--blend-*``. A 400 names the field."""
-    if raw is None:
-        return None
+def parse_blend(raw: Any) -> BlendOverride | None:
+    """A request's ``blend``, parsed once, here: the value carried to the engine, which fills
+    what it omits from ``--blend-*`` (PML modules) or ``--document-blend-*`` (documents). A
+    400 names the field."""
     try:
-        SeamRepair.from_json(raw, SeamRepair())
+        return BlendOverride.of(raw)
     except ValueError as exc:
         raise APIError(str(exc), param="blend") from None
-    return dict(raw)
 
 
 def sampling_params(body: Any, default_max_tokens: int, *, seed_offset: int = 0) -> SamplingParams:
@@ -143,7 +141,7 @@ class EngineRequest:
     cache_salt: str | None
     retention: KvCacheRetentionConfig | None  # converted from the body's JSON by parse_retention
     prepared: PreparedPrompt | DocumentPrompt | None = None  # a PML prompt, compiled once (docs/pml.md), or documents
-    blend: dict[str, Any] | None = None  # seam repair of the prepared prompt's modules/documents (parse_blend); None: the server's
+    blend: BlendOverride | None = None  # of the prepared prompt (parse_blend); None: the server's default
 
 
 class TokenMeter:

@@ -104,7 +104,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict[str, int]:
     """Runs on the engine thread between steps; blocks in use are untouched."""
-    dropped = await context_of(request).engine.call(lambda e: e.reset_prefix_cache())
+    dropped = await context_of(request).engine.reset_prefix_cache()
     return {"blocks_dropped": dropped}
 
 
