@@ -59,11 +59,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
 from bench.common import RESULTS, free_port, machine, pyplot, running_server, save_png, write_json
 from bench.peer import limits
+from bench.peer.peer_table import KVREUSE, LLAMA, LLAMA_NP16, markdown
 from bench.peer.sse_client import complete, load
 
-LLAMA = "llama-server"
-LLAMA_NP16 = "llama-server -np 16"
-KVREUSE = "kvreuse"
 BUILD_HINT = (
     "needs llama.cpp's llama-server: pass --llama-server PATH or set LLAMA_SERVER "
     "(how to build it: docs/benchmarks.md, 'kvreuse vs llama-server')"
@@ -394,6 +392,7 @@ def main() -> None:
         )
     )
     plot(doc, out_path.with_suffix(".png"), args)
+    print(markdown(doc))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}", file=sys.stderr)
 
 
