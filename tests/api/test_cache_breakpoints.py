@@ -81,3 +81,13 @@ def test_policy_refuses_bad_configuration():
         BreakpointPolicy(priorities={"tools": 90, "system": 80, "document": 50, "history": 101})
     with pytest.raises(ValueError, match="durations"):
         BreakpointPolicy(durations_ms={"5m": 0, "1h": 1})
+
+
+def test_openai_prompt_cache_retention():
+    from kvreuse.api.cache_breakpoints import prompt_cache_retention_config
+
+    assert prompt_cache_retention_config(None) is None and prompt_cache_retention_config("in_memory") is None
+    assert prompt_cache_retention_config("24h") == {"token_range_retention_configs": [
+        {"token_start": 0, "token_end": None, "priority": 40, "duration_ms": 86_400_000}]}
+    with pytest.raises(ValueError, match="^prompt_cache_retention: must be one of in_memory, 24h, got '1h'"):
+        prompt_cache_retention_config("1h")

@@ -87,6 +87,8 @@ class ContentBlock(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _strings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in BLOCK_TYPES:  # before its fields are read
+            raise _invalid(f"type {data.get('type')!r} is not supported; use one of {', '.join(BLOCK_TYPES)}")
         if isinstance(data, dict) and isinstance(data.get("content"), str):
             return {**data, "content": _text_blocks(data["content"])}
         return data
@@ -95,8 +97,6 @@ class ContentBlock(_Strict):
     def check(self) -> ContentBlock:
         needs = {"text": ("text",), "document": ("source",), "tool_use": ("id", "name", "input"),
                  "tool_result": ("tool_use_id",)}
-        if self.type not in needs:
-            raise _invalid(f"type {self.type!r} is not supported; use one of {', '.join(BLOCK_TYPES)}")
         for name in needs[self.type]:
             if getattr(self, name) is None:
                 raise _invalid(f"{name} is required in a {self.type} block")

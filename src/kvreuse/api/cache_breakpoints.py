@@ -158,3 +158,20 @@ class BreakpointPolicy:
                     ttls.append(ttl)
             covered = max(covered, index + 1)
         return CachePlan(tuple(ranges), tuple(ttls))
+
+
+PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")  # OpenAI's prompt_cache_retention values
+DAY_MS = 24 * 60 * 60_000
+
+
+def prompt_cache_retention_config(value: str | None, policy: BreakpointPolicy | None = None) -> dict | None:
+    """OpenAI's ``prompt_cache_retention`` as a ``kv_cache_retention_config`` (its JSON form):
+    ``"24h"`` keeps the whole prompt at the history priority for 24 hours; ``"in_memory"`` (and
+    none) is the default policy, ``None``. Raises ``ValueError`` naming the field otherwise."""
+    if value is None or value == "in_memory":
+        return None
+    if value != "24h":
+        raise ValueError(f"prompt_cache_retention: must be one of {', '.join(PROMPT_CACHE_RETENTIONS)}, got {value!r}")
+    priority = (policy or BreakpointPolicy()).priorities["history"]
+    return {"token_range_retention_configs": [{"token_start": 0, "token_end": None, "priority": priority,
+                                               "duration_ms": DAY_MS}]}
