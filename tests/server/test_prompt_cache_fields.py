@@ -1,0 +1,41 @@
+"""Agents' own caching words reach retention: Anthropic's cache_control breakpoints and
+OpenAI's prompt_cache_retention, seen as block priorities in /v1/kv_cache_stats (exact counts)."""
+
+from __future__ import annotations
+
+from .fresh_app import fresh_client
+from .helpers import BLOCK_SIZE, words
+
+
+def _held(client) -> dict[str, int]:
+    return client.get("/v1/kv_cache_stats").json()["blocks_by_priority"]
+
+
+def test_prompt_cache_retention_24h_holds_the_prompt_at_the_history_priority(tiny_llama):
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, _):
+        prompt = list(range(100, 100 + 5 * BLOCK_SIZE))
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                 "prompt_cache_retention": "24h", "prompt_cache_key": "agent-1"})
+        assert r.status_code == 200, r.text
+        assert _held(client) == {"40": 5}  # every prompt block, none at the default 35
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                      "prompt_cache_retention": "24h",
+                                                      "kv_cache_retention_config": {}})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("prompt_cache_retention: give prompt_cache_retention or")
+
+
+def test_breakpoints_set_block_priorities(tiny_llama):
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, engine):
+        system = words(60, 81)
+        body = {"model": "tiny", "max_tokens": 1, "system": [
+            {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": words(60, 82)}]}
+        assert client.post("/v1/messages", json=body).status_code == 200
+        tok = engine.tokenizer
+        head = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
+                              add_special_tokens=False))
+        n = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        # a block takes the range of its first token: those starting in the system range are 85
+        system_blocks = (head + BLOCK_SIZE - 1) // BLOCK_SIZE
+        assert _held(client) == {"85": system_blocks, "35": n // BLOCK_SIZE - system_blocks}
