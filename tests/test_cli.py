@@ -31,7 +31,7 @@ SERVE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "de
          "document_blend_first_tokens": "document_blend_first_tokens",
          "document_blend_ratio": "document_blend_ratio", "document_blend_last_tokens": "document_blend_last_tokens",
          "speculative_tokens": "speculative_tokens", "speculative_ngram": "speculative_ngram_max",
-         "speculative_ngram_min": "speculative_ngram_min"}
+         "speculative_ngram_min": "speculative_ngram_min", "deterministic": "deterministic"}
 PRECOMPUTE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",
               "kv_cache_memory": "kv_cache_memory_gib", "block_size": "block_size", "max_model_len": "max_model_len",
               "schema_dir": "schema_dir", "schema_max_tokens": "schema_max_tokens",
@@ -62,6 +62,11 @@ def test_every_precompute_flag_follows_a_changed_config_default(monkeypatch, des
 
 def test_serve_without_flags_configures_the_default_engine():
     assert _engine_config(_serve_args()) == EngineConfig()
+
+
+def test_serve_deterministic_flag_sets_the_engine_field():
+    assert _engine_config(build_parser().parse_args(["serve", "--deterministic"])).deterministic is True
+    assert _engine_config(_serve_args()).deterministic is False
 
 
 def test_precompute_without_flags_configures_the_default_engine():

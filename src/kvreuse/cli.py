@@ -65,6 +65,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt lookup: longest n-gram matched (tried first, down to --speculative-ngram-min)")
     p.add_argument("--speculative-ngram-min", type=int, default=C.speculative_ngram_min, metavar="N",
                    help="prompt lookup: shortest n-gram matched")
+    p.add_argument("--deterministic", action="store_true", default=C.deterministic,
+                   help="batch-invariant kernels: a temperature-0 answer is the same on a prefix-cache miss or hit "
+                        "(any tier), alone or batched, with or without speculation; costs speed "
+                        "(docs/deterministic.md); a plain Llama model only")
     p.add_argument("--block-size", type=int, default=C.block_size,
                    help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default=C.dtype,
@@ -174,7 +178,7 @@ def _engine_config(args: argparse.Namespace):
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority,
         speculative_tokens=args.speculative_tokens, speculative_ngram_max=args.speculative_ngram,
-        speculative_ngram_min=args.speculative_ngram_min, **extra,
+        speculative_ngram_min=args.speculative_ngram_min, deterministic=args.deterministic, **extra,
     )
 
 
