@@ -126,3 +126,10 @@ def test_refusals_name_the_field(tokenizer, fields, param, message):
     with pytest.raises(APIError) as err:
         render_messages(tokenizer, _req(**fields), BreakpointPolicy())
     assert err.value.param == param and err.value.message.startswith(message) and err.value.status == 400
+
+
+def test_a_last_assistant_message_is_continued(tokenizer):
+    body = _req(messages=[{"role": "user", "content": "Name a colour."},
+                          {"role": "assistant", "content": "The colour"}])
+    text = tokenizer.decode(render_messages(tokenizer, body, BreakpointPolicy()).token_ids)
+    assert text.endswith("<|im_start|>assistant\nThe colour")

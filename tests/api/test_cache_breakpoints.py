@@ -30,6 +30,7 @@ def test_each_breakpoint_closes_the_segments_since_the_previous_one():
                                               Breakpoint(2, "5m", "messages[1].content[0].cache_control")])
     assert plan.ranges == (R(0, 40, 95, HOUR), R(40, 90, 50, FIVE), R(90, 120, 40, FIVE))
     assert plan.ttls == ("1h", "5m", "5m")
+    assert plan.tokens_by_class() == [("tools", "1h", 40), ("document", "5m", 50), ("history", "5m", 30)]
     assert plan.retention().token_range_retention_configs == plan.ranges
 
 

@@ -39,3 +39,28 @@ def test_breakpoints_set_block_priorities(tiny_llama):
         # a block takes the range of its first token: those starting in the system range are 85
         system_blocks = (head + BLOCK_SIZE - 1) // BLOCK_SIZE
         assert _held(client) == {"85": system_blocks, "35": n // BLOCK_SIZE - system_blocks}
+
+
+def test_breakpoint_counters_on_metrics(tiny_llama):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, engine):
+        system = words(60, 83)
+        body = {"model": "tiny", "max_tokens": 1, "system": [
+            {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": words(60, 84)}]}
+        usage = [client.post("/v1/messages", json=body).json()["usage"] for _ in range(2)]
+        tok = engine.tokenizer
+        head = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
+                              add_special_tokens=False))
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+    assert value("kvreuse:cache_breakpoint_tokens_total", **{"class": "system", "ttl": "1h"}) == 2 * head
+    for kind, key in (("cache_read", "cache_read_input_tokens"), ("cache_creation", "cache_creation_input_tokens"),
+                      ("input", "input_tokens")):
+        assert value("kvreuse:messages_prompt_tokens_total", kind=kind) == usage[0][key] + usage[1][key]
+    assert usage[0]["cache_creation_input_tokens"] == head // BLOCK_SIZE * BLOCK_SIZE

@@ -11,6 +11,8 @@ The request becomes chat-template messages, rendered as ``/v1/chat/completions``
     assistant text/tool_use  -> an "assistant" message with tool_calls
     tools                    -> the template's ``tools`` (OpenAI's function shape)
 
+A last ``assistant`` message is a prefill: the reply continues its text (no end-of-turn after it).
+
 Tools and tool blocks need a template that renders tools (its source mentions ``tools``);
 otherwise they are a 400 naming the field. Every template message is one ``Segment`` of the
 cache plan (``kvreuse.api.cache_breakpoints``): a breakpoint on a block ends the segment of the
@@ -157,7 +159,10 @@ def render_messages(tokenizer: Any, body: CountTokensRequest, policy: Breakpoint
     kwargs = {"tools": [t.template_dict() for t in body.tools]} if body.tools else {}
     messages = [t.message for t in turns]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        # a last assistant message is a prefill: the reply continues it (Anthropic's behaviour)
+        prefill = messages[-1]["role"] == "assistant"
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill, tokenize=False, **kwargs)
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the client's messages
         raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None

@@ -95,6 +95,12 @@ class CachePlan:
 
     ranges: tuple[TokenRangeRetentionConfig, ...] = ()
     ttls: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()  # the kind that gave each range its priority (metrics' class label)
+
+    def tokens_by_class(self) -> list[tuple[str, str, int]]:
+        """``(class, ttl, tokens)`` of each range, for the per-class counters."""
+        return [(c, t, (r.token_end or r.token_start) - r.token_start)
+                for r, t, c in zip(self.ranges, self.ttls, self.classes)]
 
     def retention(self) -> KvCacheRetentionConfig | None:
         """The request's ``KvCacheRetentionConfig`` (``None``: no breakpoint, the defaults)."""
@@ -147,7 +153,7 @@ class BreakpointPolicy:
             if not 0 <= bp.segment < len(segments):
                 raise ValueError(f"{bp.param}: no segment {bp.segment} (the prompt has {len(segments)})")
             ttl_at.setdefault(bp.segment, bp.ttl)
-        ranges, ttls = [], []
+        ranges, ttls, classes = [], [], []
         covered = 0  # segments before this index are planned
         for index in sorted(ttl_at):
             ttl = ttl_at[index]
@@ -156,8 +162,9 @@ class BreakpointPolicy:
                     ranges.append(TokenRangeRetentionConfig(seg.token_start, seg.token_end,
                                                             self.priority(seg.kinds), self.durations_ms[ttl]))
                     ttls.append(ttl)
+                    classes.append(max(sorted(seg.kinds), key=self.priorities.__getitem__))
             covered = max(covered, index + 1)
-        return CachePlan(tuple(ranges), tuple(ttls))
+        return CachePlan(tuple(ranges), tuple(ttls), tuple(classes))
 
 
 PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")  # OpenAI's prompt_cache_retention values

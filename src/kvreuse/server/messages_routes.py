@@ -31,6 +31,7 @@ from kvreuse.api.cache_breakpoints import BreakpointPolicy
 from kvreuse.api.errors import APIError
 from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.engine.async_engine import EngineError
+from kvreuse.engine.outputs import RequestOutput
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server import messages_format as fmt
 from kvreuse.server.context import ServerContext, context_of
@@ -91,9 +92,17 @@ async def create_message(body: MessagesRequest, request: Request):
         return StreamingResponse(_stream(ctx, streams, prompt, message_id, model, stops),
                                  media_type="text/event-stream")
     (final,) = await run_to_completion(ctx, [engine_request], request, meter)
+    _observe(ctx, prompt, final)
     usage = fmt.usage_body(prompt.plan, final, ctx.engine.block_size)
     reason = fmt.stop_reason(final, ctx.engine.tokenizer, stops)
     return JSONResponse(fmt.message_body(message_id, model, final.text, reason, usage))
+
+
+def _observe(ctx: ServerContext, prompt: MessagesPrompt, final: RequestOutput) -> None:
+    """The finished request's breakpoints and usage on ``/metrics``."""
+    counts = prompt.plan.usage(final.num_prompt_tokens, final.num_cached_tokens, ctx.engine.block_size)
+    ctx.metrics.observe_cache_control(prompt.plan.tokens_by_class(), counts.cache_read_input_tokens,
+                                      counts.cache_creation_input_tokens, counts.input_tokens)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -120,6 +129,7 @@ async def _stream(ctx: ServerContext, streams: ChoiceStreams, prompt: MessagesPr
             if out.new_text:
                 yield fmt.text_delta(out.new_text)
             if out.finished:
+                _observe(ctx, prompt, out)
                 yield fmt.block_stop()
                 yield fmt.message_delta(fmt.stop_reason(out, tokenizer, stops),
                                         fmt.usage_body(prompt.plan, out, block_size))

@@ -17,7 +17,8 @@ priority (``evictions``, ``blocks_by_priority``), TTFT and per-token latency his
 (``prompt_tokens_computed`` / ``prompt_tokens_reused``, and ``tokens_computed`` with decode),
 events dropped (``kv_events_dropped``, present while events are on). With tenant limits,
 ``tenant_requests_refused{tenant,reason}``, ``tenant_requests_in_flight`` and
-``tenant_tokens_charged`` (``kvreuse.api.limit_metrics``). Router decisions are
+``tenant_tokens_charged`` (``kvreuse.api.limit_metrics``). ``/v1/messages`` adds
+``cache_breakpoint_tokens{class,ttl}`` and ``messages_prompt_tokens{kind}``. Router decisions are
 on the router's own ``/metrics`` (``kvreuse:router_decisions``, ``kvreuse.router.metrics``).
 ``tests/server/test_metrics.py`` asserts every one of them with exact values.
 
@@ -275,11 +276,27 @@ class ServerMetrics:
                                      labels, registry=r)
         self.finished = Counter("kvreuse:request_success", "Finished requests by finish reason.",
                                 [*labels, "finished_reason"], registry=r)
+        # /v1/messages (docs/anthropic.md): what cache_control asked for, and usage as Anthropic counts it
+        self.breakpoint_tokens = Counter("kvreuse:cache_breakpoint_tokens",
+                                         "Prompt tokens under cache_control breakpoints, by the class that set "
+                                         "their priority (tools, system, document, history) and ttl.",
+                                         [*labels, "class", "ttl"], registry=r)
+        self.cache_usage_tokens = Counter("kvreuse:messages_prompt_tokens",
+                                          "Prompt tokens of /v1/messages: cache_read, cache_creation, input.",
+                                          [*labels, "kind"], registry=r)
         r.register(_EngineCollector(engine, model_name, event_buffer))
         if limiter is not None:  # a TenantLimiter
             from kvreuse.api.limit_metrics import LimiterCollector
 
             r.register(LimiterCollector(limiter, "kvreuse:"))
+
+    def observe_cache_control(self, ranges: list[tuple[str, str, int]], read: int, created: int, plain: int) -> None:
+        """One finished ``/v1/messages`` request: its breakpoint ranges as ``(class, ttl,
+        tokens)`` and its prompt's read / created / plain input tokens."""
+        for cls, ttl, n in ranges:
+            self.breakpoint_tokens.labels(self.model_name, cls, ttl).inc(n)
+        for kind, n in (("cache_read", read), ("cache_creation", created), ("input", plain)):
+            self.cache_usage_tokens.labels(self.model_name, kind).inc(n)
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
