@@ -26,8 +26,10 @@ SEGMENTS = [
 
 
 def test_each_breakpoint_closes_the_segments_since_the_previous_one():
-    plan = BreakpointPolicy().plan(SEGMENTS, [Breakpoint(0, "1h", "system[0].cache_control"),
-                                              Breakpoint(2, "5m", "messages[1].content[0].cache_control")])
+    plan = BreakpointPolicy().plan(
+        SEGMENTS,
+        [Breakpoint(0, "1h", "system[0].cache_control"), Breakpoint(2, "5m", "messages[1].content[0].cache_control")],
+    )
     assert plan.ranges == (R(0, 40, 95, HOUR), R(40, 90, 50, FIVE), R(90, 120, 40, FIVE))
     assert plan.ttls == ("1h", "5m", "5m")
     assert plan.tokens_by_class() == [("tools", "1h", 40), ("document", "5m", 50), ("history", "5m", 30)]
@@ -36,8 +38,9 @@ def test_each_breakpoint_closes_the_segments_since_the_previous_one():
 
 def test_system_alone_and_a_server_policy():
     segments = [Segment(frozenset({"system"}), 0, 30), Segment(frozenset({"history"}), 30, 60)]
-    policy = BreakpointPolicy(priorities={"tools": 100, "system": 88, "document": 60, "history": 21},
-                              durations_ms={"5m": 1000, "1h": 2000})
+    policy = BreakpointPolicy(
+        priorities={"tools": 100, "system": 88, "document": 60, "history": 21}, durations_ms={"5m": 1000, "1h": 2000}
+    )
     plan = policy.plan(segments, [Breakpoint(1, "5m", "cache_control")])
     assert plan.ranges == (R(0, 30, 88, 1000), R(30, 60, 21, 1000))
 
@@ -69,8 +72,9 @@ def test_check_breakpoints_rules():
     with pytest.raises(ValueError, match=r"^messages\[4\]\.content\[0\]\.cache_control: a request may have at most 4"):
         check_breakpoints(five)
     with pytest.raises(ValueError, match=r"^system\[0\]\.cache_control\.ttl: a 1h cache_control may not follow"):
-        check_breakpoints([Breakpoint(0, "5m", "tools[0].cache_control"),
-                           Breakpoint(1, "1h", "system[0].cache_control")])
+        check_breakpoints(
+            [Breakpoint(0, "5m", "tools[0].cache_control"), Breakpoint(1, "1h", "system[0].cache_control")]
+        )
     with pytest.raises(ValueError, match=r"^cache_control\.ttl: must be one of 5m, 1h, got '2h'"):
         check_breakpoints([Breakpoint(0, "2h", "cache_control")])
 
@@ -88,7 +92,10 @@ def test_openai_prompt_cache_retention():
     from kvreuse.api.cache_breakpoints import prompt_cache_retention_config
 
     assert prompt_cache_retention_config(None) is None and prompt_cache_retention_config("in_memory") is None
-    assert prompt_cache_retention_config("24h") == {"token_range_retention_configs": [
-        {"token_start": 0, "token_end": None, "priority": 40, "duration_ms": 86_400_000}]}
+    assert prompt_cache_retention_config("24h") == {
+        "token_range_retention_configs": [
+            {"token_start": 0, "token_end": None, "priority": 40, "duration_ms": 86_400_000}
+        ]
+    }
     with pytest.raises(ValueError, match="^prompt_cache_retention: must be one of in_memory, 24h, got '1h'"):
         prompt_cache_retention_config("1h")

@@ -20,8 +20,13 @@ def _events(text: str) -> list[tuple[str, dict]]:
 
 
 def _body(**extra):
-    return {"model": "tiny", "max_tokens": 4, "temperature": 0,
-            "messages": [{"role": "user", "content": words(20, 71)}], **extra}
+    return {
+        "model": "tiny",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": words(20, 71)}],
+        **extra,
+    }
 
 
 def test_a_message_in_anthropic_shape(client):
@@ -46,29 +51,74 @@ def test_count_tokens_is_the_rendered_prompt(client, async_engine):
     r = client.post("/v1/messages/count_tokens", json=body)
     text = async_engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-        add_generation_prompt=True, tokenize=False)
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert r.json() == {"input_tokens": len(async_engine.tokenizer.encode(text, add_special_tokens=False))}
 
 
-@pytest.mark.parametrize(("body", "status", "kind", "message"), [
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, 400, "invalid_request_error",
-     "max_tokens: field required"),
-    (_body(model="other"), 404, "not_found_error", "model: the model `other` does not exist"),
-    (_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400, "invalid_request_error",
-     "messages[0].content[0]: type 'image' is not supported"),
-    (_body(tools=[{"name": "f", "input_schema": {"type": "object"}}]), 400, "invalid_request_error",
-     "tools: this model's chat template does not render tools"),
-    (_body(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {
-        "type": "ephemeral", "ttl": "2h"}}]}]), 400, "invalid_request_error",
-     "messages[0].content[0].cache_control.ttl: Input should be '5m' or '1h'"),
-    (_body(messages=[{"role": "user", "content": [{"type": "text", "text": str(i), "cache_control": {
-        "type": "ephemeral"}} for i in range(5)]}]), 400, "invalid_request_error",
-     "messages[0].content[4].cache_control: a request may have at most 4 blocks with cache_control, got 5"),
-    (_body(system=[{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
-           cache_control={"type": "ephemeral", "ttl": "1h"}), 400, "invalid_request_error",
-     "cache_control.ttl: a 1h cache_control may not follow a 5m one (system[0].cache_control)"),
-    (_body(temperature=1.5), 400, "invalid_request_error", "temperature: Input should be less than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "message"),
+    [
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+            "max_tokens: field required",
+        ),
+        (_body(model="other"), 404, "not_found_error", "model: the model `other` does not exist"),
+        (
+            _body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+            400,
+            "invalid_request_error",
+            "messages[0].content[0]: type 'image' is not supported",
+        ),
+        (
+            _body(tools=[{"name": "f", "input_schema": {"type": "object"}}]),
+            400,
+            "invalid_request_error",
+            "tools: this model's chat template does not render tools",
+        ),
+        (
+            _body(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}],
+                    }
+                ]
+            ),
+            400,
+            "invalid_request_error",
+            "messages[0].content[0].cache_control.ttl: Input should be '5m' or '1h'",
+        ),
+        (
+            _body(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": str(i), "cache_control": {"type": "ephemeral"}} for i in range(5)
+                        ],
+                    }
+                ]
+            ),
+            400,
+            "invalid_request_error",
+            "messages[0].content[4].cache_control: a request may have at most 4 blocks with cache_control, got 5",
+        ),
+        (
+            _body(
+                system=[{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+                cache_control={"type": "ephemeral", "ttl": "1h"},
+            ),
+            400,
+            "invalid_request_error",
+            "cache_control.ttl: a 1h cache_control may not follow a 5m one (system[0].cache_control)",
+        ),
+        (_body(temperature=1.5), 400, "invalid_request_error", "temperature: Input should be less than or equal to 1"),
+    ],
+)
 def test_errors_in_anthropic_shape(client, body, status, kind, message):
     r = client.post("/v1/messages", json=body)
     assert r.status_code == status, r.text
@@ -89,13 +139,22 @@ def test_stream_event_sequence(client):
         events = _events(r.read().decode())
     names = [name for name, _ in events]
     deltas = names.count("content_block_delta")
-    assert names == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
-                     "content_block_stop", "message_delta", "message_stop"]
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert all(payload["type"] == name for name, payload in events)
     start, final = events[0][1]["message"], events[-2][1]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 1
-    assert final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} or \
-        final["delta"]["stop_reason"] == "end_turn"
+    assert (
+        final["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+        or final["delta"]["stop_reason"] == "end_turn"
+    )
     assert final["usage"]["output_tokens"] == 3 or final["delta"]["stop_reason"] == "end_turn"
     whole = client.post("/v1/messages", json={**body, "stream": False}).json()
     text = "".join(p["delta"]["text"] for n, p in events if n == "content_block_delta")
@@ -105,16 +164,26 @@ def test_stream_event_sequence(client):
 def test_two_breakpoints_usage_exact_on_first_and_repeat(client, async_engine):
     system = words(60, 73)
     history = [{"role": "user", "content": words(80, 74)}, {"role": "assistant", "content": words(10, 75)}]
-    body = _body(system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
-                 messages=[*history[:1], {"role": "assistant", "content": [
-                     {"type": "text", "text": history[1]["content"], "cache_control": {"type": "ephemeral"}}]},
-                     {"role": "user", "content": "and then?"}])
+    body = _body(
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+        messages=[
+            *history[:1],
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": history[1]["content"], "cache_control": {"type": "ephemeral"}}],
+            },
+            {"role": "user", "content": "and then?"},
+        ],
+    )
     tok = async_engine.tokenizer
     chat = [{"role": "system", "content": system}, *history]
 
     def tokens(messages, gen=False):
-        return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False),
-                              add_special_tokens=False))
+        return len(
+            tok.encode(
+                tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False), add_special_tokens=False
+            )
+        )
 
     n = tokens([*chat, {"role": "user", "content": "and then?"}], gen=True)
     system_end, last_bp = tokens(chat[:1]), tokens(chat)
@@ -122,8 +191,10 @@ def test_two_breakpoints_usage_exact_on_first_and_repeat(client, async_engine):
     first = client.post("/v1/messages", json=body).json()["usage"]
     assert first["cache_read_input_tokens"] == 0
     assert first["cache_creation_input_tokens"] == stored
-    assert first["cache_creation"] == {"ephemeral_1h_input_tokens": system_end,
-                                       "ephemeral_5m_input_tokens": stored - system_end}
+    assert first["cache_creation"] == {
+        "ephemeral_1h_input_tokens": system_end,
+        "ephemeral_5m_input_tokens": stored - system_end,
+    }
     assert first["input_tokens"] == n - stored
     second = client.post("/v1/messages", json=body).json()["usage"]
     cached = (n - 1) // BLOCK_SIZE * BLOCK_SIZE  # every block but the one holding the last token
@@ -133,13 +204,16 @@ def test_two_breakpoints_usage_exact_on_first_and_repeat(client, async_engine):
 
 
 def test_stop_sequence_is_reported(client):
-    probe = client.post("/v1/messages", json=_body(max_tokens=6, messages=[
-        {"role": "user", "content": words(20, 76)}])).json()
+    probe = client.post(
+        "/v1/messages", json=_body(max_tokens=6, messages=[{"role": "user", "content": words(20, 76)}])
+    ).json()
     text = probe["content"][0]["text"] if probe["content"] else ""
     stop = text.strip()[2:4]
     if len(stop) < 2:
         pytest.skip("the random model's reply is too short to cut")
-    r = client.post("/v1/messages", json=_body(max_tokens=6, stop_sequences=[stop], messages=[
-        {"role": "user", "content": words(20, 76)}])).json()
+    r = client.post(
+        "/v1/messages",
+        json=_body(max_tokens=6, stop_sequences=[stop], messages=[{"role": "user", "content": words(20, 76)}]),
+    ).json()
     assert r["stop_reason"] == "stop_sequence" and r["stop_sequence"] == stop
     assert text.startswith(r["content"][0]["text"] if r["content"] else "")

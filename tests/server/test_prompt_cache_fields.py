@@ -14,13 +14,27 @@ def _held(client) -> dict[str, int]:
 def test_prompt_cache_retention_24h_holds_the_prompt_at_the_history_priority(tiny_llama):
     with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, _):
         prompt = list(range(100, 100 + 5 * BLOCK_SIZE))
-        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                                 "prompt_cache_retention": "24h", "prompt_cache_key": "agent-1"})
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 1,
+                "prompt_cache_retention": "24h",
+                "prompt_cache_key": "agent-1",
+            },
+        )
         assert r.status_code == 200, r.text
         assert _held(client) == {"40": 5}  # every prompt block, none at the default 35
-        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                      "prompt_cache_retention": "24h",
-                                                      "kv_cache_retention_config": {}})
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "prompt_cache_retention": "24h",
+                "kv_cache_retention_config": {},
+            },
+        )
         assert r.status_code == 400
         assert r.json()["error"]["message"].startswith("prompt_cache_retention: give prompt_cache_retention or")
 
@@ -28,13 +42,20 @@ def test_prompt_cache_retention_24h_holds_the_prompt_at_the_history_priority(tin
 def test_breakpoints_set_block_priorities(tiny_llama):
     with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, engine):
         system = words(60, 81)
-        body = {"model": "tiny", "max_tokens": 1, "system": [
-            {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
-            "messages": [{"role": "user", "content": words(60, 82)}]}
+        body = {
+            "model": "tiny",
+            "max_tokens": 1,
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": words(60, 82)}],
+        }
         assert client.post("/v1/messages", json=body).status_code == 200
         tok = engine.tokenizer
-        head = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
-                              add_special_tokens=False))
+        head = len(
+            tok.encode(
+                tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
+                add_special_tokens=False,
+            )
+        )
         n = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
         # a block takes the range of its first token: those starting in the system range are 85
         system_blocks = (head + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -46,21 +67,34 @@ def test_breakpoint_counters_on_metrics(tiny_llama):
 
     with fresh_client(tiny_llama, kv_cache_memory_gib=0.02) as (client, engine):
         system = words(60, 83)
-        body = {"model": "tiny", "max_tokens": 1, "system": [
-            {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
-            "messages": [{"role": "user", "content": words(60, 84)}]}
+        body = {
+            "model": "tiny",
+            "max_tokens": 1,
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": words(60, 84)}],
+        }
         usage = [client.post("/v1/messages", json=body).json()["usage"] for _ in range(2)]
         tok = engine.tokenizer
-        head = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
-                              add_special_tokens=False))
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+        head = len(
+            tok.encode(
+                tok.apply_chat_template([{"role": "system", "content": system}], tokenize=False),
+                add_special_tokens=False,
+            )
+        )
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(client.get("/metrics").text)
+            for s in f.samples
+        }
 
     def value(name, **labels):
         return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
 
     assert value("kvreuse:cache_breakpoint_tokens_total", **{"class": "system", "ttl": "1h"}) == 2 * head
-    for kind, key in (("cache_read", "cache_read_input_tokens"), ("cache_creation", "cache_creation_input_tokens"),
-                      ("input", "input_tokens")):
+    for kind, key in (
+        ("cache_read", "cache_read_input_tokens"),
+        ("cache_creation", "cache_creation_input_tokens"),
+        ("input", "input_tokens"),
+    ):
         assert value("kvreuse:messages_prompt_tokens_total", kind=kind) == usage[0][key] + usage[1][key]
     assert usage[0]["cache_creation_input_tokens"] == head // BLOCK_SIZE * BLOCK_SIZE

@@ -22,9 +22,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 MESSAGES_PATH = "/v1/messages"  # and /v1/messages/count_tokens
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def is_messages_path(path: str) -> bool:

@@ -78,8 +78,11 @@ class _Builder:
 
     def add(self, role: str, block: ContentBlock, path: str) -> None:
         if block.type in ("tool_use", "tool_result") and not self.tools_ok:
-            raise APIError(f"{path}: this model's chat template does not render tools, so {block.type} blocks "
-                           "cannot be sent to it", param=path)
+            raise APIError(
+                f"{path}: this model's chat template does not render tools, so {block.type} blocks "
+                "cannot be sent to it",
+                param=path,
+            )
         if block.type == "text":
             turn = self._turn(role)
             text = check_text(block.text or "", f"{path}.text")
@@ -88,21 +91,29 @@ class _Builder:
             if role != "user":
                 raise APIError(f"{path}: document blocks belong in user messages", param=path)
             self.flush()
-            turn = _Turn({"role": "user", "content": check_text(_document_text(block), f"{path}.source.data")},
-                         "document")
+            turn = _Turn(
+                {"role": "user", "content": check_text(_document_text(block), f"{path}.source.data")}, "document"
+            )
             self.turns.append(turn)
         elif block.type == "tool_use":
             if role != "assistant":
                 raise APIError(f"{path}: tool_use blocks belong in assistant messages", param=path)
             turn = self._turn("assistant")
             turn.message.setdefault("tool_calls", []).append(
-                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
+                {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+            )
         else:  # tool_result
             if role != "user":
                 raise APIError(f"{path}: tool_result blocks belong in user messages", param=path)
             self.flush()
-            turn = _Turn({"role": "tool", "tool_call_id": block.tool_use_id,
-                          "content": check_text(block.result_text(), f"{path}.content")}, "history")
+            turn = _Turn(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "content": check_text(block.result_text(), f"{path}.content"),
+                },
+                "history",
+            )
             self.turns.append(turn)
         if block.cache_control is not None:
             turn.breakpoints.append((f"{path}.cache_control", block.cache_control))
@@ -115,8 +126,11 @@ def _turns(body: CountTokensRequest, tools_ok: bool) -> list[_Turn]:
     if body.system:
         texts = [check_text(b.text, f"system[{k}].text") for k, b in enumerate(body.system)]
         system = _Turn({"role": "system", "content": "\n".join(texts)}, "system")
-        system.breakpoints = [(f"system[{k}].cache_control", b.cache_control)
-                              for k, b in enumerate(body.system) if b.cache_control is not None]
+        system.breakpoints = [
+            (f"system[{k}].cache_control", b.cache_control)
+            for k, b in enumerate(body.system)
+            if b.cache_control is not None
+        ]
         builder.turns.append(system)
     for i, message in enumerate(body.messages):
         builder.flush()  # each request message opens a template message
@@ -127,8 +141,11 @@ def _turns(body: CountTokensRequest, tools_ok: bool) -> list[_Turn]:
 
 def _breakpoints(body: CountTokensRequest, turns: list[_Turn]) -> list[Breakpoint]:
     """In Anthropic's order: tools, system, messages, then the top-level one."""
-    found = [Breakpoint(0, t.cache_control.ttl, f"tools[{k}].cache_control")
-             for k, t in enumerate(body.tools or ()) if t.cache_control is not None]
+    found = [
+        Breakpoint(0, t.cache_control.ttl, f"tools[{k}].cache_control")
+        for k, t in enumerate(body.tools or ())
+        if t.cache_control is not None
+    ]
     for index, turn in enumerate(turns):
         found += [Breakpoint(index, cc.ttl, path) for path, cc in turn.breakpoints]
     if body.cache_control is not None:
@@ -141,8 +158,11 @@ def render_messages(tokenizer: Any, body: CountTokensRequest, policy: Breakpoint
     block in the wrong role, bad ``cache_control`` (more than 4, a 1h after a 5m), text no
     tokenizer can encode, or messages the template rejects."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("messages: this model has no chat template, so it cannot take messages; "
-                       "send the text to /v1/completions as a prompt", param="messages")
+        raise APIError(
+            "messages: this model has no chat template, so it cannot take messages; "
+            "send the text to /v1/completions as a prompt",
+            param="messages",
+        )
     tools_ok = supports_tools(tokenizer)
     if body.tools and not tools_ok:
         raise APIError("tools: this model's chat template does not render tools; leave tools out", param="tools")
@@ -161,8 +181,9 @@ def render_messages(tokenizer: Any, body: CountTokensRequest, policy: Breakpoint
     try:
         # a last assistant message is a prefill: the reply continues it (Anthropic's behaviour)
         prefill = messages[-1]["role"] == "assistant"
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
-                                             continue_final_message=prefill, tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=not prefill, continue_final_message=prefill, tokenize=False, **kwargs
+        )
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the client's messages
         raise APIError(f"messages: the chat template rejected them: {exc}", param="messages") from None
@@ -170,8 +191,10 @@ def render_messages(tokenizer: Any, body: CountTokensRequest, policy: Breakpoint
     if not breakpoints and not any(flags):
         return MessagesPrompt(token_ids, CachePlan())
     bounds = message_boundaries(tokenizer, messages, len(token_ids), kwargs, text)
-    segments = [Segment(frozenset({t.kind} | ({"tools"} if body.tools and index == 0 else set())), start, end)
-                for index, (t, (start, end)) in enumerate(zip(turns, bounds))]
+    segments = [
+        Segment(frozenset({t.kind} | ({"tools"} if body.tools and index == 0 else set())), start, end)
+        for index, (t, (start, end)) in enumerate(zip(turns, bounds))
+    ]
     plan = policy.plan(segments, breakpoints)
     documents = document_parts(token_ids, bounds, flags, rendered_lead(tokenizer, token_ids)) if any(flags) else None
     return MessagesPrompt(token_ids, plan, documents)

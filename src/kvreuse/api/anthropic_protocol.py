@@ -95,8 +95,12 @@ class ContentBlock(_Strict):
 
     @model_validator(mode="after")
     def check(self) -> ContentBlock:
-        needs = {"text": ("text",), "document": ("source",), "tool_use": ("id", "name", "input"),
-                 "tool_result": ("tool_use_id",)}
+        needs = {
+            "text": ("text",),
+            "document": ("source",),
+            "tool_use": ("id", "name", "input"),
+            "tool_result": ("tool_use_id",),
+        }
         for name in needs[self.type]:
             if getattr(self, name) is None:
                 raise _invalid(f"{name} is required in a {self.type} block")
@@ -164,8 +168,10 @@ class CountTokensRequest(_Strict):
     def check_tool_choice(self) -> None:
         """Raises ``ValueError`` naming ``tool_choice`` for a choice kvreuse cannot force."""
         if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
-            raise ValueError(f"tool_choice.type: {self.tool_choice.type!r} is not supported (the model cannot be "
-                             'forced to call a tool); use "auto" or "none"')
+            raise ValueError(
+                f"tool_choice.type: {self.tool_choice.type!r} is not supported (the model cannot be "
+                'forced to call a tool); use "auto" or "none"'
+            )
 
 
 class MessagesRequest(CountTokensRequest):
@@ -183,6 +189,10 @@ class MessagesRequest(CountTokensRequest):
         """The engine's ``SamplingParams``; raises ``ValueError`` naming the field."""
         if any(not s for s in self.stop_sequences or ()):
             raise ValueError("stop_sequences: each must be a non-empty string")
-        return SamplingParams(max_tokens=self.max_tokens, temperature=float(self.temperature),
-                              top_p=1.0 if self.top_p is None else float(self.top_p), top_k=self.top_k or 0,
-                              stop=tuple(self.stop_sequences or ()))
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=self.top_k or 0,
+            stop=tuple(self.stop_sequences or ()),
+        )

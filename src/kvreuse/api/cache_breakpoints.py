@@ -64,8 +64,10 @@ def check_breakpoints(breakpoints: Sequence[Breakpoint]) -> None:
     shorter-lived one). Raises ``ValueError`` whose message starts with the offending field."""
     if len(breakpoints) > MAX_BREAKPOINTS:
         extra = breakpoints[MAX_BREAKPOINTS]
-        raise ValueError(f"{extra.param}: a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, "
-                         f"got {len(breakpoints)}")
+        raise ValueError(
+            f"{extra.param}: a request may have at most {MAX_BREAKPOINTS} blocks with cache_control, "
+            f"got {len(breakpoints)}"
+        )
     seen_short = None
     for bp in breakpoints:
         if bp.ttl not in TTLS:
@@ -73,8 +75,10 @@ def check_breakpoints(breakpoints: Sequence[Breakpoint]) -> None:
         if bp.ttl == "5m":
             seen_short = seen_short or bp
         elif seen_short is not None:
-            raise ValueError(f"{bp.param}.ttl: a 1h cache_control may not follow a 5m one "
-                             f"({seen_short.param}); put the longer-lived breakpoints first")
+            raise ValueError(
+                f"{bp.param}.ttl: a 1h cache_control may not follow a 5m one "
+                f"({seen_short.param}); put the longer-lived breakpoints first"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,10 @@ class CachePlan:
 
     def tokens_by_class(self) -> list[tuple[str, str, int]]:
         """``(class, ttl, tokens)`` of each range, for the per-class counters."""
-        return [(c, t, (r.token_end or r.token_start) - r.token_start)
-                for r, t, c in zip(self.ranges, self.ttls, self.classes)]
+        return [
+            (c, t, (r.token_end or r.token_start) - r.token_start)
+            for r, t, c in zip(self.ranges, self.ttls, self.classes)
+        ]
 
     def retention(self) -> KvCacheRetentionConfig | None:
         """The request's ``KvCacheRetentionConfig`` (``None``: no breakpoint, the defaults)."""
@@ -133,10 +139,12 @@ class BreakpointPolicy:
             raise ValueError(f"breakpoint priorities: give exactly {', '.join(KINDS)}, got {sorted(self.priorities)}")
         for kind, p in self.priorities.items():
             if not isinstance(p, int) or not MIN_PRIORITY <= p <= MAX_PRIORITY:
-                raise ValueError(f"breakpoint priorities: {kind} must be an integer in "
-                                 f"[{MIN_PRIORITY}, {MAX_PRIORITY}], got {p!r}")
-        if set(self.durations_ms) != set(TTLS) or any(not isinstance(d, int) or d <= 0
-                                                      for d in self.durations_ms.values()):
+                raise ValueError(
+                    f"breakpoint priorities: {kind} must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {p!r}"
+                )
+        if set(self.durations_ms) != set(TTLS) or any(
+            not isinstance(d, int) or d <= 0 for d in self.durations_ms.values()
+        ):
             raise ValueError(f"breakpoint durations: give a positive ms for each of {', '.join(TTLS)}")
 
     def priority(self, kinds: frozenset[str]) -> int:
@@ -157,10 +165,13 @@ class BreakpointPolicy:
         covered = 0  # segments before this index are planned
         for index in sorted(ttl_at):
             ttl = ttl_at[index]
-            for seg in segments[covered:index + 1]:
+            for seg in segments[covered : index + 1]:
                 if seg.token_end > seg.token_start:
-                    ranges.append(TokenRangeRetentionConfig(seg.token_start, seg.token_end,
-                                                            self.priority(seg.kinds), self.durations_ms[ttl]))
+                    ranges.append(
+                        TokenRangeRetentionConfig(
+                            seg.token_start, seg.token_end, self.priority(seg.kinds), self.durations_ms[ttl]
+                        )
+                    )
                     ttls.append(ttl)
                     classes.append(max(sorted(seg.kinds), key=self.priorities.__getitem__))
             covered = max(covered, index + 1)
@@ -180,5 +191,8 @@ def prompt_cache_retention_config(value: str | None, policy: BreakpointPolicy | 
     if value != "24h":
         raise ValueError(f"prompt_cache_retention: must be one of {', '.join(PROMPT_CACHE_RETENTIONS)}, got {value!r}")
     priority = (policy or BreakpointPolicy()).priorities["history"]
-    return {"token_range_retention_configs": [{"token_start": 0, "token_end": None, "priority": priority,
-                                               "duration_ms": DAY_MS}]}
+    return {
+        "token_range_retention_configs": [
+            {"token_start": 0, "token_end": None, "priority": priority, "duration_ms": DAY_MS}
+        ]
+    }

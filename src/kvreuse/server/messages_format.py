@@ -30,7 +30,7 @@ def stop_reason(out: RequestOutput, tokenizer: Any, stop_sequences: tuple[str, .
     if stop_sequences and out.finish_reason == "stop":
         decoded = tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
         if decoded.startswith(out.text):
-            rest = decoded[len(out.text):]
+            rest = decoded[len(out.text) :]
             for s in sorted(stop_sequences):
                 if rest.startswith(s):
                     return "stop_sequence", s
@@ -44,23 +44,34 @@ def usage_body(plan: CachePlan, out: RequestOutput, block_size: int) -> dict[str
         "input_tokens": counts.input_tokens,
         "cache_creation_input_tokens": counts.cache_creation_input_tokens,
         "cache_read_input_tokens": counts.cache_read_input_tokens,
-        "cache_creation": {"ephemeral_5m_input_tokens": counts.ephemeral_5m_input_tokens,
-                           "ephemeral_1h_input_tokens": counts.ephemeral_1h_input_tokens},
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": counts.ephemeral_5m_input_tokens,
+            "ephemeral_1h_input_tokens": counts.ephemeral_1h_input_tokens,
+        },
         "output_tokens": len(out.output_token_ids),
     }
     by_tier = usage_dict(out.num_prompt_tokens, 0, out.num_cached_tokens, [out])["prompt_tokens_details"].get(
-        "cached_tokens_by_tier")
+        "cached_tokens_by_tier"
+    )
     if by_tier is not None:  # an extension: where the cache reads came from (device, host, disk, remote)
         usage["kvreuse"] = {"cache_read_input_tokens_by_tier": by_tier}
     return usage
 
 
-def message_body(message_id: str, model: str, text: str, reason: tuple[str | None, str | None],
-                 usage: dict[str, Any]) -> dict[str, Any]:
+def message_body(
+    message_id: str, model: str, text: str, reason: tuple[str | None, str | None], usage: dict[str, Any]
+) -> dict[str, Any]:
     """A whole message (``content`` empty until it has text: a stream's ``message_start``)."""
-    return {"id": message_id, "type": "message", "role": "assistant",
-            "content": [{"type": "text", "text": text}] if text else [], "model": model,
-            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": usage}
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "text", "text": text}] if text else [],
+        "model": model,
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": usage,
+    }
 
 
 def event(name: str, payload: dict[str, Any]) -> str:
@@ -69,21 +80,26 @@ def event(name: str, payload: dict[str, Any]) -> str:
 
 
 def message_start(message_id: str, model: str, usage: dict[str, Any]) -> str:
-    return event("message_start", {"type": "message_start",
-                                   "message": message_body(message_id, model, "", (None, None), usage)})
+    return event(
+        "message_start", {"type": "message_start", "message": message_body(message_id, model, "", (None, None), usage)}
+    )
 
 
 def block_start(index: int = 0) -> str:
-    return event("content_block_start", {"type": "content_block_start", "index": index,
-                                         "content_block": {"type": "text", "text": ""}})
+    return event(
+        "content_block_start",
+        {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}},
+    )
 
 
 PING = event("ping", {"type": "ping"})
 
 
 def text_delta(text: str, index: int = 0) -> str:
-    return event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                         "delta": {"type": "text_delta", "text": text}})
+    return event(
+        "content_block_delta",
+        {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": text}},
+    )
 
 
 def block_stop(index: int = 0) -> str:
@@ -91,8 +107,10 @@ def block_stop(index: int = 0) -> str:
 
 
 def message_delta(reason: tuple[str | None, str | None], usage: dict[str, Any]) -> str:
-    return event("message_delta", {"type": "message_delta",
-                                   "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]}, "usage": usage})
+    return event(
+        "message_delta",
+        {"type": "message_delta", "delta": {"stop_reason": reason[0], "stop_sequence": reason[1]}, "usage": usage},
+    )
 
 
 MESSAGE_STOP = event("message_stop", {"type": "message_stop"})

@@ -83,14 +83,16 @@ async def create_message(body: MessagesRequest, request: Request):
         document_reply_room(ctx, room, prompt.documents, None, param="messages")
     message_id = f"msg_{uuid.uuid4().hex}"
     salt = tenant_salt(tenant_of(request.scope), None)  # a tenant key's blocks are the tenant's
-    engine_request = EngineRequest(0, prompt.token_ids, _sampling(body), message_id, salt, prompt.plan.retention(),
-                                   prompt.documents)
+    engine_request = EngineRequest(
+        0, prompt.token_ids, _sampling(body), message_id, salt, prompt.plan.retention(), prompt.documents
+    )
     meter = reserve_tokens(request, [engine_request], [len(prompt.token_ids)], 1)  # 429: tenant's tokens spent
     stops = engine_request.params.stop
     if body.stream:
         streams = await start_streams(ctx, [engine_request], meter)
-        return StreamingResponse(_stream(ctx, streams, prompt, message_id, model, stops),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(ctx, streams, prompt, message_id, model, stops), media_type="text/event-stream"
+        )
     (final,) = await run_to_completion(ctx, [engine_request], request, meter)
     _observe(ctx, prompt, final)
     usage = fmt.usage_body(prompt.plan, final, ctx.engine.block_size)
@@ -101,8 +103,12 @@ async def create_message(body: MessagesRequest, request: Request):
 def _observe(ctx: ServerContext, prompt: MessagesPrompt, final: RequestOutput) -> None:
     """The finished request's breakpoints and usage on ``/metrics``."""
     counts = prompt.plan.usage(final.num_prompt_tokens, final.num_cached_tokens, ctx.engine.block_size)
-    ctx.metrics.observe_cache_control(prompt.plan.tokens_by_class(), counts.cache_read_input_tokens,
-                                      counts.cache_creation_input_tokens, counts.input_tokens)
+    ctx.metrics.observe_cache_control(
+        prompt.plan.tokens_by_class(),
+        counts.cache_read_input_tokens,
+        counts.cache_creation_input_tokens,
+        counts.input_tokens,
+    )
 
 
 @router.post("/v1/messages/count_tokens")
@@ -115,8 +121,14 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
 
-async def _stream(ctx: ServerContext, streams: ChoiceStreams, prompt: MessagesPrompt, message_id: str, model: str,
-                  stops: tuple[str, ...]) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServerContext,
+    streams: ChoiceStreams,
+    prompt: MessagesPrompt,
+    message_id: str,
+    model: str,
+    stops: tuple[str, ...],
+) -> AsyncIterator[str]:
     tokenizer, block_size = ctx.engine.tokenizer, ctx.engine.block_size
     started = False
     try:
@@ -131,8 +143,9 @@ async def _stream(ctx: ServerContext, streams: ChoiceStreams, prompt: MessagesPr
             if out.finished:
                 _observe(ctx, prompt, out)
                 yield fmt.block_stop()
-                yield fmt.message_delta(fmt.stop_reason(out, tokenizer, stops),
-                                        fmt.usage_body(prompt.plan, out, block_size))
+                yield fmt.message_delta(
+                    fmt.stop_reason(out, tokenizer, stops), fmt.usage_body(prompt.plan, out, block_size)
+                )
                 yield fmt.MESSAGE_STOP
     except ValueError as exc:
         yield stream_error(str(exc), "invalid_request_error")
