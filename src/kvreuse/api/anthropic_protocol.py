@@ -184,6 +184,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: StrictInt | None = Field(default=None, ge=0)
     stream: StrictBool = False
     metadata: Metadata | None = None
+    # kvreuse extra, as on the OpenAI routes: separates caches (a tenant key's salt is added to it;
+    # ``kvreuse route`` puts a tenant's salt here before it forwards the body)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)
 
     def sampling_params(self) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ``ValueError`` naming the field."""

@@ -82,7 +82,7 @@ async def create_message(body: MessagesRequest, request: Request):
     if prompt.documents is not None:
         document_reply_room(ctx, room, prompt.documents, None, param="messages")
     message_id = f"msg_{uuid.uuid4().hex}"
-    salt = tenant_salt(tenant_of(request.scope), None)  # a tenant key's blocks are the tenant's
+    salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
     engine_request = EngineRequest(
         0, prompt.token_ids, _sampling(body), message_id, salt, prompt.plan.retention(), prompt.documents
     )
