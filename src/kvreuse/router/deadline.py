@@ -30,6 +30,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import anyio
+
 from kvreuse.router.executors import Executor
 
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 300.0  # --upstream-first-byte-timeout
@@ -83,7 +85,7 @@ class ReadClock:
         self.executor, self.limit_s, self.setting, self.grace_s = executor, limit_s, setting, grace_s
         self._since = 0.0  # when the current read began (time.monotonic(), the loop's clock)
         self._down_seen: float | None = None  # when the executor was first seen down
-        self._task: asyncio.Task | None = None  # the task reading now
+        self._scope: anyio.CancelScope | None = None  # the current read's (None: between reads)
         self._timer: asyncio.TimerHandle | None = None
         self._stalled: Stalled | None = None  # what the timer ended the current read with
 
@@ -94,18 +96,18 @@ class ReadClock:
         self._since = time.monotonic() if since is None else since
         if not self.executor.healthy and self._down_seen is None:
             self._down_seen = time.monotonic()
-        self._task = asyncio.current_task()
+        # An anyio scope, not Task.cancel: the read may run in a task of an anyio task group
+        # (Starlette's streaming response), which a bare cancellation would tear down whole.
+        scope = self._scope = anyio.CancelScope()
         self.executor.on_down.add(self._marked_down)
         self._arm()
         try:
-            return await aw
-        except asyncio.CancelledError:
-            stalled, self._stalled = self._stalled, None
-            if stalled is not None and self._task is not None and self._task.uncancel() == 0:
-                raise stalled from None  # our cancellation alone: the read stalled
-            raise
+            with scope:
+                return await aw
+            stalled, self._stalled = self._stalled, None  # only the timer cancels the scope
+            raise stalled or Stalled("the read was cancelled", timed_out=False)
         finally:
-            self._task = None
+            self._scope = None
             self.executor.on_down.discard(self._marked_down)
 
     def close(self) -> None:
@@ -128,7 +130,7 @@ class ReadClock:
 
     def _fire(self) -> None:
         self._timer = None
-        if self._task is None:
+        if self._scope is None:
             return  # between reads: the next one arms it
         limit_end, down_end = self._ends()
         now = time.monotonic()
@@ -145,7 +147,7 @@ class ReadClock:
             )
         else:
             self._stalled = Stalled(f"it sent no byte for {self.limit_s:g} s ({self.setting})", timed_out=True)
-        self._task.cancel()
+        self._scope.cancel()
 
     def _marked_down(self) -> None:
         if self._down_seen is None:
