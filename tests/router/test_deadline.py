@@ -122,6 +122,36 @@ def test_a_clock_times_each_read_from_its_start_not_the_first_reads():
     assert 1.2 + 0.4 <= took < 1.2 + 0.4 + MARGIN_S
 
 
+def test_a_clock_forgets_the_mark_once_the_executor_is_up_again():
+    e = Executor("http://a", healthy=True)
+
+    async def scenario():
+        clock = ReadClock(e, limit_s=None, setting="--flag", grace_s=0.2)
+        asyncio.get_running_loop().call_later(0.05, e.mark_down, "probe timed out")
+
+        async def late(delay):
+            await asyncio.sleep(delay)
+            return delay
+
+        try:
+            first = await clock.read(late(0.15))  # within the grace after the mark
+            e.healthy = True  # the health probe brought it back
+            second = await clock.read(late(0.5))  # slower than the grace: fine, it is up
+            e.mark_down("probe timed out again")
+            try:
+                await clock.read(_forever())
+            except Stalled as exc:
+                return first, second, str(exc)
+        finally:
+            clock.close()
+
+    assert asyncio.run(scenario()) == (
+        0.15,
+        0.5,
+        "it was marked down (probe timed out again) and sent no byte for 0.2 s after",
+    )
+
+
 def test_a_read_cancelled_from_outside_is_cancelled_not_stalled():
     async def scenario():
         clock = ReadClock(Executor("http://a", healthy=True), limit_s=0.3, setting="--flag")

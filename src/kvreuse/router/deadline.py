@@ -94,7 +94,9 @@ class ReadClock:
         executor is, or gets, marked down and ``grace_s`` passes from then (or ``since``,
         the later) without the result: then ``aw`` is cancelled and ``Stalled`` raised."""
         self._since = time.monotonic() if since is None else since
-        if not self.executor.healthy and self._down_seen is None:
+        if self.executor.healthy:
+            self._down_seen = None  # up again (the health probe brought it back): no grace to keep
+        elif self._down_seen is None:
             self._down_seen = time.monotonic()
         # An anyio scope, not Task.cancel: the read may run in a task of an anyio task group
         # (Starlette's streaming response), which a bare cancellation would tear down whole.
