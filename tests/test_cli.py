@@ -1,7 +1,7 @@
 """The defaults of ``kvreuse serve`` and ``kvreuse schema precompute`` are ``EngineConfig``'s,
 read from it, so a default changed there cannot leave a flag behind: every flag follows a
 changed config default, and either command run without flags configures ``EngineConfig()``.
-``kvreuse serve`` builds its model and engine off the main thread."""
+``kvreuse serve`` builds its model and engine off the main thread; its --blend-* flags."""
 
 from __future__ import annotations
 
@@ -126,3 +126,27 @@ except KeyboardInterrupt:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 130, out.stderr
     assert out.stdout.strip() == "interrupted True"
+
+
+# `kvreuse serve --blend-*` reach the engine config; a bad value is refused naming the flag.
+def _args(*flags: str):
+    return build_parser().parse_args(["serve", "--model", "tiny:llama", *flags])
+
+
+def test_blend_flags_default_to_the_config_and_reach_it():
+    config = _engine_config(_args())
+    assert (config.blend_first_tokens, config.blend_ratio) == (EngineConfig.blend_first_tokens,
+                                                               EngineConfig.blend_ratio) == (0, 0.0)
+    config = _engine_config(_args("--blend-first-tokens", "8", "--blend-ratio", "0.15"))
+    assert (config.blend_first_tokens, config.blend_ratio) == (8, 0.15)
+    assert EngineConfig.blend_last_tokens == 0 and _engine_config(_args()).blend.last_tokens == 0
+    config = _engine_config(_args("--blend-last-tokens", "2", "--blend-first-tokens", "1"))
+    assert (config.blend.first_tokens, config.blend.ratio, config.blend.last_tokens) == (1, 0.0, 2)
+
+
+@pytest.mark.parametrize("flags, name", [(("--blend-ratio", "1.5"), "--blend-ratio"),
+                                         (("--blend-first-tokens", "-1"), "--blend-first-tokens"),
+                                         (("--blend-last-tokens", "-1"), "--blend-last-tokens")])
+def test_a_bad_blend_flag_is_refused_naming_it(flags, name):
+    with pytest.raises(ValueError, match=name):
+        _engine_config(_args(*flags))
