@@ -65,6 +65,8 @@ def test_explain_takes_either_body_and_the_other_routes_stay_described():
     assert {p: sorted(ops) for p, ops in spec["paths"].items()} == {
         "/v1/completions": ["post"],
         "/v1/chat/completions": ["post"],
+        "/v1/messages": ["post"],
+        "/v1/messages/count_tokens": ["post"],
         "/v1/route/explain": ["post"],
         "/v1/models": ["get"],
         "/health": ["get"],

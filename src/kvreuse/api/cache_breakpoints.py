@@ -178,6 +178,9 @@ class BreakpointPolicy:
         return CachePlan(tuple(ranges), tuple(ttls), tuple(classes))
 
 
+DEFAULT_POLICY = BreakpointPolicy()  # the write-up's priorities; 5 min and 1 h
+
+
 PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")  # OpenAI's prompt_cache_retention values
 DAY_MS = 24 * 60 * 60_000
 

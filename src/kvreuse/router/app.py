@@ -1,6 +1,8 @@
 """The router's HTTP app: the OpenAI API of ``kvreuse serve``, in front of its executors.
 
     POST /v1/completions, /v1/chat/completions   routed, retried; a failed stream continued elsewhere
+    POST /v1/messages, /v1/messages/count_tokens  Anthropic's API, routed and retried; a failed stream ends in
+                                                  an error event (kvreuse.router.messages_proxy)
     GET  /v1/models                               from a healthy executor
     GET  /health                                  200 while any executor is healthy (each one's health, no URL)
     GET  /metrics                                 the router's own Prometheus metrics
@@ -49,6 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvreuse import __version__
+from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response, limit_response
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
@@ -56,6 +59,8 @@ from kvreuse.api.middleware import (
     DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware, lease_of,
 )
 from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
+from kvreuse.router.affinity import prompt_cache_key
+from kvreuse.router.messages_proxy import forward_messages, messages_keys
 from kvreuse.router.openapi import install_openapi
 from kvreuse.server import docs_routes
 from kvreuse.router.proxy import error, forward
@@ -130,6 +135,23 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     async def chat(request: Request) -> Response:
         return await routed(request, "/v1/chat/completions", chat=True)
 
+    async def messages(request: Request, path: str) -> Response:
+        try:
+            raw, body = await _client_body(request)
+        except APIError as exc:
+            return exc.response()  # in Anthropic's shape (AnthropicErrorMiddleware)
+        keys = await asyncio.to_thread(messages_keys, router, body)
+        return await forward_messages(router, path, raw, upstream_headers(request), request=request, body=body,
+                                      keys=keys, affinity=prompt_cache_key(body))
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request) -> Response:
+        return await messages(request, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await messages(request, "/v1/messages/count_tokens")
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for e in router.executors.values():
@@ -199,6 +221,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     if keys is not None:
         app.add_middleware(APIKeyMiddleware, api_key=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages*
     return app
 
 

@@ -4,7 +4,7 @@ The routed endpoints read their bodies raw (``kvreuse.router.app``): the router 
 the client's bytes, adds a tenant's salt, and leaves validation to the executor, whose 400
 it passes on. So their ``Request`` parameters say nothing about the body. The description
 is generated instead from stand-in routes (never served) that declare the executor's own
-models from ``kvreuse.api.protocol``, by the generator the executor's description comes
+models from ``kvreuse.api.protocol`` (and ``anthropic_protocol``), by the generator the executor's description comes
 from, so both describe ``POST /v1/completions`` and ``POST /v1/chat/completions`` alike;
 ``POST /v1/route/explain`` takes either body.
 """
@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
+from kvreuse.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -31,6 +32,14 @@ def _stand_ins() -> list[APIRoute]:
     @twins.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> None:
         """A chat completion, routed to the executor the policy picks (streamed or not)."""
+
+    @twins.post("/v1/messages")
+    async def create_message(body: MessagesRequest) -> None:
+        """Anthropic's Messages API, routed as chat is (streamed or not; docs/anthropic.md)."""
+
+    @twins.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> None:
+        """The prompt's tokens, as the executor renders the request."""
 
     @twins.post("/v1/route/explain")
     async def explain(body: ChatCompletionRequest | CompletionRequest) -> None:

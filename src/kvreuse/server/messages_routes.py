@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from kvreuse.api.anthropic_errors import stream_error
 from kvreuse.api.anthropic_prompt import MessagesPrompt, render_messages
 from kvreuse.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvreuse.api.cache_breakpoints import BreakpointPolicy
+from kvreuse.api.cache_breakpoints import DEFAULT_POLICY
 from kvreuse.api.errors import APIError
 from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.engine.async_engine import EngineError
@@ -50,7 +50,7 @@ from kvreuse.server.serving import (
 
 router = APIRouter()
 
-POLICY = BreakpointPolicy()  # the write-up's priorities; 5m and 1h durations
+POLICY = DEFAULT_POLICY  # the write-up's priorities; 5m and 1h durations (a server flag: not yet)
 
 
 async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> MessagesPrompt:

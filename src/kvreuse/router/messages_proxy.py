@@ -1,0 +1,136 @@
+"""Forward an Anthropic Messages request (``/v1/messages``, ``/v1/messages/count_tokens``) to an executor.
+
+Routed as chat is (``kvreuse.router.proxy``): the body is rendered and hashed as the executor
+renders it (``kvreuse.api.anthropic_prompt``), so the KV policy sees the prompt's overlap with
+each executor, and its ``prompt_cache_key`` (an extension here) keeps to one executor
+(``kvreuse.router.affinity``); a request is retried on another executor while the client has
+received nothing (``kvreuse.router.upstream.send``), and a client that leaves first closes the
+upstream request. A stream is relayed event by event; one that breaks after its first byte
+is not continued on another executor (the OpenAI streams are, ``kvreuse.router.migration``): it
+ends with the events received whole and an Anthropic ``error`` event, which the official client
+raises. Errors the router answers itself are rewritten into Anthropic's shape by the app's
+``AnthropicErrorMiddleware``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvreuse.api.anthropic_errors import stream_error
+from kvreuse.api.connection import client_disconnected
+from kvreuse.router.deadline import Stalled
+from kvreuse.router.prompt_keys import RequestKeys
+from kvreuse.router.proxy import CLIENT_CLOSED, error
+from kvreuse.router.router import Router
+from kvreuse.router.sse import EventSplitter
+from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
+
+logger = logging.getLogger(__name__)
+
+# what an executor needs of the client's headers (x-api-key only when no Authorization replaces it)
+_FORWARD_HEADERS = ("content-type", "authorization", "accept", "anthropic-version", "anthropic-beta", "x-api-key")
+_MESSAGE_STOP, _ERROR = b"event: message_stop\n", b"event: error\n"
+
+
+def messages_keys(router: Router, body: object) -> RequestKeys:
+    """The prompt's block keys, as the executor computes them for a body without documents
+    (a documents prompt's blocks are keyed per document: it routes by load); no keys for a
+    body that does not parse, which the executor then answers."""
+    from kvreuse.api.anthropic_prompt import render_messages
+    from kvreuse.api.anthropic_protocol import CountTokensRequest
+    from kvreuse.api.cache_breakpoints import DEFAULT_POLICY
+    from kvreuse.api.errors import APIError
+
+    try:
+        prompt = render_messages(router.hasher.tokenizer, CountTokensRequest.model_validate(body), DEFAULT_POLICY)
+    except (ValueError, APIError):
+        return RequestKeys(0, [])
+    if prompt.documents is not None:
+        return RequestKeys(len(prompt.token_ids), [])
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    keys = router.hasher.keys(prompt.token_ids, salt if isinstance(salt, str) and salt else None)
+    return RequestKeys(len(prompt.token_ids), keys)
+
+
+async def forward_messages(
+    router: Router,
+    path: str,
+    raw: bytes,
+    headers: dict[str, str],
+    *,
+    request: Request,
+    body: object,
+    keys: RequestKeys,
+    affinity: str | None = None,
+) -> Response:
+    """The executor's response to ``raw`` at ``path``, or a 503 when none could take it."""
+    fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
+    if "authorization" in {k.lower() for k in fwd}:
+        fwd = {k: v for k, v in fwd.items() if k.lower() != "x-api-key"}
+    stream = isinstance(body, dict) and body.get("stream") is True
+    gone = asyncio.ensure_future(client_disconnected(request))
+    tried: list[str] = []
+    last_error, last_answer = "no healthy executor", None
+    try:
+        while True:
+            routed = router.decide(keys, exclude=tried, affinity_key=affinity)
+            if routed is None:
+                if last_answer is not None:
+                    return last_answer
+                return error(f"no executor could serve the request ({last_error}); tried {tried or 'none'}", 503)
+            executor = router.executors[routed.decision.choice]
+            blocks = router.prompt_blocks(keys)
+            executor.begin(blocks)
+            router.metrics.decision(routed.decision, routed.candidates)
+            try:
+                result = await send(
+                    router.client, executor, path, raw, fwd, blocks, gone, stream=stream, deadlines=router.deadlines
+                )
+            except ClientGone:
+                executor.end(blocks)
+                return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
+            except Retry as exc:
+                executor.end(blocks)
+                executor.failures += 1
+                tried.append(executor.name)
+                last_error, last_answer = str(exc), exc.response
+                router.num_retries += 1
+                router.metrics.retries.inc()
+                continue
+            if not isinstance(result, Upstream):
+                return result
+            headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
+            return StreamingResponse(_relay(router, result), status_code=result.status_code, headers=headers_out)
+    finally:
+        gone.cancel()
+
+
+async def _relay(router: Router, upstream: Upstream) -> AsyncIterator[bytes]:
+    """``upstream``'s whole events, untouched; if it breaks before ``message_stop``, an
+    Anthropic ``error`` event after them."""
+    splitter = EventSplitter()
+    done = False
+    try:
+        async for chunk in upstream.chunks():
+            events = splitter.feed(chunk)
+            if events:
+                done = done or any(e.startswith((_MESSAGE_STOP, _ERROR)) for e in events)  # the executor ended it
+                yield b"".join(events)
+        failure = None if done else "it closed the stream before message_stop"
+    except httpx.TransportError as exc:
+        failure = f"the connection broke ({type(exc).__name__})"
+        upstream.executor.mark_down(f"stream broke mid-response: {exc!r}")
+    except Stalled as exc:
+        failure = str(exc)
+    finally:
+        await upstream.close()
+    if failure is not None:
+        logger.warning("messages stream from %s cut mid-response: %s", upstream.executor.url, failure)
+        router.metrics.streams_cut.inc()
+        yield stream_error(f"the executor failed mid-stream: {failure}; the reply is incomplete").encode()
