@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvreuse.api.connection import client_disconnected  # the executor's own watcher
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response
+from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.deadline import Stalled
 from kvreuse.router.migration import MIGRATION_OFF, migrating_stream, stream_error_event
 from kvreuse.router.prompt_keys import RequestKeys
@@ -105,7 +106,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
     last_error = "no healthy executor"
     last_answer: Response | None = None  # the last executor's own error, when it answered one
     while True:
-        routed = router.decide(keys, exclude=tried)
+        routed = router.decide(keys, exclude=tried, affinity_key=prompt_cache_key(body))
         if routed is None:
             if last_answer is not None:
                 return last_answer  # every executor failed it: the client gets the executor's words

@@ -36,6 +36,7 @@ from kvreuse.router.executors import (
     Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
 )
 from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot
+from kvreuse.router.affinity import Affinity
 from kvreuse.router.index import KVIndex
 from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
@@ -80,6 +81,7 @@ class Router:
         self._feed_tasks: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self.num_retries = 0
+        self.affinity = Affinity()  # prompt_cache_key -> its executor (kvreuse.router.affinity)
         from kvreuse.router.metrics import RouterMetrics  # it reads this object's state
 
         self.metrics = RouterMetrics(self)
@@ -106,14 +108,18 @@ class Router:
                 for n in names]
 
     def decide(self, keys: RequestKeys, exclude: Collection[str] = (), *,
-               dry_run: bool = False) -> RoutedRequest | None:
+               dry_run: bool = False, affinity_key: str | None = None) -> RoutedRequest | None:
         """The policy's choice among healthy executors not in ``exclude``; ``None`` if none.
         ``dry_run`` (``/v1/route/explain``) leaves the policy and the tie-break random state
-        as they were, so it does not change what the next request gets."""
+        as they were, so it does not change what the next request gets. ``affinity_key`` (the
+        body's ``prompt_cache_key``) keeps to the key's executor within the load slack."""
         cands = self.candidates(keys, exclude)
         if not cands:
             return None
-        return RoutedRequest(keys, cands, choose(self.policy, cands, self.rng, dry_run=dry_run))
+        decision = choose(self.policy, cands, self.rng, dry_run=dry_run)
+        if affinity_key is not None:
+            decision = self.affinity.apply(affinity_key, cands, decision, dry_run=dry_run)
+        return RoutedRequest(keys, cands, decision)
 
     def prompt_blocks(self, keys: RequestKeys) -> int:
         return cdiv(keys.num_tokens, self.block_size)
