@@ -48,6 +48,7 @@ class StreamRequest:
         try:
             parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
             prompts = 1 if chat else len(parsed.prompts())  # type: ignore[union-attr]
+            parsed.num_logprobs()  # checks what validation leaves to it (top_logprobs without logprobs)
         except (ValidationError, ValueError, APIError):
             return cls(chat, body, None, 0)
         return cls(chat, body, parsed, prompts)
