@@ -84,12 +84,14 @@ def test_breakpoints_give_exact_ranges(tokenizer):
     )
     plan = render_messages(tokenizer, body, BreakpointPolicy()).plan
     s, u, a = _count(tokenizer, chat[:1]), _count(tokenizer, chat[:2]), _count(tokenizer, chat[:3])
-    assert plan.ranges == (R(0, s, 85, 3_600_000), R(s, u, 40, 300_000), R(u, a, 40, 300_000))
+    # the history turns up to the 5m breakpoint are one range: one priority, one ttl
+    assert plan.ranges == (R(0, s, 85, 3_600_000), R(s, a, 40, 300_000))
+    assert u < a
     # the top-level cache_control: the last message
     top = render_messages(
         tokenizer, _req(messages=chat[1:], cache_control={"type": "ephemeral"}), BreakpointPolicy()
     ).plan
-    assert top.ranges[-1].token_end == _count(tokenizer, chat[1:]) and top.ttls == ("5m",) * 3
+    assert top.ranges == (R(0, _count(tokenizer, chat[1:]), 40, 300_000),) and top.ttls == ("5m",)
 
 
 def test_documents_become_marked_messages(tokenizer):

@@ -28,7 +28,7 @@ from typing import Any
 from kvreuse.api.anthropic_protocol import CacheControl, ContentBlock, CountTokensRequest
 from kvreuse.api.body import check_text
 from kvreuse.api.cache_breakpoints import Breakpoint, BreakpointPolicy, CachePlan, Segment, check_breakpoints
-from kvreuse.api.chat_prompt import document_parts, message_boundaries, rendered_lead
+from kvreuse.api.chat_prompt import document_parts, message_boundaries, message_ends, rendered_lead
 from kvreuse.api.errors import APIError
 from kvreuse.engine.document_cache import DocumentPrompt
 
@@ -190,11 +190,42 @@ def render_messages(tokenizer: Any, body: CountTokensRequest, policy: Breakpoint
     flags = [t.kind == "document" for t in turns]
     if not breakpoints and not any(flags):
         return MessagesPrompt(token_ids, CachePlan())
-    bounds = message_boundaries(tokenizer, messages, len(token_ids), kwargs, text)
-    segments = [
-        Segment(frozenset({t.kind} | ({"tools"} if body.tools and index == 0 else set())), start, end)
-        for index, (t, (start, end)) in enumerate(zip(turns, bounds))
-    ]
-    plan = policy.plan(segments, breakpoints)
-    documents = document_parts(token_ids, bounds, flags, rendered_lead(tokenizer, token_ids)) if any(flags) else None
+    bounds = message_boundaries(tokenizer, messages, len(token_ids), kwargs, text) if any(flags) else None
+    plan = _plan(tokenizer, body, turns, breakpoints, policy, len(token_ids), kwargs, text, bounds)
+    documents = (
+        None if bounds is None else document_parts(token_ids, bounds, flags, rendered_lead(tokenizer, token_ids))
+    )
     return MessagesPrompt(token_ids, plan, documents)
+
+
+def _plan(
+    tokenizer: Any,
+    body: CountTokensRequest,
+    turns: list[_Turn],
+    breakpoints: list[Breakpoint],
+    policy: BreakpointPolicy,
+    num_tokens: int,
+    kwargs: dict[str, Any],
+    text: str,
+    bounds: list[tuple[int, int]] | None,
+) -> CachePlan:
+    """The cache plan over merged segments: consecutive turns of one class up to the last
+    breakpoint are one segment (the same priority and ttl either way), so only the ends of
+    segments are located, one prefix rendering each (``message_ends``), not every turn's.
+    ``bounds``: every turn's, when a documents prompt has computed them anyway."""
+    if not breakpoints:
+        return CachePlan()
+    kinds = [frozenset({t.kind} | ({"tools"} if body.tools and i == 0 else set())) for i, t in enumerate(turns)]
+    classes = [policy.priority(k) for k in kinds]
+    last = max(bp.segment for bp in breakpoints)
+    cuts = sorted({bp.segment for bp in breakpoints} | {i for i in range(last) if classes[i] != classes[i + 1]})
+    if bounds is not None:
+        ends = {i: bounds[i][1] for i in cuts}
+    else:
+        ends = message_ends(tokenizer, [t.message for t in turns], cuts, num_tokens, kwargs, text)
+    segments, start, first = [], 0, 0
+    for cut in cuts:
+        segments.append(Segment(frozenset().union(*kinds[first : cut + 1]), start, ends[cut]))
+        start, first = ends[cut], cut + 1
+    merged = [Breakpoint(cuts.index(bp.segment), bp.ttl, bp.param) for bp in breakpoints]
+    return policy.plan(segments, merged)

@@ -77,6 +77,26 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
     return bounds
 
 
+def message_ends(tokenizer: Any, messages: list[dict[str, Any]], indices: Sequence[int], num_tokens: int,
+                 template_kwargs: dict[str, Any], text: str | None = None) -> dict[int, int]:
+    """The token end of each message in ``indices`` (ascending), as ``message_boundaries``
+    gives it, computed for those messages only: one prefix rendered per index rather than per
+    message (a 200-turn conversation with one breakpoint renders 1 prefix, not 200)."""
+    spans = _token_spans(tokenizer, text) if text is not None else None
+    ends, floor = {}, 0
+    for i in indices:
+        end = None
+        if spans is not None and text is not None:
+            prefix = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False,
+                                  template_kwargs=template_kwargs)
+            end = _aligned_count(spans, text, prefix)
+        if end is None:
+            end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False,
+                              template_kwargs=template_kwargs))
+        floor = ends[i] = min(max(end, floor), num_tokens)
+    return ends
+
+
 def _token_spans(tokenizer: Any, text: str) -> tuple[list[int], list[int], list[bool]] | None:
     """``(starts, ends, marker)``: each token's character span in ``text`` (the prompt encoded as
     ``_render`` encodes it) and whether it is a special or added token, or ``None`` for a
