@@ -217,3 +217,56 @@ def test_stop_sequence_is_reported(client):
     ).json()
     assert r["stop_reason"] == "stop_sequence" and r["stop_sequence"] == stop
     assert text.startswith(r["content"][0]["text"] if r["content"] else "")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content: Input should be a valid list"),
+        ({"system": {"text": "x"}}, "system: Input should be a valid list"),
+        ({"max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+        ({"cache_control": "ephemeral"}, "cache_control: Input should be a valid dictionary"),
+        ({"messages": []}, "messages: List should have at least 1 item"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: Input should be 'user' or 'assistant'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
+            "messages[0].content[0]: input is required in a tool_use block",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "document", "source": {"type": "base64", "data": "x"}}]}
+                ]
+            },
+            "messages[0].content[0].source.type: Input should be 'text'",
+        ),
+        ({"stop_sequences": ["a"] * 5}, "stop_sequences: List should have at most 4 items"),
+        ({"stop_sequences": [""]}, "stop_sequences: each must be a non-empty string"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 600,
+                    }
+                ]
+            },
+            "messages[0].content[4].cache_control: a request may have at most 4 blocks with cache_control, got 600",
+        ),
+    ],
+)
+def test_hostile_input_gets_a_400_naming_the_field(client, fields, message):
+    r = client.post("/v1/messages", json=_body(**fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message), r.json()
+
+
+def test_a_body_over_the_limit_is_anthropics_413_and_nothing_else_is_disturbed(client):
+    huge = [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 100_000  # 10^5 breakpoints
+    r = client.post("/v1/messages", json=_body(messages=[{"role": "user", "content": huge}]))
+    assert r.status_code == 413
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": "request body exceeds the 65536-byte limit"},
+    }
+    assert client.post("/v1/messages", json=_body()).status_code == 200
