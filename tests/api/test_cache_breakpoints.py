@@ -99,3 +99,16 @@ def test_openai_prompt_cache_retention():
     }
     with pytest.raises(ValueError, match="^prompt_cache_retention: must be one of in_memory, 24h, got '1h'"):
         prompt_cache_retention_config("1h")
+
+
+def test_policy_from_the_server_flags():
+    policy = BreakpointPolicy.parse("system=88, history=21", "1h=7200")
+    assert dict(policy.priorities) == {"tools": 95, "system": 88, "document": 50, "history": 21}
+    assert dict(policy.durations_ms) == {"5m": 300_000, "1h": 7_200_000}
+    assert BreakpointPolicy.parse() == BreakpointPolicy()
+    with pytest.raises(ValueError, match=r"^--cache-control-priorities takes name=integer pairs .*'rag=50'"):
+        BreakpointPolicy.parse("rag=50")
+    with pytest.raises(ValueError, match=r"^--cache-control-ttls takes name=integer pairs .*'1h=x'"):
+        BreakpointPolicy.parse(None, "1h=x")
+    with pytest.raises(ValueError, match="tools must be an integer in"):
+        BreakpointPolicy.parse("tools=101")

@@ -48,7 +48,7 @@ def test_build_app_starts_nothing_and_the_owner_starts_the_engine(own_engine):
 def test_the_context_holds_exactly_what_the_routes_read(own_engine):
     ctx = build_context(own_engine, served_model_name=["tiny", "alias"])
     assert [f.name for f in dataclasses.fields(ServerContext)] == [
-        "engine", "metrics", "served_model_names", "limits", "instance_id", "events", "publisher",
+        "engine", "metrics", "served_model_names", "limits", "instance_id", "events", "publisher", "cache_policy",
     ]
     assert ctx.served_model_names == ("tiny", "alias")
     assert ctx.events is not None and ctx.events.buffer is own_engine.engine.events

@@ -98,3 +98,66 @@ def test_breakpoint_counters_on_metrics(tiny_llama):
     ):
         assert value("kvreuse:messages_prompt_tokens_total", kind=kind) == usage[0][key] + usage[1][key]
     assert usage[0]["cache_creation_input_tokens"] == head // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_a_servers_own_breakpoint_priorities(tiny_llama):
+    from fastapi.testclient import TestClient
+
+    from kvreuse.api.cache_breakpoints import BreakpointPolicy
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+    from kvreuse.server.api_server import build_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.02, block_size=BLOCK_SIZE), tiny_llama))
+    engine.start()
+    try:
+        policy = BreakpointPolicy.parse("system=70,history=60")
+        with TestClient(build_app(engine, served_model_name="tiny", cache_policy=policy)) as client:
+            prompt = words(80, 85)
+            body = {
+                "model": "tiny",
+                "max_tokens": 1,
+                "cache_control": {"type": "ephemeral"},
+                "messages": [{"role": "user", "content": prompt}],
+            }
+            assert client.post("/v1/messages", json=body).status_code == 200
+            tok = engine.tokenizer
+            end = len(
+                tok.encode(
+                    tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False),
+                    add_special_tokens=False,
+                )
+            )
+            n = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+            # one history range (the template's default system turn is its glue) at the server's 60
+            # a block takes its first token's range: those starting before `end` are at the server's 60
+            full, marked = n // BLOCK_SIZE, min(n // BLOCK_SIZE, (end + BLOCK_SIZE - 1) // BLOCK_SIZE)
+            assert _held(client) == {k: v for k, v in (("60", marked), ("35", full - marked)) if v}
+            assert marked >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_bad_priorities_flag_stops_the_server_before_the_model_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvreuse",
+            "serve",
+            "--model",
+            str(tmp_path / "none.gguf"),
+            "--cache-control-priorities",
+            "rag=50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert done.returncode == 2
+    assert "kvreuse serve: --cache-control-priorities takes name=integer pairs" in done.stderr

@@ -147,6 +147,31 @@ class BreakpointPolicy:
         ):
             raise ValueError(f"breakpoint durations: give a positive ms for each of {', '.join(TTLS)}")
 
+    @classmethod
+    def parse(cls, priorities: str | None = None, durations: str | None = None) -> BreakpointPolicy:
+        """From ``--cache-control-priorities tools=95,system=85`` and ``--cache-control-ttls
+        5m=300,1h=3600`` (seconds); what a spec leaves out keeps its default. Raises
+        ``ValueError`` naming the flag."""
+        found = {"--cache-control-priorities": dict(DEFAULT_PRIORITIES), "--cache-control-ttls": {}}
+        for flag, spec, names in (
+            ("--cache-control-priorities", priorities, KINDS),
+            ("--cache-control-ttls", durations, TTLS),
+        ):
+            for item in (spec or "").split(","):
+                name, sep, value = item.strip().partition("=")
+                if not item.strip():
+                    continue
+                if not sep or name not in names or not value.strip().isdigit():
+                    raise ValueError(
+                        f"{flag} takes name=integer pairs (names {', '.join(names)}), got {item.strip()!r}"
+                    )
+                found[flag][name] = int(value)
+        durations_ms = {**DEFAULT_DURATIONS_MS, **{k: v * 1000 for k, v in found["--cache-control-ttls"].items()}}
+        try:
+            return cls(found["--cache-control-priorities"], durations_ms)
+        except ValueError as exc:
+            raise ValueError(f"--cache-control-priorities / --cache-control-ttls: {exc}") from None
+
     def priority(self, kinds: frozenset[str]) -> int:
         """A segment's priority: the highest of the kinds it covers."""
         return max(self.priorities[k] for k in kinds)

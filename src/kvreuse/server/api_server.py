@@ -35,6 +35,7 @@ from kvreuse.server.metrics import ServerMetrics
 from kvreuse.api.limiter import TenantLimiter
 from kvreuse.api.tenants import APIKeys
 from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
+from kvreuse.api.cache_breakpoints import DEFAULT_POLICY, BreakpointPolicy
 from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def build_context(
     limits: ServerLimits = ServerLimits(),
     publisher: ZmqEventPublisher | None = None,
     limiter: TenantLimiter | None = None,
+    cache_policy: BreakpointPolicy = DEFAULT_POLICY,
 ) -> ServerContext:
     """The state of one app over ``engine``: a new metrics registry, a new ``instance_id``
     (a uuid: ``/health`` and ``/v1/kvreuse/info`` report it, so a router sees a restart
@@ -78,7 +80,7 @@ def build_context(
     names = _served_names(engine, served_model_name)
     events = engine_event_feed(engine)
     metrics = ServerMetrics(engine, names[0], event_buffer=None if events is None else events.buffer, limiter=limiter)
-    return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher)
+    return ServerContext(engine, metrics, names, limits, uuid.uuid4().hex, events, publisher, cache_policy)
 
 
 def build_app(
@@ -90,6 +92,7 @@ def build_app(
     publisher: ZmqEventPublisher | None = None,
     limiter: TenantLimiter | None = None,
     metrics_tenant_labels: bool = False,
+    cache_policy: BreakpointPolicy = DEFAULT_POLICY,
 ) -> FastAPI:
     """An app serving ``engine``; it starts nothing (the owner starts the engine before
     serving and shuts it down after). Requests naming a model other than the served names
@@ -98,14 +101,15 @@ def build_app(
     several: ``KEY`` for an admin, ``KEY:TENANT`` for a tenant, ``kvreuse.api.tenants``)
     guards ``/v1/*``, ``/openapi.json`` and the vLLM admin routes. ``limiter``: the
     per-tenant limits (``kvreuse.api.limiter``; it needs keys). With keys, ``/metrics`` names
-    tenants only to an admin key, unless ``metrics_tenant_labels`` (``--metrics-tenant-labels``).
+    tenants only to an admin key, unless ``metrics_tenant_labels`` (``--metrics-tenant-labels``). ``cache_policy``:
+    ``cache_control`` breakpoints -> retention on ``/v1/messages`` (``kvreuse.api.cache_breakpoints``).
     Raises ``ValueError`` for
     an empty served name, a bad key spec, or limits naming a tenant no key has."""
     keys = APIKeys.parse(api_key) if api_key else None
     if limiter is not None:
         limiter.limits.check_keys(keys)
     ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher,
-                        limiter=limiter)
+                        limiter=limiter, cache_policy=cache_policy)
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)

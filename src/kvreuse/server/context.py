@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from kvreuse.api.cache_breakpoints import DEFAULT_POLICY, BreakpointPolicy
 from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class ServerContext:
     instance_id: str  # new per app (per executor process): a router sees a restart by it
     events: EventFeed | None = None  # None: KV events are off
     publisher: ZmqEventPublisher | None = None  # the ZMQ publisher /v1/kvreuse/info advertises, if any
+    # cache_control breakpoints -> retention on /v1/messages (--cache-control-priorities / -ttls)
+    cache_policy: BreakpointPolicy = DEFAULT_POLICY
 
     @property
     def prompt_limit(self) -> int:

@@ -27,7 +27,6 @@ from starlette.concurrency import run_in_threadpool
 from kvreuse.api.anthropic_errors import stream_error
 from kvreuse.api.anthropic_prompt import MessagesPrompt, render_messages
 from kvreuse.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvreuse.api.cache_breakpoints import DEFAULT_POLICY
 from kvreuse.api.errors import APIError
 from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.engine.async_engine import EngineError
@@ -50,12 +49,10 @@ from kvreuse.server.serving import (
 
 router = APIRouter()
 
-POLICY = DEFAULT_POLICY  # the write-up's priorities; 5m and 1h durations (a server flag: not yet)
-
 
 async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> MessagesPrompt:
     # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
-    return await run_in_threadpool(render_messages, ctx.engine.tokenizer, body, POLICY)
+    return await run_in_threadpool(render_messages, ctx.engine.tokenizer, body, ctx.cache_policy)
 
 
 def _sampling(body: MessagesRequest) -> SamplingParams:
