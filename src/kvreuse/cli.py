@@ -104,6 +104,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: the model's)")
+    p.add_argument("--cache-control-priorities", default=None, metavar="KIND=P,...",
+                   help="retention priority of what a cache_control breakpoint covers on /v1/messages (kinds tools, "
+                        "system, document, history; default tools=95,system=85,document=50,history=40)")
+    p.add_argument("--cache-control-ttls", default=None, metavar="TTL=SECONDS,...",
+                   help="how long a breakpoint's priority holds, per ttl (default 5m=300,1h=3600)")
     # 8 MiB: kvreuse.api.middleware.DEFAULT_MAX_BODY_BYTES (not imported: the CLI imports lazily)
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies get a 413")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context length")
@@ -252,6 +257,9 @@ def run_serve(args: argparse.Namespace) -> int:
         zmq_options.check_arguments(args)
         config = _engine_config(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens)
+        from kvreuse.api.cache_breakpoints import BreakpointPolicy
+
+        cache_policy = BreakpointPolicy.parse(args.cache_control_priorities, args.cache_control_ttls)
         limiter = None
         if (tenant_limits := limits_from_args(args)) is not None:  # before the model loads: fail at once
             from kvreuse.api.limiter import TenantLimiter
@@ -274,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 args, buffer, lambda: engine.kv_snapshot_blocking(timeout=30))
         app = build_app(engine, api_key=args.api_key, served_model_name=args.served_model_name, limits=limits,
                         publisher=publisher, limiter=limiter,  # /v1/kvreuse/info advertises the publisher
-                        metrics_tenant_labels=args.metrics_tenant_labels)
+                        metrics_tenant_labels=args.metrics_tenant_labels, cache_policy=cache_policy)
     except ValueError as exc:
         if publisher is not None:
             publisher.close()
