@@ -270,3 +270,46 @@ def test_a_body_over_the_limit_is_anthropics_413_and_nothing_else_is_disturbed(c
         "error": {"type": "request_too_large", "message": "request body exceeds the 65536-byte limit"},
     }
     assert client.post("/v1/messages", json=_body()).status_code == 200
+
+
+def test_a_failure_mid_stream_is_an_error_event_after_what_was_sent():
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvreuse.api.anthropic_prompt import MessagesPrompt
+    from kvreuse.api.cache_breakpoints import CachePlan
+    from kvreuse.engine.async_engine import EngineError
+    from kvreuse.engine.outputs import RequestOutput
+    from kvreuse.server.messages_routes import _stream
+
+    first = RequestOutput("m", [1] * 20, [7], [7], "Hi", "Hi", False, None, 20, 16, 0.01)
+
+    class Streams:
+        closed = False
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            yield 0, first
+            raise EngineError("the engine failed: boom")
+
+        async def aclose(self):
+            Streams.closed = True
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=None, block_size=16), metrics=None)
+
+    async def collect():
+        return [e async for e in _stream(ctx, Streams(), MessagesPrompt([1] * 20, CachePlan()), "msg_1", "tiny", ())]
+
+    events = _events("".join(asyncio.run(collect())))
+    assert [n for n, _ in events] == ["message_start", "content_block_start", "ping", "content_block_delta", "error"]
+    assert events[0][1]["message"]["usage"] == {
+        "input_tokens": 4,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 16,
+        "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+        "output_tokens": 1,
+    }
+    assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "the engine failed: boom"}}
+    assert Streams.closed
