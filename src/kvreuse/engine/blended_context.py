@@ -27,13 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.engine.blend import Blend
 from kvreuse.engine.context import ContextSource, HeldKV
+
+if TYPE_CHECKING:
+    from kvreuse.cache.block_pool import BlockPool
 
 
 class SegmentedSource(ContextSource, Protocol):
@@ -54,7 +57,8 @@ class SegmentedSource(ContextSource, Protocol):
 class BlendMechanics(Protocol):
     """What blend needs from the model (``engine.blend_pass.BlendPass``)."""
 
-    block_size: int
+    @property
+    def block_size(self) -> int: ...
 
     def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
                        layer: int = ..., shifts: np.ndarray | None = ...) -> np.ndarray: ...
@@ -65,7 +69,8 @@ class BlendMechanics(Protocol):
 class BlockSource(Protocol):
     """Private blocks (``KVCacheManager``): ``pool.can_allocate``, ``allocate``, ``pool.release``."""
 
-    pool: object
+    @property
+    def pool(self) -> BlockPool: ...
 
     def allocate(self, n: int) -> list[KVBlock]: ...
 
@@ -150,7 +155,7 @@ class BlendedSource:
         return blended
 
     def release(self, held: HeldKV) -> None:
-        self.kv.pool.release(reversed(tuple(held.blocks)))  # type: ignore[attr-defined]
+        self.kv.pool.release(reversed(tuple(held.blocks)))
 
     def _blend(self, held: HeldKV) -> BlendedKV | None:
         """The blended KV holding what ``held`` held plus the private blocks, or ``None``
@@ -185,7 +190,7 @@ class BlendedSource:
         # of their own, packed, and their keys point there (computed at their positions: shift 0).
         pool = self.kv.pool
         num_private = cdiv(len(chosen), self.passes.block_size)
-        if not pool.can_allocate(num_private):  # type: ignore[attr-defined]
+        if not pool.can_allocate(num_private):
             return None
         private = self.kv.allocate(num_private)
         slots = slots.copy()
@@ -197,7 +202,7 @@ class BlendedSource:
         try:
             self.passes.recompute(token_ids.tolist(), positions.tolist(), slots.tolist(), chosen, shifts=shifts)
         except BaseException:
-            pool.release(reversed(private))  # type: ignore[attr-defined]
+            pool.release(reversed(private))
             raise
         return BlendedKV(blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
                           by_level, shifts)
