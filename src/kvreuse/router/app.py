@@ -60,7 +60,7 @@ from kvreuse.api.middleware import (
 )
 from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
 from kvreuse.router.affinity import prompt_cache_key
-from kvreuse.router.messages_proxy import forward_messages, messages_keys
+from kvreuse.router.messages_proxy import MessagesUsage, forward_messages, messages_cost, messages_keys
 from kvreuse.router.openapi import install_openapi
 from kvreuse.server import docs_routes
 from kvreuse.router.proxy import error, forward
@@ -141,8 +141,13 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
         except APIError as exc:
             return exc.response()  # in Anthropic's shape (AnthropicErrorMiddleware)
         keys = await asyncio.to_thread(messages_keys, router, body)
+        lease, usage = lease_of(request.scope), None
+        if lease is not None and lease.limits_tokens and path == "/v1/messages":
+            if (cost := messages_cost(body, keys)) is not None:
+                lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
+                usage = MessagesUsage(lease)
         return await forward_messages(router, path, raw, upstream_headers(request), request=request, body=body,
-                                      keys=keys, affinity=prompt_cache_key(body))
+                                      keys=keys, affinity=prompt_cache_key(body), usage=usage)
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:

@@ -15,6 +15,7 @@ raises. Errors the router answers itself are rewritten into Anthropic's shape by
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -24,11 +25,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvreuse.api.anthropic_errors import stream_error
 from kvreuse.api.connection import client_disconnected
+from kvreuse.api.limiter import Lease
 from kvreuse.router.deadline import Stalled
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.proxy import CLIENT_CLOSED, error
 from kvreuse.router.router import Router
-from kvreuse.router.sse import EventSplitter
+from kvreuse.router.sse import SSE_SEPARATOR, EventSplitter
 from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 # what an executor needs of the client's headers (x-api-key only when no Authorization replaces it)
 _FORWARD_HEADERS = ("content-type", "authorization", "accept", "anthropic-version", "anthropic-beta", "x-api-key")
 _MESSAGE_STOP, _ERROR = b"event: message_stop\n", b"event: error\n"
+_MESSAGE_DELTA = b"event: message_delta\n"
 
 
 def messages_keys(router: Router, body: object) -> RequestKeys:
@@ -58,6 +61,56 @@ def messages_keys(router: Router, body: object) -> RequestKeys:
     return RequestKeys(len(prompt.token_ids), keys)
 
 
+def messages_cost(body: object, keys: RequestKeys) -> tuple[int, int] | None:
+    """``(prompt tokens, completion tokens)`` a Messages request may use at most (its prompt
+    and ``max_tokens``), or ``None`` when the executor would not run it (it answers that)."""
+    max_tokens = body.get("max_tokens") if isinstance(body, dict) else None
+    if keys.num_tokens == 0 or not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return None
+    return keys.num_tokens, max_tokens
+
+
+def _used(usage: object) -> int | None:
+    """A Messages ``usage``'s whole: its prompt (input, cache reads and writes) and output."""
+    if not isinstance(usage, dict):
+        return None
+    keys = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens")
+    counts = [usage.get(k) for k in keys]
+    return sum(c for c in counts if isinstance(c, int)) if all(isinstance(c, int) for c in counts) else None
+
+
+class MessagesUsage:
+    """Records the usage of one proxied Messages response on a tenant's lease (its tokens per
+    minute): a 200's body, or a stream's ``message_delta`` event; a 4xx used nothing."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def response(self, status: int, content: bytes) -> None:
+        if status == 200:
+            try:
+                used = _used(json.loads(content).get("usage"))
+            except (ValueError, AttributeError):
+                return
+            if used is not None:
+                self.lease.record(used)
+        elif 400 <= status < 500:
+            self.lease.record(0)
+
+    def events(self, data: bytes) -> bytes:
+        """Whole events, passed on unchanged, having read the ``message_delta``'s usage."""
+        for event in data.split(SSE_SEPARATOR):
+            if event.startswith(_MESSAGE_DELTA):
+                _, _, line = event.partition(b"\ndata: ")
+                try:
+                    used = _used(json.loads(line).get("usage"))
+                except (ValueError, AttributeError):
+                    continue
+                if used is not None:
+                    self.lease.record(used)
+        return data
+
+
 async def forward_messages(
     router: Router,
     path: str,
@@ -68,8 +121,10 @@ async def forward_messages(
     body: object,
     keys: RequestKeys,
     affinity: str | None = None,
+    usage: MessagesUsage | None = None,
 ) -> Response:
-    """The executor's response to ``raw`` at ``path``, or a 503 when none could take it."""
+    """The executor's response to ``raw`` at ``path``, or a 503 when none could take it.
+    ``usage`` records what it used on the tenant's lease."""
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     if "authorization" in {k.lower() for k in fwd}:
         fwd = {k: v for k, v in fwd.items() if k.lower() != "x-api-key"}
@@ -104,16 +159,18 @@ async def forward_messages(
                 router.metrics.retries.inc()
                 continue
             if not isinstance(result, Upstream):
+                if usage is not None:
+                    usage.response(result.status_code, bytes(result.body))
                 return result
             headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
-            return StreamingResponse(_relay(router, result), status_code=result.status_code, headers=headers_out)
+            return StreamingResponse(_relay(router, result, usage), status_code=result.status_code, headers=headers_out)
     finally:
         gone.cancel()
 
 
-async def _relay(router: Router, upstream: Upstream) -> AsyncIterator[bytes]:
-    """``upstream``'s whole events, untouched; if it breaks before ``message_stop``, an
-    Anthropic ``error`` event after them."""
+async def _relay(router: Router, upstream: Upstream, usage: MessagesUsage | None) -> AsyncIterator[bytes]:
+    """``upstream``'s whole events, untouched (``usage`` reads them); if it breaks before
+    ``message_stop``, an Anthropic ``error`` event after them."""
     splitter = EventSplitter()
     done = False
     try:
@@ -121,7 +178,8 @@ async def _relay(router: Router, upstream: Upstream) -> AsyncIterator[bytes]:
             events = splitter.feed(chunk)
             if events:
                 done = done or any(e.startswith((_MESSAGE_STOP, _ERROR)) for e in events)  # the executor ended it
-                yield b"".join(events)
+                data = b"".join(events)
+                yield data if usage is None else usage.events(data)
         failure = None if done else "it closed the stream before message_stop"
     except httpx.TransportError as exc:
         failure = f"the connection broke ({type(exc).__name__})"
