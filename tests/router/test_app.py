@@ -1,5 +1,6 @@
-"""The router's open ``/health`` says whether each executor is healthy and never where it is;
-``/v1/route/executors`` names them, behind the key (an admin key's, when there are tenants)."""
+"""The router app's own routes: the open ``/health`` says whether each executor is healthy
+and never where it is; ``/v1/route/executors`` names them, behind the key (an admin key's,
+when there are tenants). (Routing: test_proxy.py; the OpenAPI description: test_openapi.py.)"""
 
 from __future__ import annotations
 

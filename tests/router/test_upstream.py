@@ -1,8 +1,9 @@
-"""What an executor fails for reasons other than the request is retried or continued
-elsewhere; what the request caused goes straight to the client. Every executor is the one
-real executor app (tiny random Llama, test_migration.py's), reached over a transport that
-makes chosen responses fail: a stream that stalls after some events (a hung executor), a
-stream whose executor sends an engine error event, a 500 or a 400 before any byte."""
+"""``upstream.executor_fault``: what an executor fails for reasons other than the request
+(and a stream that stalls: ``deadline``) is retried or continued elsewhere; what the
+request caused goes straight to the client. Every executor is the one real executor app
+(tiny random Llama, test_migration.py's), reached over a transport that makes chosen
+responses fail: a stream that stalls after some events (a hung executor), a stream whose
+executor sends an engine error event, a 500 or a 400 before any byte."""
 
 from __future__ import annotations
 
