@@ -9,18 +9,17 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
-from typing import Any
+from collections.abc import Mapping, Sequence as Seq
+from typing import Any, cast
 
 from kvreuse.cache.retention import KvCacheRetentionConfig, as_retention
+from kvreuse.engine.blend import Blend, BlendOverride
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo
 from kvreuse.pml.prepared import is_pml_prompt
-from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.engine.blend import Blend, BlendOverride
 
 PromptType = str | list[int] | DocumentPrompt
 
@@ -44,7 +43,7 @@ class LLM:
         *,
         cache_salt: str | None = None,
         retention: KvCacheRetentionConfig | Mapping[str, Any] | None = None,
-        blend: "Blend | Mapping[str, Any] | None" = None,
+        blend: Blend | Mapping[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched; results in prompt order.
@@ -61,7 +60,8 @@ class LLM:
         retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling
         params whose length differs from the prompts'."""
         if isinstance(prompts, (str, DocumentPrompt)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [cast("PromptType", prompts)]  # one prompt (a token-id list is one, too)
+        prompts = cast("Seq[PromptType]", prompts)  # the checks above: a sequence of prompts by now
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
@@ -71,7 +71,7 @@ class LLM:
             per_prompt = [sampling_params or SamplingParams()] * len(prompts)
         config = as_retention(retention)  # the engine takes the typed config
         override: BlendOverride | None = None  # blend, parsed once at the first prompt that has seams
-        ids = []
+        ids: list[str] = []
         for prompt, params in zip(prompts, per_prompt):
             rid = f"llm-{next(self._ids)}"
             try:
@@ -133,7 +133,7 @@ class LLM:
 
         try:
             rendered = render_chat(self.tokenizer, [ChatMessage(**m) for m in messages])
-        except Exception as exc:  # APIError, pydantic's ValidationError: the caller's messages
+        except Exception as exc:  # noqa: BLE001 - APIError, pydantic's ValidationError: the caller's messages
             raise ValueError(str(exc)) from None
         return rendered.documents if rendered.documents is not None else rendered.token_ids
 
