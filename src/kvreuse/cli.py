@@ -15,6 +15,10 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports torch and the model code only when a command runs
+    from kvreuse.models.loader import LoadedModel
 
 logger = logging.getLogger("kvreuse")
 
@@ -151,7 +155,7 @@ _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DEFAULT_EVENT_BUFFER = 100_000  # when an endpoint is given without --event-buffer-max-size
 
 
-def _load_model(spec: str, dtype: str, device: str, quantization: str = "none"):
+def _load_model(spec: str, dtype: str, device: str, quantization: str = "none") -> LoadedModel:
     """A ``LoadedModel``; ``tiny:<arch>`` builds the random-weight test model.
     Raises ``ValueError`` for an unknown spec, dtype or device."""
     if spec.startswith(TINY_PREFIX):
@@ -228,6 +232,7 @@ def _off_main_thread(build):
         # (a GGUF conversion removes its temporary folder). Not a second join(): an interrupted
         # join has already marked the thread stopped (Python 3.11), so it would return at once.
         # A second Ctrl-C leaves at once.
+        assert thread.ident is not None  # started above
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
         done.wait()
         raise
@@ -240,16 +245,15 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, build the engine, the publisher (with ``--kv-events-endpoint``) and
     the app, start the engine and the publisher, serve until interrupted, then close both.
     Returns the exit status (2 for a bad flag or model)."""
-    from kvreuse.api.access_log import uvicorn_server
-    from kvreuse.api.tenant_limits import limits_from_args
     from rich.console import Console
 
+    from kvreuse.api.access_log import uvicorn_server
+    from kvreuse.api.tenant_limits import limits_from_args
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import LLMEngine
+    from kvreuse.events import zmq_options
     from kvreuse.server.api_server import build_app
     from kvreuse.server.context import ServerLimits
-
-    from kvreuse.events import zmq_options
 
     console = Console(stderr=True, soft_wrap=True)  # no wrapping: log lines stay greppable
     buffer = publisher = None
@@ -276,7 +280,7 @@ def run_serve(args: argparse.Namespace) -> int:
             buffer = EventBuffer(buffer_size)
         with console.status("allocating the KV pool ..."):
             engine = AsyncEngine(_off_main_thread(lambda: LLMEngine(config, loaded, events=buffer)))
-        if args.kv_events_endpoint:
+        if args.kv_events_endpoint and buffer is not None:  # an endpoint always has a buffer (size above)
             # The snapshot runs in the engine thread, so it sees the pool between steps.
             publisher = zmq_options.publisher_from_args(
                 args, buffer, lambda: engine.kv_snapshot_blocking(timeout=30))
@@ -291,7 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
     names = ", ".join(app.state.ctx.served_model_names)
     from kvreuse.models.loader import dtype_name
 
-    quant = getattr(getattr(loaded, "quantization", None), "value", "none")
+    quant = loaded.quantization.value
     console.print(f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
                   f"{dtype_name(loaded.dtype)}" + ("" if quant == "none" else f", {quant} weights")
                   + f", context {engine.max_model_len} tokens, served as {names}")
