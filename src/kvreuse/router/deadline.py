@@ -75,9 +75,10 @@ DEFAULT_DEADLINES = Deadlines()
 
 class ReadClock:
     """The deadlines of the reads from ``executor``, one at a time, each awaited in its
-    caller's task (``read``). One timer per clock, re-armed only when it fires before the
-    current read's end, so a stream's chunk costs a clock reading, not a timer or a task;
-    ``executor.mark_down`` brings it forward. ``close`` when done."""
+    caller's task (``read``) under its own ``anyio.CancelScope``. One timer per clock,
+    re-armed only when it fires before the current read's end, so a stream's chunk costs a
+    cancel scope, not a timer or a task; ``executor.mark_down`` brings it forward. ``close``
+    when done."""
 
     def __init__(
         self, executor: Executor, *, limit_s: float | None, setting: str, grace_s: float = DOWN_GRACE_S
