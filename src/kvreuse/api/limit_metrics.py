@@ -40,10 +40,10 @@ class LimiterCollector(Collector):
         charged = CounterMetricFamily(f"{p}tenant_tokens_charged",
                                       "Tokens charged to a tenant's tokens per minute (settled at each request's end).",
                                       labels=["tenant"])
-        for tenant in limiter.tenants():
-            in_flight.add_metric([tenant_label(tenant)], limiter.in_flight(tenant))
-            if limiter.limits.of(tenant).tokens_per_minute is not None:
-                charged.add_metric([tenant_label(tenant)], limiter.tokens_charged(tenant))
+        for name in limiter.tenants():  # None: the admin key
+            in_flight.add_metric([tenant_label(name)], limiter.in_flight(name))
+            if limiter.limits.of(name).tokens_per_minute is not None:
+                charged.add_metric([tenant_label(name)], limiter.tokens_charged(name))
         yield in_flight
         yield charged
 

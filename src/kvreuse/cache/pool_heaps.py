@@ -55,7 +55,8 @@ class ExpiryHeap:
 
     def push(self, block: KVBlock) -> None:
         """Enter ``block``'s ``expires_at`` (not None) at its current version."""
-        heapq.heappush(self._entries, (block.expires_at, block.version, block.block_id))  # type: ignore[arg-type]
+        assert block.expires_at is not None  # the caller's contract (above)
+        heapq.heappush(self._entries, (block.expires_at, block.version, block.block_id))
 
     def next_expiry(self) -> float | None:
         """Clock time of the earliest entry, or None."""

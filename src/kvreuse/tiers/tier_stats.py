@@ -7,7 +7,7 @@ tiers themselves are built by ``engine/engine_builder.py``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL
 
@@ -34,8 +34,8 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
         "blocks_stored": s.offloaded_blocks, "blocks_removed": s.offloaded_blocks - pool.num_cached_blocks,
         "blocks_held": pool.num_cached_blocks,
     }}
-    below = host.below
-    if below is not None:
+    if host.below is not None:
+        below = cast("PersistentTiers", host.below)  # what engine_builder puts under the host tier
         for level, counters in store_stats(below).items():
             ledger = host.ledgers[level]
             out[level] = counters | {"blocks_stored": ledger.num_stored, "blocks_removed": ledger.num_removed,
