@@ -228,3 +228,37 @@ def test_shutdown_finishes_the_queued_writes(tiny_llama, tmp_path):
     engine.shutdown()
     assert disk.stats()["puts"] == 15
     assert len(list(tmp_path.rglob("*.kvb"))) == 15
+
+
+def test_a_request_the_step_fails_alone_gets_engine_error_and_the_others_finish(tiny_llama):
+    """``--debug-step-fault``: the marked request's caller gets ``EngineError`` mid-stream;
+    the callers beside it get the tokens an undisturbed run gives them."""
+    from kvreuse.engine.async_engine import EngineError
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = {f"ok-{i}": list(range(200 + 40 * i, 230 + 40 * i)) for i in range(3)}
+
+    async def run(engine, with_bad):
+        tasks = {rid: asyncio.ensure_future(_collect(engine, rid, prompt, params)) for rid, prompt in prompts.items()}
+        if with_bad:
+            tasks["bad-1"] = asyncio.ensure_future(_collect(engine, "bad-1", range(400, 440), params))
+        await asyncio.wait(tasks.values())
+        return {rid: task.exception() or [o.output_token_ids for o in task.result()][-1] for rid, task in tasks.items()}
+
+    engines = [AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE,
+                                                  max_model_len=MAX_MODEL_LEN, debug_step_faults=faults), tiny_llama))
+               for faults in ((), ("forward:bad-@3",))]
+    try:
+        for engine in engines:
+            engine.start()
+        undisturbed, disturbed = asyncio.run(run(engines[0], False)), asyncio.run(run(engines[1], True))
+        failure = disturbed.pop("bad-1")
+        assert isinstance(failure, EngineError)
+        assert str(failure) == "internal engine error: InjectedFault: injected forward fault (request bad-1)"
+        assert disturbed == undisturbed and all(len(tokens) == 16 for tokens in disturbed.values())
+        stats = asyncio.run(engines[1].call(lambda e: e.stats()))
+        assert (stats.num_used_blocks, stats.num_running) == (0, 0)
+        asyncio.run(engines[1].check_integrity())
+    finally:
+        for engine in engines:
+            engine.shutdown()

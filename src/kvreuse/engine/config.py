@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvreuse.engine.blend import Blend
+from kvreuse.engine.step_faults import StepFaults
 from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
 
@@ -57,6 +58,8 @@ class EngineConfig:
     # batch-invariant kernels: a temperature-0 answer is the same on a prefix-cache miss or hit,
     # alone or batched, with or without speculation (docs/deterministic.md; costs prefill and decode speed)
     deterministic: bool = False
+    # test-only: "STAGE:REQUEST_ID_PREFIX" step failures to inject (engine/step_faults.py); never in serving
+    debug_step_faults: tuple[str, ...] = ()
 
     @property
     def blend(self) -> Blend:
@@ -105,6 +108,7 @@ class EngineConfig:
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError("--speculative-ngram-min must be >= 1 and <= --speculative-ngram-max, got "
                              f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")
+        StepFaults.parse(self.debug_step_faults)  # raises naming --debug-step-fault
         if not 0 <= self.host_offload_min_priority <= 101:
             raise ValueError(
                 f"--host-offload-min-priority must be in [0, 101] (101: never), got {self.host_offload_min_priority}"

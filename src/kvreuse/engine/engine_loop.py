@@ -11,9 +11,11 @@ retention, store changes, stats, an integrity check that logs loudly on failure)
 on an event until a command arrives or the next retention expiry.
 
 Failure containment: a ``ValueError`` from ``add_request`` reaches only that caller (as
-``ValueError``); any other exception while adding or delivering fails only that request;
-an exception from ``step()`` fails every in-flight request with ``EngineError`` and aborts
-them so their blocks return to the pool. The loop itself keeps running.
+``ValueError``); any other exception while adding or delivering fails only that request; a
+request the step failed alone (an output with ``error``: ``LLMEngine.step``) gets
+``EngineError`` with that message, and only it; an exception from ``step()`` itself (no one
+request's doing) fails every in-flight request with ``EngineError`` and aborts them so their
+blocks return to the pool. The loop itself keeps running.
 """
 
 from __future__ import annotations
@@ -206,6 +208,10 @@ class EngineLoop:
                 continue  # aborted while this step ran; the engine has already been told
             if output.finished:
                 del self._streams[output.request_id]
+            if output.error is not None:  # this request alone failed; the engine has freed it
+                logger.error("request %s failed in an engine step: %s", output.request_id, output.error)
+                self._deliver(stream, EngineError(f"internal engine error: {output.error}"))
+                continue
             if not self._deliver(stream, output) and not output.finished:
                 self._abort(Abort(output.request_id, stream))
         self.engine.precompute_slice()  # schemas registering: a slice between two steps

@@ -20,6 +20,7 @@ from kvreuse.engine.config import EngineConfig  # re-exported: callers import it
 from kvreuse.engine.context import reacquire_head, release_behind_head
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.engine_builder import build_engine
+from kvreuse.engine.forward_isolation import isolate
 from kvreuse.engine.introspection import check_engine_integrity, engine_stats
 from kvreuse.engine.model_runner import SeqChunk
 from kvreuse.engine.output_processor import OutputProcessor
@@ -31,9 +32,13 @@ from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.schema_service import SchemaService
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.spec_decode import SpecState, draft_for
+from kvreuse.engine.step_faults import StepFaults
 
 if TYPE_CHECKING:
+    import torch
+
     from kvreuse.cache.kv_cache_manager import RetentionFn
+    from kvreuse.engine.scheduler import ScheduledChunk
     from kvreuse.events.buffer import EventBuffer
     from kvreuse.events.records import KVSnapshot
     from kvreuse.models.loader import LoadedModel
@@ -72,8 +77,9 @@ class LLMEngine:
         self.intake = PromptIntake(config, parts.modules, parts.documents, parts.runner, parts.blend_pass, self.kv,
                                    tokenizer=self.tokenizer, vocab_size=parts.loaded.shape.vocab_size,
                                    max_model_len=self.max_model_len)
+        self.faults = StepFaults.parse(config.debug_step_faults)  # test-only (engine/step_faults.py)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.kv, self._finish,
-                                       by_tier=parts.cache.host is not None)
+                                       by_tier=parts.cache.host is not None, faults=self.faults)
         self._requests: dict[str, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
@@ -180,8 +186,16 @@ class LLMEngine:
         waiting request re-acquires a released context, finished document prompts get their
         moved copy, and speculating requests get drafts. When nothing can be admitted and
         nothing runs, contexts held by requests further back are let go once (deadlock
-        breaking). Returns ``[]`` when nothing was scheduled. An exception leaves the requests
-        in the plan in an undefined state: the caller aborts them (``AsyncEngine`` does)."""
+        breaking). Returns ``[]`` when nothing was scheduled.
+
+        A failure one request causes costs only that request: a forward that raises is retried
+        split until the failing chunks are found (``engine/forward_isolation.py``), and a
+        request whose post-processing raises is dropped from the step (``OutputProcessor``);
+        each such request ends with an output with ``finish_reason="error"`` and ``error`` set
+        (listed first), its blocks freed, and the others' outputs are those of a step without
+        it. An exception that no single request explains (every chunk's forward fails alone,
+        scheduling, the stores, the pool) is raised and leaves the requests in the plan in an
+        undefined state: the caller aborts them all (``AsyncEngine`` does)."""
         self.cache.sync_stores()
         reacquire_head(self.scheduler.waiting)
         self.documents.move_framed(self.scheduler.running)
@@ -195,8 +209,19 @@ class LLMEngine:
         if not plan:
             return []
         chunks = [self._chunk(item.seq, item.num_new_tokens, item.num_draft_tokens) for item in plan]
-        logits = self.runner.execute(chunks)  # [num_rows, vocab]: 1 per sampling chunk, 1 + draft per verified draft
-        return self.outputs.process(plan, chunks, logits)
+        ran = isolate(self._forward, plan, chunks)
+        failed = [self.outputs.fail(item.seq, exc) for item, exc in ran.failed]
+        if not ran.plan:
+            return failed
+        return failed + self.outputs.process(ran.plan, ran.chunks, ran.all_logits())
+
+    def _forward(self, plan: list[ScheduledChunk], chunks: list[SeqChunk]) -> torch.Tensor:
+        """``runner.execute(chunks)``: ``[num_rows, vocab]``, 1 row per sampling chunk, 1 + draft
+        per verified draft. Commits nothing (a failed forward is retried split)."""
+        logits = self.runner.execute(chunks)
+        # test-only (engine/step_faults.py): raises when asked to
+        self.faults.check_forward((item.seq.request_id, len(item.seq.output_token_ids)) for item in plan)
+        return logits
 
     def _finish(self, seq: Sequence) -> None:
         """A request ended (the output processor saw its stop): free it."""

@@ -16,7 +16,7 @@ class RequestOutput:
     text: str  # cumulative, stop strings cut
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (then ``error`` says why)
     num_prompt_tokens: int
     num_cached_tokens: int
     ttft_s: float | None
@@ -33,6 +33,10 @@ class RequestOutput:
     # (0 and 0 when it does not speculate); accepted tokens cost no forward of their own.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Set (with finished=True, finish_reason="error") when this request alone failed in a step
+    # (its forward or post-processing raised; engine/forward_isolation.py): "<ExceptionType>: message".
+    # AsyncEngine hands it to this request's caller as EngineError; the other requests go on.
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
