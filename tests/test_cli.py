@@ -69,6 +69,15 @@ def test_serve_deterministic_flag_sets_the_engine_field():
     assert _engine_config(_serve_args()).deterministic is False
 
 
+def test_serve_debug_step_fault_flags_reach_the_engine_config():
+    args = build_parser().parse_args(["serve", "--debug-step-fault", "forward:fault-", "--debug-step-fault",
+                                      "sample:cut-@20"])
+    assert _engine_config(args).debug_step_faults == ("forward:fault-", "sample:cut-@20")
+    assert _engine_config(_serve_args()).debug_step_faults == ()
+    with pytest.raises(ValueError, match="--debug-step-fault must be"):
+        _engine_config(build_parser().parse_args(["serve", "--debug-step-fault", "decode:x"]))
+
+
 def test_precompute_without_flags_configures_the_default_engine():
     assert schema_cli._engine_config(_precompute_args()) == EngineConfig()
 

@@ -148,6 +148,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"{flag}-last-tokens", type=int, default=getattr(C, f"{field}_last_tokens"),
                        help=f"{what}: trailing tokens of each {unit} (right before a seam) recomputed "
                             f"(default: {getattr(C, f'{field}_last_tokens')}; all three 0: off)")
+    p.add_argument("--debug-step-fault", dest="debug_step_faults", action="append", default=[],
+                   metavar="STAGE:PREFIX[@N]",
+                   help="TEST ONLY, never on a server that serves clients: fail the engine step of every request "
+                        "whose id starts with PREFIX (the body's request_id) once it has N tokens, at STAGE "
+                        "forward|sample (engine/step_faults.py); only that request errors")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -187,7 +192,8 @@ def _engine_config(args: argparse.Namespace):
         disk_cache_size_gib=args.disk_cache_size, disk_cache_ttl_s=args.disk_cache_ttl, remote_cache=args.remote_cache,
         tier_write_through_min_priority=args.tier_write_through_min_priority,
         speculative_tokens=args.speculative_tokens, speculative_ngram_max=args.speculative_ngram,
-        speculative_ngram_min=args.speculative_ngram_min, deterministic=args.deterministic, **extra,
+        speculative_ngram_min=args.speculative_ngram_min, deterministic=args.deterministic,
+        debug_step_faults=tuple(args.debug_step_faults), **extra,
     )
 
 
