@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain
 from kvreuse.cache.kv_block import block_slots, cdiv
@@ -48,13 +49,18 @@ from kvreuse.pml import (
     parse_prompt,
     parse_schema,
 )
-from kvreuse.pml.kv_access import KVAccess, ModuleKV  # noqa: F401 - KVAccess re-exported
-from kvreuse.pml.module_fill import MODULE_PRIORITY, FillSource, ModuleFill, PoolBusy  # noqa: F401 - re-exported
-from kvreuse.pml.prepared import is_pml_prompt  # noqa: F401 - re-exported (server routes)
-from kvreuse.pml.prepared import ModuleContext, ModulePlan, PreparedPrompt, prepare_prompt
+from kvreuse.pml.kv_access import KVAccess, ModuleKV  # KVAccess re-exported
+from kvreuse.pml.module_fill import MODULE_PRIORITY, FillSource, ModuleFill, PoolBusy  # re-exported
+from kvreuse.pml.prepared import (
+    ModuleContext,
+    ModulePlan,
+    PreparedPrompt,
+    is_pml_prompt,  # noqa: F401 - re-exported (server routes)
+    prepare_prompt,
+)
 from kvreuse.pml.registration import Progress, Registration, Settle
-from kvreuse.pml.schema_info import SchemaInfo  # re-exported (llm, engine)
 from kvreuse.pml.schema_cost import SchemaCost, SchemaLimits, check_cost
+from kvreuse.pml.schema_info import SchemaInfo  # re-exported (llm, engine)
 from kvreuse.pml.schema_store import SchemaStore
 
 log = logging.getLogger(__name__)
