@@ -59,14 +59,20 @@ def usage_body(plan: CachePlan, out: RequestOutput, block_size: int) -> dict[str
 
 
 def message_body(
-    message_id: str, model: str, text: str, reason: tuple[str | None, str | None], usage: dict[str, Any]
+    message_id: str,
+    model: str,
+    text: str,
+    reason: tuple[str | None, str | None],
+    usage: dict[str, Any],
+    tool_blocks: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A whole message (``content`` empty until it has text: a stream's ``message_start``)."""
+    """A whole message (``content`` empty until it has text: a stream's ``message_start``),
+    its text block followed by ``tool_blocks`` (``messages_tools``)."""
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
-        "content": [{"type": "text", "text": text}] if text else [],
+        "content": ([{"type": "text", "text": text}] if text else []) + (tool_blocks or []),
         "model": model,
         "stop_reason": reason[0],
         "stop_sequence": reason[1],

@@ -35,6 +35,7 @@ from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server import messages_format as fmt
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.errors import from_value_error
+from kvreuse.server.messages_tools import ToolStream, split_tool_calls
 from kvreuse.server.serving import (
     ChoiceStreams,
     EngineRequest,
@@ -88,13 +89,16 @@ async def create_message(body: MessagesRequest, request: Request):
     if body.stream:
         streams = await start_streams(ctx, [engine_request], meter)
         return StreamingResponse(
-            _stream(ctx, streams, prompt, message_id, model, stops), media_type="text/event-stream"
+            _stream(ctx, streams, prompt, message_id, model, stops, bool(body.tools)), media_type="text/event-stream"
         )
     (final,) = await run_to_completion(ctx, [engine_request], request, meter)
     _observe(ctx, prompt, final)
     usage = fmt.usage_body(prompt.plan, final, ctx.engine.block_size)
     reason = fmt.stop_reason(final, ctx.engine.tokenizer, stops)
-    return JSONResponse(fmt.message_body(message_id, model, final.text, reason, usage))
+    text, calls = split_tool_calls(final.text) if body.tools and reason[0] == "end_turn" else (final.text, [])
+    if calls:  # the model called tools (messages_tools): tool_use blocks after its text
+        reason = ("tool_use", None)
+    return JSONResponse(fmt.message_body(message_id, model, text, reason, usage, [c.block() for c in calls]))
 
 
 def _observe(ctx: ServerContext, prompt: MessagesPrompt, final: RequestOutput) -> None:
@@ -125,9 +129,12 @@ async def _stream(
     message_id: str,
     model: str,
     stops: tuple[str, ...],
+    tools: bool = False,
 ) -> AsyncIterator[str]:
+    """``tools``: the request had tools, so the reply's tool calls become ``tool_use`` blocks."""
     tokenizer, block_size = ctx.engine.tokenizer, ctx.engine.block_size
     started = False
+    calls = ToolStream() if tools else None
     try:
         async for _, out in streams:
             if not started:  # the first output (admitted, prefilled) knows the prompt's cache counts
@@ -136,13 +143,18 @@ async def _stream(
                 yield fmt.PING
                 started = True
             if out.new_text:
-                yield fmt.text_delta(out.new_text)
+                for event in [fmt.text_delta(out.new_text)] if calls is None else calls.feed(out.new_text):
+                    yield event
             if out.finished:
                 _observe(ctx, prompt, out)
-                yield fmt.block_stop()
-                yield fmt.message_delta(
-                    fmt.stop_reason(out, tokenizer, stops), fmt.usage_body(prompt.plan, out, block_size)
-                )
+                reason = fmt.stop_reason(out, tokenizer, stops)
+                if calls is None:
+                    yield fmt.block_stop()
+                else:
+                    for event in calls.finish(reason[0] == "end_turn"):
+                        yield event
+                    reason = ("tool_use", None) if calls.calls else reason
+                yield fmt.message_delta(reason, fmt.usage_body(prompt.plan, out, block_size))
                 yield fmt.MESSAGE_STOP
     except ValueError as exc:
         yield stream_error(str(exc), "invalid_request_error")
