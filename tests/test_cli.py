@@ -9,10 +9,9 @@ import threading
 
 import pytest
 
-from kvreuse import cli
+from kvreuse import cli, schema_cli
 from kvreuse.cli import _engine_config, build_parser
 from kvreuse.engine.config import EngineConfig
-from kvreuse.pml import schema_cli
 
 # flag dest -> EngineConfig field
 SERVE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",
@@ -62,6 +61,14 @@ def test_every_precompute_flag_follows_a_changed_config_default(monkeypatch, des
 
 def test_serve_without_flags_configures_the_default_engine():
     assert _engine_config(_serve_args()) == EngineConfig()
+
+
+def test_serve_prefill_cap_flag_sets_the_engine_field():
+    args = build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "48"])
+    assert _engine_config(args).max_prefill_tokens_while_decoding == 48
+    assert _engine_config(_serve_args()).max_prefill_tokens_while_decoding is None
+    with pytest.raises(ValueError, match=r"--max-prefill-tokens-while-decoding must be >= 0 \(0: no cap\), got -1"):
+        _engine_config(build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "-1"]))
 
 
 def test_serve_deterministic_flag_sets_the_engine_field():

@@ -349,7 +349,7 @@ def _delegate(target: str) -> Command:
 COMMANDS: dict[str, Command] = {
     "serve": Command("serve the OpenAI-compatible API", _add_serve_arguments, run_serve),
     "simulate": _delegate("kvreuse.router.sim_cli:simulate_main"),  # --executors N: routed; else kvreuse.simulator.cli
-    "schema": _delegate("kvreuse.pml.schema_cli:schema_main"),  # PML: precompute / list / delete
+    "schema": _delegate("kvreuse.schema_cli:schema_main"),  # PML: precompute / list / delete
     "route": _delegate("kvreuse.router.cli:route_main"),
 }
 

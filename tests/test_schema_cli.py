@@ -1,6 +1,6 @@
 """`kvreuse schema`: errors are one line and exit code 2, never a traceback."""
 
-from kvreuse.pml.schema_cli import schema_main
+from kvreuse.schema_cli import schema_main
 
 
 def test_unreachable_server_is_a_clear_error(capsys):
@@ -12,6 +12,6 @@ def test_unreachable_server_is_a_clear_error(capsys):
 def test_schema_precompute_can_target_a_quantized_server():
     # serve.sh (the quick start) serves --quantization int4; module files are keyed by model_id,
     # which now includes the scheme, but `kvreuse schema precompute` cannot produce them.
-    from kvreuse.pml.schema_cli import _parser
+    from kvreuse.schema_cli import _parser
     args = _parser().parse_args(["precompute", "s.pml", "--schema-dir", "d", "--quantization", "int4"])
     assert args.quantization == "int4"
