@@ -1,93 +1,74 @@
-"""Tools through /v1/messages on a template that renders them, driven by the official
-``anthropic`` client: tool definitions, an assistant's ``tool_use`` and the user's
-``tool_result`` reach the prompt, with a breakpoint on the tools (tiny Llama whose tokenizer
-carries a ChatML template with tools, as Qwen's does)."""
+"""messages_tools: a reply's <tool_call> blocks -> Anthropic tool_use blocks, whole or streamed."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from tests.api.test_anthropic_prompt import TOOLS_TEMPLATE
+from kvreuse.server.messages_tools import ToolStream, held_back, split_tool_calls
 
-from .fresh_app import fresh_server
 
-TOOLS = [
-    {
+def _events(chunks) -> list[tuple[str, dict]]:
+    out = []
+    for frame in "".join(chunks).strip().split("\n\n"):
+        name, data = frame.split("\n", 1)
+        out.append((name[7:], json.loads(data[6:])))
+    return out
+
+
+def test_calls_after_text_become_tool_use_blocks():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>\n'
+    )
+    before, calls = split_tool_calls(text)
+    assert before == "Let me check."
+    assert [(c.name, c.input) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert all(c.id.startswith("toolu_") and len(c.id) == 30 for c in calls)
+    assert calls[0].block() == {
+        "type": "tool_use",
+        "id": calls[0].id,
         "name": "get_weather",
-        "description": "Weather now",
-        "input_schema": {"type": "object"},
-        "cache_control": {"type": "ephemeral", "ttl": "1h"},
+        "input": {"city": "Paris"},
     }
-]
-MESSAGES = [
-    {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}],
-    },
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]},
-]
 
 
-@pytest.fixture(scope="module")
-def tools_server():
-    from kvreuse.models.tiny import tiny_model
+def test_malformed_calls_stay_text():
+    for text in (
+        "no calls",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"name": 3}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call> trailing words',
+        '<tool_call>{"name": "f", "arguments": {}}',
+    ):
+        assert split_tool_calls(text) == (text, [])
 
-    loaded = tiny_model("llama", seed=0)  # a tokenizer of its own: the session's is never changed
-    loaded.tokenizer.chat_template = TOOLS_TEMPLATE
-    with fresh_server(loaded, kv_cache_memory_gib=0.02) as (url, engine):
-        yield url, engine
+
+def test_held_back_stops_at_a_marker_or_its_start():
+    assert held_back("plain text") == 10
+    assert held_back("text <tool") == 5
+    assert held_back("text <tool_call>{") == 5
+    assert held_back("a <b") == 4  # "<b" cannot start the marker
 
 
-def test_tools_round_trip_with_the_official_client(tools_server):
-    import anthropic
-
-    url, engine = tools_server
-    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
-    first = client.messages.create(
-        model="tiny", max_tokens=2, system="sys", tools=TOOLS, messages=MESSAGES, extra_body={"temperature": 0}
-    )
-    again = client.messages.create(
-        model="tiny", max_tokens=2, system="sys", tools=TOOLS, messages=MESSAGES, extra_body={"temperature": 0}
-    )
-    counted = client.messages.count_tokens(model="tiny", system="sys", tools=TOOLS, messages=MESSAGES).input_tokens
-    tok = engine.tokenizer
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": "get_weather", "description": "Weather now", "parameters": {"type": "object"}},
-        }
+def test_a_streamed_reply_sends_text_then_tool_use_blocks():
+    stream = ToolStream()
+    pieces = ["Checking", " now <to", 'ol_call>{"name": "f", "argu', 'ments": {"x": 1}}</tool_call>']
+    events = _events([e for p in pieces for e in stream.feed(p)] + list(stream.finish(True)))
+    assert [(n, p.get("delta", p.get("content_block"))) for n, p in events] == [
+        ("content_block_delta", {"type": "text_delta", "text": "Checking"}),
+        ("content_block_delta", {"type": "text_delta", "text": " now "}),
+        ("content_block_stop", None),
+        ("content_block_start", {"type": "tool_use", "id": stream.calls[0].id, "name": "f", "input": {}}),
+        ("content_block_delta", {"type": "input_json_delta", "partial_json": '{"x": 1}'}),
+        ("content_block_stop", None),
     ]
-    text = tok.apply_chat_template(
-        [
-            {"role": "system", "content": "sys"},
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "t1",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
-        ],
-        tools=tools,
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    assert "<tool_response id=t1>sunny</tool_response>" in text and "get_weather: Weather now" in text
-    assert counted == len(tok.encode(text, add_special_tokens=False))
-    head = len(
-        tok.encode(
-            tok.apply_chat_template([{"role": "system", "content": "sys"}], tools=tools, tokenize=False),
-            add_special_tokens=False,
-        )
-    )
-    # the tools + system head, under the 1h breakpoint: written first, read back after
-    assert first.usage.cache_creation.ephemeral_1h_input_tokens == head // 16 * 16
-    assert again.usage.cache_read_input_tokens == (counted - 1) // 16 * 16
-    assert again.usage.cache_creation_input_tokens == 0
+    assert [p["index"] for _, p in events] == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_streamed_reply_without_calls_sends_its_held_text():
+    stream = ToolStream()
+    events = _events([*stream.feed("a <tool"), *stream.finish(True)])
+    assert [p.get("delta", {}).get("text") for _, p in events] == ["a ", "<tool", None]
+    stream = ToolStream()  # cut by max_tokens: calls not accepted, the text goes out as text
+    events = _events([*stream.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>'), *stream.finish(False)])
+    assert events[0][1]["delta"]["text"].startswith("<tool_call>") and stream.calls == []
