@@ -71,6 +71,14 @@ def test_serve_prefill_cap_flag_sets_the_engine_field():
         _engine_config(build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "-1"]))
 
 
+def test_serve_prefill_cap_flag_sets_the_engine_field():
+    args = build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "48"])
+    assert _engine_config(args).max_prefill_tokens_while_decoding == 48
+    assert _engine_config(_serve_args()).max_prefill_tokens_while_decoding is None
+    with pytest.raises(ValueError, match=r"--max-prefill-tokens-while-decoding must be >= 0 \(0: no cap\), got -1"):
+        _engine_config(build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "-1"]))
+
+
 def test_serve_deterministic_flag_sets_the_engine_field():
     assert _engine_config(build_parser().parse_args(["serve", "--deterministic"])).deterministic is True
     assert _engine_config(_serve_args()).deterministic is False

@@ -89,6 +89,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step; longer prompts are prefilled in chunks "
                         f"(default: {C.max_num_batched_tokens})")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=C.max_prefill_tokens_while_decoding,
+                   metavar="N",
+                   help="prefill tokens an engine step may carry while any stream decodes in it: decode first, "
+                        "prompts chunked around it (0: no cap; default: 64 on CPU, 2048 on CUDA)")
     p.add_argument("--eviction-policy", default=C.eviction_policy,
                    help="lru | priority (TensorRT-LLM; LRU when requests carry no retention) | 2q | logfreq (hint-free)")
     p.add_argument("--prefix-hash-algorithm", default=C.hash_algorithm, choices=["sha256", "xxh3_64"],
@@ -180,6 +184,7 @@ def _engine_config(args: argparse.Namespace):
         model=args.model, dtype=_DTYPE_ALIASES.get(args.dtype, args.dtype), device=args.device,
         quantization=args.quantization,
         kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         hash_algorithm=args.prefix_hash_algorithm, eviction_policy=args.eviction_policy,
         event_buffer_max_size=args.event_buffer_max_size, seed=args.seed, schema_dir=args.schema_dir,
@@ -207,7 +212,8 @@ def _pool_summary(engine) -> str:
         host = (f"; host tier: {n} blocks = {n * block_size} tokens, {n * block_size * per_token / 2**30:.3f} GiB, "
                 f"priority >= {engine.host.offload_policy.min_priority}")
     return (f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-            f"{gib:.3f} GiB, {per_token} bytes/token{host}; forward: {engine.runner.forward_impl}")
+            f"{gib:.3f} GiB, {per_token} bytes/token{host}; forward: {engine.runner.forward_impl}; "
+            f"prefill while decoding: {engine.scheduler.max_prefill_tokens_while_decoding or 'no cap'} tokens/step")
 
 
 def _off_main_thread(build):

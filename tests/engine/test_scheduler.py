@@ -6,7 +6,7 @@ import pytest
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.engine.sampling_params import SamplingParams
-from kvreuse.engine.scheduler import Scheduler
+from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
 from kvreuse.engine.sequence import Sequence
 
 BS = 4
@@ -83,3 +83,10 @@ def test_cap_below_one_is_refused():
     pool = BlockPool(4, BS)
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1, got 0"):
         Scheduler(KVCacheManager(pool), max_num_seqs=1, max_num_batched_tokens=8, max_prefill_tokens_while_decoding=0)
+
+
+def test_default_prefill_cap_per_device_and_setting():
+    assert default_prefill_cap(None, "cpu") == 64
+    assert default_prefill_cap(None, "cuda") == 2048
+    assert default_prefill_cap(0, "cpu") is None  # 0: no cap
+    assert default_prefill_cap(32, "cuda") == 32

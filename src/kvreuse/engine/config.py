@@ -24,6 +24,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
+    # prefill tokens a step may carry while any stream decodes in it (decode first; 0: no cap;
+    # None: per device, engine/scheduler.default_prefill_cap)
+    max_prefill_tokens_while_decoding: int | None = None
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
@@ -88,6 +91,9 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got "
+                             f"{self.max_prefill_tokens_while_decoding}")
         if self.schema_slice_tokens < 1:
             raise ValueError(f"--schema-slice-tokens must be >= 1, got {self.schema_slice_tokens}")
         for flag, value in (("--schema-max-tokens", self.schema_max_tokens), ("--schema-max-bytes", self.schema_max_bytes)):

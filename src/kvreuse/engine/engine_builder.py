@@ -28,7 +28,7 @@ from kvreuse.engine.config import EngineConfig
 from kvreuse.engine.document_cache import DocumentCache
 from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.engine.model_runner import KVLayout, ModelRunner
-from kvreuse.engine.scheduler import Scheduler
+from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.pml.module_cache import ModuleCache, SchemaInfo
 from kvreuse.pml.registration import RegistrationQueue
@@ -92,8 +92,12 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, eve
         pool, lower=host, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
         enable_prefix_caching=config.enable_prefix_caching, retention_fn=retention_fn or request_retention,
     )
-    scheduler = Scheduler(kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
     runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size, deterministic=config.deterministic)
+    scheduler = Scheduler(
+        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=default_prefill_cap(config.max_prefill_tokens_while_decoding,
+                                                              runner.device.type),
+    )
     if host is not None:  # its bytes move through the runner's KV tensor
         host.mover = HostKVTransfer(runner.kv_cache, host.pool.num_blocks, config.block_size)
     if runner.device.type == "cpu":

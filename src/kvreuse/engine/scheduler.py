@@ -22,6 +22,21 @@ from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 
 
+# Prefill tokens a decoding step carries when no setting says: on a CPU a prefill token costs
+# ~1-2 ms (135M, 2 cores), so a step with a 1,500-token prompt beside a decode takes ~1 s; a small
+# cap keeps a stream's inter-token latency near its lone step (bench/decode/mixed_load.py). A GPU
+# computes a few thousand prefill tokens in a decode step's time (vLLM's chunked-prefill budget).
+_DEFAULT_PREFILL_CAP = {"cpu": 64, "cuda": 2048}
+
+
+def default_prefill_cap(setting: int | None, device_type: str) -> int | None:
+    """The scheduler's ``max_prefill_tokens_while_decoding`` for a ``--max-prefill-tokens-while-decoding``
+    value: None picks the device's default, 0 means no cap (None), N is N."""
+    if setting is None:
+        return _DEFAULT_PREFILL_CAP.get(device_type, 2048)
+    return setting or None
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     seq: Sequence
