@@ -58,9 +58,11 @@ def engine(tiny_llama):
 class Cluster:
     """An executor app (keys and limits of its own) and a router app in front of it."""
 
-    def __init__(self, engine, clock: Clock, router_limits: TenantLimits = LIMITS) -> None:
+    def __init__(self, engine, clock: Clock, router_limits: TenantLimits = LIMITS, *,
+                 metrics_tenant_labels: bool = False) -> None:
         from kvreuse.server.api_server import build_app
 
+        self.metrics_tenant_labels = metrics_tenant_labels
         self.executor_limiter = TenantLimiter(LIMITS, clock)
         self.executor_app = build_app(engine, api_key=KEYS, served_model_name="tiny", limiter=self.executor_limiter)
         self.reached: list[tuple[str, str | None]] = []  # (path, authorization) of POSTs the executor got
@@ -77,7 +79,15 @@ class Cluster:
         info = ExecutorInfo.from_json(EXECUTOR, got.json())
         router = Router([Executor(EXECUTOR, info, healthy=True)], PromptHasher(load_tokenizer(info), info.settings),
                         make_policy("kv"), client=self.upstream, seed=0, executor_api_key=ADMIN)
-        self.router_app = build_router_app(router, api_key=KEYS, limiter=self.router_limiter)
+        self.router_app = build_router_app(router, api_key=KEYS, limiter=self.router_limiter,
+                                           metrics_tenant_labels=self.metrics_tenant_labels)
+
+    async def tenant_metrics(self, key: str | None = None) -> list[str]:
+        """The router's ``kvreuse:router_tenant_*`` lines on ``/metrics``, scraped with ``key``."""
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.router_app), base_url="http://r") as h:
+            text = (await h.get("/metrics", headers=headers)).text
+        return [line for line in text.splitlines() if line.startswith("kvreuse:router_tenant_")]
 
     def client(self, key: str, *, direct: bool = False) -> openai.AsyncOpenAI:
         app = self.executor_seen if direct else self.router_app
@@ -192,17 +202,41 @@ def test_a_routed_stream_holds_the_slot_and_is_charged_its_usage(engine):
         assert all(c.usage is None for c in streamed) and streamed[-1].choices[0].finish_reason == "stop"
         assert limiter.tokens_charged("acme") == 144 + 2 * whole.usage.total_tokens
         assert limiter.tokens_available("acme") == 120.0 - 2 * whole.usage.total_tokens
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=cluster.router_app), base_url="http://r") as h:
-            text = (await h.get("/metrics")).text
-        return whole.usage.total_tokens, [line for line in text.splitlines() if line.startswith("kvreuse:router_tenant_")]
+        scraped = {key: await cluster.tenant_metrics(key) for key in (ADMIN, None, "globex-key")}
+        return whole.usage.total_tokens, scraped
 
-    stopped, metrics = asyncio.run(scenario())
-    assert metrics == [
+    stopped, scraped = asyncio.run(scenario())
+    assert scraped[ADMIN] == [
         'kvreuse:router_tenant_requests_refused_total{reason="max_in_flight",tenant="acme"} 2.0',
         'kvreuse:router_tenant_requests_in_flight{tenant="acme"} 0.0',
         'kvreuse:router_tenant_requests_in_flight{tenant="globex"} 0.0',
         f'kvreuse:router_tenant_tokens_charged_total{{tenant="acme"}} {144.0 + 2 * stopped}',
     ]
+    # the tenant seal: a scraper without the admin key sees sums over tenants, no names
+    assert scraped[None] == scraped["globex-key"] == [
+        'kvreuse:router_tenant_requests_refused_total{reason="max_in_flight",tenant="(all)"} 2.0',
+        'kvreuse:router_tenant_requests_in_flight{tenant="(all)"} 0.0',
+        f'kvreuse:router_tenant_tokens_charged_total{{tenant="(all)"}} {144.0 + 2 * stopped}',
+    ]
+
+
+def test_metrics_tenant_labels_shows_tenant_names_to_every_scraper(engine):
+    cluster = Cluster(engine, Clock(), metrics_tenant_labels=True)
+
+    async def scenario():
+        await cluster.start()
+        await cluster.client("acme-key").completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=EXACT)
+        return await cluster.tenant_metrics(None)
+
+    assert asyncio.run(scenario()) == [
+        'kvreuse:router_tenant_requests_in_flight{tenant="acme"} 0.0',
+        'kvreuse:router_tenant_tokens_charged_total{tenant="acme"} 42.0',
+    ]
+    from kvreuse.router.cli import build_parser
+
+    base = ["--executor", "http://e"]
+    assert build_parser().parse_args([*base, "--metrics-tenant-labels"]).metrics_tenant_labels is True
+    assert build_parser().parse_args(base).metrics_tenant_labels is False
 
 
 def test_chat_through_the_router_reserves_what_the_context_leaves_without_max_tokens(engine):

@@ -49,16 +49,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvreuse import __version__
 from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response, limit_response
+from kvreuse.api.limit_metrics import TenantsHidden
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
 from kvreuse.api.middleware import (
     DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware, lease_of,
 )
-from kvreuse.api.tenants import APIKeys, tenant_of, tenant_salt
+from kvreuse.api.tenants import APIKeys, sees_tenants, tenant_of, tenant_salt
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.messages_proxy import MessagesUsage, forward_messages, messages_cost, messages_keys
 from kvreuse.router.openapi import install_openapi
@@ -69,11 +71,13 @@ from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
 
 
 def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limiter: TenantLimiter | None = None) -> FastAPI:
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limiter: TenantLimiter | None = None,
+                     metrics_tenant_labels: bool = False) -> FastAPI:
     """An app serving ``router``; its lifespan starts and stops the router's tasks.
     ``api_key``: the keys clients must send (None: the router checks none). ``limiter``:
-    per-tenant limits (they need keys). Raises ``ValueError`` for a bad key spec, or limits
-    naming a tenant no key has."""
+    per-tenant limits (they need keys). ``metrics_tenant_labels`` (``--metrics-tenant-labels``):
+    every scraper of ``/metrics`` sees tenant names (default: only an admin key's, with keys).
+    Raises ``ValueError`` for a bad key spec, or limits naming a tenant no key has."""
     keys = api_key if isinstance(api_key, APIKeys) or api_key is None else APIKeys.parse(api_key)
     if limiter is not None:
         limiter.limits.check_keys(keys)
@@ -186,8 +190,14 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
         return JSONResponse({"executors": [e.status() for e in router.executors.values()]})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = router.metrics.render()
+    async def metrics(request: Request) -> Response:
+        """The router's metrics. Tenant names and their usage (``kvreuse:router_tenant_*``) only
+        for a scraper who may see them (``sees_tenants``: no keys, an admin key, or
+        ``metrics_tenant_labels``); others get sums over tenants, ``tenant="(all)"``."""
+        if sees_tenants(request.scope):
+            body, content_type = router.metrics.render()
+        else:
+            body, content_type = generate_latest(TenantsHidden(router.metrics.registry)), CONTENT_TYPE_LATEST
         return Response(body, media_type=content_type)
 
     @app.post("/v1/route/explain")
@@ -224,7 +234,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     if limiter is not None:
         app.add_middleware(TenantLimitMiddleware, limiter=limiter)
     if keys is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=keys)
+        app.add_middleware(APIKeyMiddleware, api_key=keys, tenant_labels_public=metrics_tenant_labels)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages*
     return app

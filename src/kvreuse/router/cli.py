@@ -4,6 +4,7 @@
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
                   [--executor-api-key KEY] [--api-key KEY[:TENANT] ...] [--max-body-bytes N]
                   [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
+                  [--metrics-tenant-labels]
                   [--migration-limit N] [--upstream-progress-timeout S] [--upstream-first-byte-timeout S]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
@@ -29,7 +30,8 @@ before they are read past the limit.
 ``--tenant-limits FILE`` / ``--tenant-max-in-flight N`` / ``--tenant-tokens-per-minute N``
 are the executor's (``kvreuse.api.tenant_limits``), enforced on the router's tenant keys
 before a request is sent anywhere; proxied requests carry the executor key (an admin
-key), so the executors' own tenant limits do not see them.
+key), so the executors' own tenant limits do not see them. ``/metrics`` names tenants
+(``kvreuse:router_tenant_*``) only to an admin key, unless ``--metrics-tenant-labels``.
 
 ``--migration-limit`` (default 3, 0: off) bounds the executors a stream is continued on
 when its executor fails mid-response (``kvreuse.router.migration``).
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get a 413 (as on the executor)")
     add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
+    p.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="show tenant names and usage on /metrics to every scraper (default: only with an admin "
+                        "key; others see sums over tenants, tenant=\"(all)\")")
     p.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
                    help="executors a stream may be continued on when its executor fails mid-response "
                         f"(default {DEFAULT_MIGRATION_LIMIT}; 0: off, the stream ends with an error event)")
@@ -178,6 +183,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
           f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
           f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
     limiter = None if tenant_limits is None else TenantLimiter(tenant_limits)
-    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes, limiter=limiter)
+    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes, limiter=limiter,
+                           metrics_tenant_labels=args.metrics_tenant_labels)
     uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
