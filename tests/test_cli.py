@@ -132,7 +132,7 @@ def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
     marker = tmp_path / "cleanup-ran"
     script = f"""
 import os, signal, threading, time
-from kvreuse import cli
+from kvreuse import cli, schema_cli
 def build():
     try:
         while True:
