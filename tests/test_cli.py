@@ -71,14 +71,6 @@ def test_serve_prefill_cap_flag_sets_the_engine_field():
         _engine_config(build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "-1"]))
 
 
-def test_serve_prefill_cap_flag_sets_the_engine_field():
-    args = build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "48"])
-    assert _engine_config(args).max_prefill_tokens_while_decoding == 48
-    assert _engine_config(_serve_args()).max_prefill_tokens_while_decoding is None
-    with pytest.raises(ValueError, match=r"--max-prefill-tokens-while-decoding must be >= 0 \(0: no cap\), got -1"):
-        _engine_config(build_parser().parse_args(["serve", "--max-prefill-tokens-while-decoding", "-1"]))
-
-
 def test_serve_deterministic_flag_sets_the_engine_field():
     assert _engine_config(build_parser().parse_args(["serve", "--deterministic"])).deterministic is True
     assert _engine_config(_serve_args()).deterministic is False
@@ -132,7 +124,7 @@ def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
     marker = tmp_path / "cleanup-ran"
     script = f"""
 import os, signal, threading, time
-from kvreuse import cli, schema_cli
+from kvreuse import cli
 def build():
     try:
         while True:
