@@ -24,19 +24,27 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from kvreuse import __version__
+from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
+from kvreuse.api.cache_breakpoints import DEFAULT_POLICY, BreakpointPolicy
+from kvreuse.api.limiter import TenantLimiter
+from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
+from kvreuse.api.tenants import APIKeys
 from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.server import (
-    chat_routes, completions_routes, dashboard_routes, docs_routes, events_routes, executor_info_routes,
-    info_routes, messages_routes, schema_routes, tokenize_routes,
+    chat_routes,
+    completions_routes,
+    dashboard_routes,
+    docs_routes,
+    events_routes,
+    executor_info_routes,
+    info_routes,
+    messages_routes,
+    schema_routes,
+    tokenize_routes,
 )
 from kvreuse.server.context import EventFeed, ServerContext, ServerLimits
 from kvreuse.server.errors import install_error_handlers
 from kvreuse.server.metrics import ServerMetrics
-from kvreuse.api.limiter import TenantLimiter
-from kvreuse.api.tenants import APIKeys
-from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
-from kvreuse.api.cache_breakpoints import DEFAULT_POLICY, BreakpointPolicy
-from kvreuse.api.middleware import APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware
 
 if TYPE_CHECKING:
     from kvreuse.events.publisher import ZmqEventPublisher

@@ -138,9 +138,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's words
-            if bad := await _unparsable(request):
-                return bad
+        if (exc.status_code == 400 and exc.detail == "There was an error parsing the body"  # FastAPI's words
+                and (bad := await _unparsable(request))):
+            return bad
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = str(exc.detail or phrase)
         if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):

@@ -21,9 +21,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from kvreuse.api.errors import APIError
 from kvreuse.pml import PMLError
 from kvreuse.pml.schema_cost import SchemaTooLarge
-from kvreuse.api.errors import APIError
 from kvreuse.server.context import context_of
 
 router = APIRouter()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +18,7 @@ from kvreuse.api.connection import client_disconnected
 from kvreuse.api.errors import APIError
 from kvreuse.api.middleware import lease_of
 from kvreuse.api.protocol import default_max_tokens
-from kvreuse.cache.retention import FIELD as RETENTION_FIELD
-from kvreuse.cache.retention import KvCacheRetentionConfig
+from kvreuse.cache.retention import FIELD as RETENTION_FIELD, KvCacheRetentionConfig
 from kvreuse.engine.blend import BlendOverride
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.server.context import ServerContext
@@ -27,8 +26,8 @@ from kvreuse.server.errors import ClientDisconnected, from_value_error
 
 if TYPE_CHECKING:
     from kvreuse.api.limiter import Lease
-    from kvreuse.engine.llm_engine import RequestOutput
     from kvreuse.engine.document_cache import DocumentPrompt
+    from kvreuse.engine.llm_engine import RequestOutput
     from kvreuse.pml.prepared import PreparedPrompt
 
 
@@ -176,7 +175,7 @@ def reserve_tokens(http_request: Request, requests: Sequence[EngineRequest], pro
     return TokenMeter(lease, n)
 
 
-async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | None) -> AsyncIterator[RequestOutput]:
+async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | None) -> AsyncGenerator[RequestOutput, None]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
         req.prompt_token_ids, req.params, request_id=req.request_id,
@@ -209,7 +208,8 @@ async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest
     watcher = asyncio.ensure_future(client_disconnected(http_request)) if http_request is not None else None
     try:
         if watcher is not None:
-            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {everything, watcher}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not everything.done():
                 raise ClientDisconnected()
         return list(await everything)
@@ -230,16 +230,16 @@ class ChoiceStreams:
     """Outputs of several requests as ``(choice index, output)`` in arrival order.
     ``aclose()`` aborts whatever is unfinished; call it in a ``finally``."""
 
-    outputs: AsyncIterator[tuple[int, RequestOutput]]
-    _gens: list[AsyncIterator[RequestOutput]]
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None]
+    _gens: list[AsyncGenerator[RequestOutput, None]]
 
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self.outputs
 
     async def aclose(self) -> None:
-        await self.outputs.aclose()  # type: ignore[attr-defined]
+        await self.outputs.aclose()
         for gen in self._gens:  # covers a stream closed before it was ever iterated
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
 
 
 async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest],
@@ -261,7 +261,7 @@ async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest],
     return ChoiceStreams(_merge(requests, gens, first_outputs), gens)
 
 
-async def _merge(requests, gens, first_outputs) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(requests, gens, first_outputs) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
