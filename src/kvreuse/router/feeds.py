@@ -21,11 +21,17 @@ loaded a snapshot takes the new process's sequence 0 as the next batch), so the 
 also replaces the feed when the executor's instance id changes (``Router.resync``).
 
 ``headers`` go with every HTTP call (the router's ``--executor-api-key``).
+
+Which transport: ZMQ when the executor advertises a bound, unencrypted PUB socket the router
+can reach (``reachable_endpoint``), else SSE. Executors bind events to loopback by default,
+so an executor on another machine advertises ``tcp://127.0.0.1:5557``: that is the router's
+own machine, not the executor's, and the router follows such an executor over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +44,35 @@ from kvreuse.router.index import KVIndex
 logger = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Awaitable[KVSnapshot]]
+
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")  # a PUB socket bound to every interface
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: not loopback unless it is localhost
+        return False
+
+
+def reachable_endpoint(endpoint: str, executor_url: str) -> str | None:
+    """The ZMQ ``endpoint`` an executor at ``executor_url`` advertises, as the router can
+    connect to it: a wildcard host (``*``, ``0.0.0.0``, ``::``) becomes the executor's host;
+    ``None`` when it is a loopback address and the executor's host is not (the executor's
+    loopback is not the router's: follow it over HTTP). Other transports (``ipc://``) as given."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        return endpoint
+    host, _, port = rest.rpartition(":")
+    executor_host = httpx.URL(executor_url).host
+    if host in _WILDCARDS:
+        return f"tcp://{f'[{executor_host}]' if ':' in executor_host else executor_host}:{port}"
+    if _is_loopback(host) and not _is_loopback(executor_host):
+        return None
+    return endpoint
 
 
 def http_snapshot(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> SnapshotFn:

@@ -35,7 +35,7 @@ from kvreuse.router.deadline import DEFAULT_DEADLINES, Deadlines
 from kvreuse.router.executors import (
     Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
 )
-from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot
+from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot, reachable_endpoint
 from kvreuse.router.affinity import Affinity
 from kvreuse.router.index import KVIndex
 from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, Candidate, Decision, RoutingPolicy, choose
@@ -159,10 +159,11 @@ class Router:
         self._feed_tasks[e.name] = asyncio.create_task(feed.run(), name=f"router-feed-{e.name}")
 
     def _feed_for(self, e: Executor) -> SSEFeed | ZmqFeed:
+        """ZMQ where ``e`` advertises a PUB socket the router can reach (``reachable_endpoint``:
+        not another machine's loopback), else the HTTP (SSE) feed."""
         endpoint = e.info.zmq_endpoint if e.info else None
+        endpoint = reachable_endpoint(endpoint, e.url) if endpoint else None
         if endpoint:
-            host = httpx.URL(e.url).host
-            endpoint = endpoint.replace("*", host).replace("0.0.0.0", host)
             return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url, self.control_headers),
                            topic=e.info.events.get("zmq_topic") or "")  # type: ignore[union-attr]
         return SSEFeed(self.index, e.name, e.url, self.client, headers=self.control_headers)
