@@ -313,3 +313,48 @@ def test_a_failure_mid_stream_is_an_error_event_after_what_was_sent():
     }
     assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "the engine failed: boom"}}
     assert Streams.closed
+
+
+def test_a_tenants_tokens_per_minute_hold_on_messages_with_x_api_key(tiny_llama):
+    import asyncio
+
+    import httpx
+
+    from kvreuse.api.limiter import TenantLimiter
+    from kvreuse.api.tenant_limits import Limits, TenantLimits
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+    from kvreuse.server.api_server import build_app
+
+    now = [100.0]
+    limiter = TenantLimiter(TenantLimits(tenants={"acme": Limits(tokens_per_minute=120)}), lambda: now[0])
+    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.004, block_size=BLOCK_SIZE), tiny_llama))
+    engine.start()
+    try:
+        app = build_app(engine, api_key=["admin-key", "acme-key:acme"], served_model_name="tiny", limiter=limiter)
+
+        async def scenario():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://t", headers={"x-api-key": "acme-key"}
+            ) as acme:
+                n = (await acme.post("/v1/messages/count_tokens", json=_body())).json()["input_tokens"]
+                ok = await acme.post("/v1/messages", json=_body())
+                refused = await acme.post("/v1/messages", json=_body(max_tokens=121 - n))
+                wrong = await acme.post("/v1/messages", json=_body(), headers={"x-api-key": "nope"})
+                return n, ok, refused, wrong
+
+        n, ok, refused, wrong = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    usage = ok.json()["usage"]
+    assert limiter.tokens_charged("acme") == n + usage["output_tokens"]
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+    assert refused.json()["error"]["message"].startswith("Request too large for tenant acme on tokens per minute")
+    assert wrong.status_code == 401 and wrong.json() == {
+        "type": "error",
+        "error": {
+            "type": "authentication_error",
+            "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+        },
+    }
