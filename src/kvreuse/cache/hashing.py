@@ -18,12 +18,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
-from typing import NewType
 
 import msgpack
 
-BlockHash = NewType("BlockHash", bytes)
-"""Key of one full block: 32 bytes (sha256) or 8 bytes (xxh3_64)."""
+from kvreuse.block_hash import BlockHash  # the value type, defined below every layer; importable from here
 
 HASH_ALGORITHMS = ("sha256", "xxh3_64")
 

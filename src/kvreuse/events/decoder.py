@@ -25,7 +25,7 @@ from typing import Any
 
 import msgpack
 
-from kvreuse.cache.hashing import BlockHash
+from kvreuse.block_hash import BlockHash
 from kvreuse.events.records import DEVICE_LEVEL, AllBlocksCleared, BlocksRemoved, BlocksStored, KVEvent, StoredBlock
 from kvreuse.events.wire import REQUIRED_FIELDS, WIRE_FIELDS, WireHash, hash_from_wire
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvreuse.cache.hashing import BlockHash
+from kvreuse.block_hash import BlockHash
 
 DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compatibility
 # the tiers below it, by vLLM's media names too (the ZMQ events' ``medium`` field carries them)

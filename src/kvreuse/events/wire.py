@@ -17,7 +17,7 @@ The publisher builds them as plain dicts; the decoder parses them into
 
 from __future__ import annotations
 
-from kvreuse.cache.hashing import BlockHash
+from kvreuse.block_hash import BlockHash
 
 WireHash = int | bytes  # an unsigned 64-bit int (vLLM's default) or the full hash bytes
 
