@@ -253,7 +253,7 @@ def test_a_request_the_step_fails_alone_gets_engine_error_and_the_others_finish(
             engine.start()
         undisturbed, disturbed = asyncio.run(run(engines[0], False)), asyncio.run(run(engines[1], True))
         failure = disturbed.pop("bad-1")
-        assert isinstance(failure, EngineError)
+        assert isinstance(failure, EngineError) and failure.code == "request_failed"
         assert str(failure) == "internal engine error: InjectedFault: injected forward fault (request bad-1)"
         assert disturbed == undisturbed and all(len(tokens) == 16 for tokens in disturbed.values())
         stats = asyncio.run(engines[1].call(lambda e: e.stats()))

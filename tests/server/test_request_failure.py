@@ -1,6 +1,7 @@
 """Over HTTP, a request the engine step fails alone (``--debug-step-fault``) costs only that
-request: a stream gets the OpenAI-shaped error event mid-way, a whole response is a 500, and
-the streams beside it, already running, complete with the text an undisturbed run gives."""
+request: a stream gets the OpenAI-shaped error event mid-way, a whole response is a 500, both
+with code ``request_failed`` (a router passes them on), and the streams beside it, already
+running, complete with the text an undisturbed run gives."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_the_failing_stream_alone_gets_the_error_event(tiny_llama):
         text, error = disturbed.pop("fault-1")
         assert error == {"error": {"message": "internal engine error: InjectedFault: injected forward fault "
                                               "(request fault-1-0)", "type": "internal_server_error",
-                                   "param": None, "code": None}}
+                                   "param": None, "code": "request_failed"}}
         assert text  # its first tokens were streamed before it failed
         assert disturbed == undisturbed
         assert all(error is None and text for text, error in disturbed.values())
@@ -65,7 +66,7 @@ def test_the_failing_stream_alone_gets_the_error_event(tiny_llama):
         assert whole.status_code == 500
         assert whole.json()["error"] == {"message": "internal engine error: InjectedFault: injected post-processing "
                                                     "fault (request whole-1-0)", "type": "internal_server_error",
-                                         "param": None, "code": None}
+                                         "param": None, "code": "request_failed"}
         stats = asyncio.run(engine.call(lambda e: e.stats()))
         assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
         asyncio.run(engine.check_integrity())

@@ -19,7 +19,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvreuse.engine.engine_loop import Abort, Add, Call, EngineDeadError, EngineError, EngineLoop, Stop, Stream
+from kvreuse.engine.engine_loop import (
+    Abort,
+    Add,
+    Call,
+    EngineDeadError,
+    EngineError,
+    EngineLoop,
+    RequestFailedError,
+    Stop,
+    Stream,
+)
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.tiers.tier_stats import store_stats
 
@@ -34,7 +44,8 @@ if TYPE_CHECKING:
     from kvreuse.pml.module_cache import SchemaInfo
     from kvreuse.pml.prepared import PreparedPrompt
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineError"]  # the errors are engine_loop's, raised to callers here
+# the errors are engine_loop's, raised to callers here
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "RequestFailedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +162,8 @@ class AsyncEngine:
         (parsed at the edge) is its blend.
 
         Raises ``ValueError`` when the engine rejects the request (message names the field),
-        ``EngineError`` if the engine fails while serving it. If the consumer stops early
+        ``EngineError`` if the engine fails while serving it (``RequestFailedError`` when it
+        failed this request alone: ``LLMEngine.step``). If the consumer stops early
         (client disconnect: ``GeneratorExit`` or ``CancelledError``) the request is aborted
         and its blocks freed.
         """

@@ -13,7 +13,7 @@ on an event until a command arrives or the next retention expiry.
 Failure containment: a ``ValueError`` from ``add_request`` reaches only that caller (as
 ``ValueError``); any other exception while adding or delivering fails only that request; a
 request the step failed alone (an output with ``error``: ``LLMEngine.step``) gets
-``EngineError`` with that message, and only it; an exception from ``step()`` itself (no one
+``RequestFailedError`` with that message, and only it; an exception from ``step()`` itself (no one
 request's doing) fails every in-flight request with ``EngineError`` and aborts them so their
 blocks return to the pool. The loop itself keeps running.
 """
@@ -41,6 +41,17 @@ logger = logging.getLogger(__name__)
 
 class EngineError(RuntimeError):
     """The engine failed while serving a request (an internal error, HTTP 500)."""
+
+    code: str | None = None  # the OpenAI error's ``code`` the HTTP layer sends with it
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this request alone (its forward or post-processing raised; the
+    others went on): HTTP 500 with ``code`` ``request_failed``, which tells a router the
+    failure is the request's own (``kvreuse.router.upstream.REQUEST_FAULT_CODE``), so it
+    is passed on, not retried or migrated to another executor."""
+
+    code = "request_failed"
 
 
 class EngineDeadError(EngineError):
@@ -210,7 +221,7 @@ class EngineLoop:
                 del self._streams[output.request_id]
             if output.error is not None:  # this request alone failed; the engine has freed it
                 logger.error("request %s failed in an engine step: %s", output.request_id, output.error)
-                self._deliver(stream, EngineError(f"internal engine error: {output.error}"))
+                self._deliver(stream, RequestFailedError(f"internal engine error: {output.error}"))
                 continue
             if not self._deliver(stream, output) and not output.finished:
                 self._abort(Abort(output.request_id, stream))

@@ -193,7 +193,7 @@ async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, 
         err = from_value_error(exc)
         yield sse(error_body(err.message, param=err.param))
     except EngineError as exc:
-        yield sse(error_body(str(exc), type="internal_server_error"))
+        yield sse(error_body(str(exc), type="internal_server_error", code=exc.code))
     finally:
         await streams.aclose()
     yield SSE_DONE

@@ -134,7 +134,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        return error_response(str(exc), status=500, type="internal_server_error")
+        return error_response(str(exc), status=500, type="internal_server_error", code=exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
