@@ -8,21 +8,29 @@ and ``kvreuse:router_prompt_blocks_total`` (their ratio is the routed prefix-hit
 ``kvreuse:router_migrations_total{outcome}``, ``kvreuse:router_executor_up``,
 ``kvreuse:router_executor_load_blocks``, ``kvreuse:router_executor_in_flight``,
 ``kvreuse:router_index_keys``; with tenant limits, ``kvreuse:router_tenant_*``
-(``kvreuse.api.limit_metrics``, registered by ``build_router_app``)."""
+(``kvreuse.api.limit_metrics``, registered by ``build_router_app``).
+
+The gauges are read at scrape time from the executors and the index handed in (the router's
+own, never replaced), not from the router itself."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from kvreuse.router.router import RoutedRequest, Router
+    from kvreuse.router.executors import Executor
+    from kvreuse.router.index import KVIndex
+    from kvreuse.router.policy import Candidate, Decision
 
 
 class RouterMetrics:
-    def __init__(self, router: "Router") -> None:
+    def __init__(self, policy_name: str, executors: Mapping[str, Executor], index: KVIndex) -> None:
+        """``policy_name`` labels the decisions; ``executors`` (by name) and ``index`` are read
+        at each scrape."""
         self.registry = CollectorRegistry()
         self.decisions = Counter("kvreuse:router_decisions", "Routing decisions by executor and policy.",
                                  ["executor", "policy"], registry=self.registry)
@@ -38,13 +46,14 @@ class RouterMetrics:
         self.migrations = Counter("kvreuse:router_migrations",
                                   "Streams whose executor failed mid-response, by what the router did "
                                   "(kvreuse.router.migration).", ["outcome"], registry=self.registry)
-        self.registry.register(_StateCollector(router))
-        self._policy = router.policy.name
+        self.registry.register(_StateCollector(executors, index))
+        self._policy = policy_name
 
-    def decision(self, routed: "RoutedRequest") -> None:
-        choice = routed.decision.choice
+    def decision(self, decision: Decision, candidates: Sequence[Candidate]) -> None:
+        """Count one routing decision among ``candidates`` (the chosen one is among them)."""
+        choice = decision.choice
         self.decisions.labels(choice, self._policy).inc()
-        chosen = next(c for c in routed.candidates if c.name == choice)
+        chosen = next(c for c in candidates if c.name == choice)
         self.overlap_blocks.inc(chosen.overlap_blocks)
         self.prompt_blocks.inc(chosen.prompt_blocks)
 
@@ -56,8 +65,9 @@ class RouterMetrics:
 
 
 class _StateCollector:
-    def __init__(self, router: "Router") -> None:
-        self.router = router
+    def __init__(self, executors: Mapping[str, Executor], index: KVIndex) -> None:
+        self.executors = executors
+        self.index = index
 
     def collect(self):
         up = GaugeMetricFamily("kvreuse:router_executor_up", "1 while the executor passes health checks.",
@@ -65,7 +75,7 @@ class _StateCollector:
         load = GaugeMetricFamily("kvreuse:router_executor_load_blocks", "Load blocks the policy sees.",
                                  labels=["executor"])
         inflight = GaugeMetricFamily("kvreuse:router_executor_in_flight", "Requests in flight.", labels=["executor"])
-        for e in self.router.executors.values():
+        for e in self.executors.values():
             up.add_metric([e.name], 1.0 if e.healthy else 0.0)
             load.add_metric([e.name], e.load_blocks)
             inflight.add_metric([e.name], e.in_flight)
@@ -73,4 +83,4 @@ class _StateCollector:
         yield load
         yield inflight
         yield GaugeMetricFamily("kvreuse:router_index_keys", "Distinct block keys in the index.",
-                                value=self.router.index.num_keys)
+                                value=self.index.num_keys)

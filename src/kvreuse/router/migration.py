@@ -165,7 +165,7 @@ async def _continue(router: Router, request: StreamRequest, ledger: StreamLedger
     routed = router.decide(keys, exclude=tried)
     assert routed is not None  # _refusal checked that there is a candidate
     executor = router.executors[routed.decision.choice]
-    router.metrics.decision(routed)
+    router.metrics.decision(routed.decision, routed.candidates)
     if ledger.sent:
         assert origin is not None and ledger.prompt_ids is not None
         budget = request.max_tokens(len(ledger.prompt_ids), origin)

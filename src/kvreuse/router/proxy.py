@@ -114,7 +114,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         executor = router.executors[routed.decision.choice]
         blocks = router.prompt_blocks(keys)
         executor.begin(blocks)
-        router.metrics.decision(routed)
+        router.metrics.decision(routed.decision, routed.candidates)
         try:
             result = await send(router.client, executor, path, upstream_raw, fwd, blocks, gone,
                                 stream=stream is not None, deadlines=router.deadlines)

@@ -38,6 +38,7 @@ from kvreuse.router.executors import (
 from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot, reachable_endpoint
 from kvreuse.router.affinity import Affinity
 from kvreuse.router.index import KVIndex
+from kvreuse.router.metrics import RouterMetrics
 from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
 from kvreuse.cache.kv_block import cdiv
@@ -82,9 +83,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.num_retries = 0
         self.affinity = Affinity()  # prompt_cache_key -> its executor (kvreuse.router.affinity)
-        from kvreuse.router.metrics import RouterMetrics  # it reads this object's state
-
-        self.metrics = RouterMetrics(self)
+        self.metrics = RouterMetrics(policy.name, self.executors, self.index)
 
     @property
     def block_size(self) -> int:
