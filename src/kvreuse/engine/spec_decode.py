@@ -12,12 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from kvreuse.engine.sequence import Sequence
 
 MAX_BACKOFF_STEPS = 32  # longest pause (decode steps) after drafts that kept not paying
 # A verification costs about 2-2.5 decode steps on CPU (docs/benchmarks.md): it pays from this
@@ -104,7 +101,27 @@ def accepted_length(draft: list[int], targets: list[int]) -> int:
     return a
 
 
-def draft_for(running: Iterable[Sequence], *, k_max: int, min_n: int, max_n: int) -> None:
+class Drafting(Protocol):
+    """What ``draft_for`` reads and writes of a running request (``engine.sequence.Sequence``)."""
+
+    spec: SpecState | None
+    num_computed_tokens: int
+    draft_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def params(self) -> _MaxTokens: ...
+    def token_ids_between(self, start: int, end: int) -> list[int]: ...
+
+
+class _MaxTokens(Protocol):
+    @property
+    def max_tokens(self) -> int: ...
+
+
+def draft_for(running: Iterable[Drafting], *, k_max: int, min_n: int, max_n: int) -> None:
     """Prompt lookup: give each greedy decoding request that speculates (``seq.spec``) a draft
     (``propose``) of at most ``k_max`` tokens, never past its ``max_tokens`` (the model's own
     next token always follows the accepted ones). Every other running request's draft is
