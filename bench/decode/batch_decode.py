@@ -102,7 +102,8 @@ def main() -> None:
                          f"vs_{args.streams[0]}_stream": round(tok_s / base, 2),
                          "raw_tok_s": [round(r["decode_tok_s"], 2) for r in rs]})
     for r in rows:
-        print(f"{r['setting']:>10} x{r['streams']:<3} {r['decode_tok_s']:8.1f} tok/s  ({r[f'vs_{args.streams[0]}_stream']:.2f}x)"
+        ratio = r[f"vs_{args.streams[0]}_stream"]
+        print(f"{r['setting']:>10} x{r['streams']:<3} {r['decode_tok_s']:8.1f} tok/s  ({ratio:.2f}x)"
               f"  {r['ms_per_step']:7.1f} ms/step")
     doc = {"model": "default", "device": "cpu", "threads": torch.get_num_threads(), "tokens_per_stream": args.tokens,
            "prompt_tokens": PROMPT_TOKENS, "reps": args.reps, "statistic": "median",

@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting), bfloat16 or auto (CPUs with native bf16: AMX or avx512_bf16)")
     ap.add_argument("--quantization", default="none",
-                    help="none (the issue's setting) or auto|int8|int4; --dtype auto --quantization auto is kvreuse serve's default")
+                    help="none (the issue's setting) or auto|int8|int4; "
+                         "--dtype auto --quantization auto is kvreuse serve's default")
     ap.add_argument("--cached-per-rep", type=int, default=3,
                     help="cached requests per repetition, each with a new suffix (cheap; steadies the median)")
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))

@@ -48,7 +48,8 @@ from bench.quality.pml_quality import FIRST, LAST, make_dataset, normalise, plai
 
 PAIR_LAST = ["Ivers", "Kent", "Lund", "Marsh", "Noble"]  # with pml_quality's 5: 200 people, 100 pairs
 CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"]
-# (first_tokens, ratio[, deviation_layer[, last_tokens]]); documents here are ~8 tokens, so first_tokens 4 is half of each
+# (first_tokens, ratio[, deviation_layer[, last_tokens]]); documents here are ~8 tokens, so first_tokens 4 is
+# half of each
 SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.0), (2, 0.1), (4, 0.1)]
 
 

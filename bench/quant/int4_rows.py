@@ -73,8 +73,8 @@ def main() -> None:
                 samples["dense_fp32_ms"].append(_ms(dense32, calls))
             med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
             result["rows"][rows] = {**med, "runs_dense_in": str(dense_dtype(rows, act)), "samples": samples}
-            print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms  dequantized + dense bf16 {med['dense_ms']:7.2f}"
-                  f" ms, fp32 {med['dense_fp32_ms']:7.2f} ms (one decoder layer's four matmuls;"
+            print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms"
+                  f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms (one decoder layer's four matmuls;"
                   f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})", flush=True)
     out = RESULTS / f"int4_rows{args.tag}.json"
     write_json(out, result)

@@ -261,7 +261,7 @@ def test_stress(arch, host_blocks, request, tmp_path):
     rng = random.Random(1)
     base = [rng.randrange(5, 4000) for _ in range(120)]
     prompts = []
-    for i in range(14):
+    for _ in range(14):
         cut = rng.choice([16, 32, 48, 64, 80, 96, 101])
         prompts.append(base[:cut] + [rng.randrange(5, 4000) for _ in range(rng.randrange(1, 12))])
     prompts += prompts[:6]  # repeats: their prefixes come back from host / disk

@@ -124,9 +124,9 @@ def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_ti
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert sub.stdout.readline().strip() == "ready"
-        docs = ["Document %d: " % i + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(6)]
+        docs = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(6)]
         cached, by_tier = [], []
-        for round_ in range(2):  # the second round finds the first round's prefixes on the host
+        for _round in range(2):  # the second round finds the first round's prefixes on the host
             for doc in docs:
                 r = httpx.post(f"{url}/v1/completions", timeout=120, json={
                     "model": "tiny", "prompt": doc + "Summary:", "max_tokens": 4, "temperature": 0})
@@ -179,7 +179,7 @@ def apply(payload):
         elif e[0] == "AllBlocksCleared":
             levels.clear()
 """, '{"levels": {m: h for m, h in levels.items() if h}, "stored": stored, "removed": removed}')
-DOCS = ["Document %d: " % i + f"the quick brown fox {i} jumps over the lazy dog {i}. " * 10 for i in range(8)]
+DOCS = [f"Document {i}: " + f"the quick brown fox {i} jumps over the lazy dog {i}. " * 10 for i in range(8)]
 
 
 def per_level(state: dict) -> dict:

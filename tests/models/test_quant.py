@@ -207,8 +207,8 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     # are common and any change to the arithmetic's order breaks some of them one way or the
     # other (measured once: fp32 flash vs fp32 matmuls for the cached context's attention
     # swapped 2 and 3 of these 120 positions, every one a tie or a one-step margin in the
-    # no-reuse logits; the bf16 flash kernel now used swaps 1, 0 and 1 for none / int8 / int4). A position agrees when the reused prompt's token is
-    # no-reuse's, or scores within one bf16 step of no-reuse's top (as below for transformers).
+    # no-reuse logits; the bf16 flash kernel now used swaps 1, 0 and 1 for none / int8 / int4). A position agrees
+    # when the reused prompt's token is no-reuse's, or scores within one bf16 step of no-reuse's top (as below for transformers).
     ids = loaded.tokenizer(DATA.joinpath("perplexity_text.txt").read_text()).input_ids
     shared, tails = ids[:200], [ids[200:240], ids[300:340], ids[400:440]]
     prompts = [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)]
@@ -415,7 +415,8 @@ with torch.inference_mode():
     b = q.model(input_ids=ids, use_cache=False).logits.float()
 print("finite", bool(torch.isfinite(b).all()), "maxdiff", (a - b).abs().max().item(), "ref max", a.abs().max().item())
 assert torch.isfinite(b).all() and (a - b).abs().max() < 0.25 * a.abs().max()
-out = LLM(loaded=q, kv_cache_memory_gib=0.01, block_size=4).generate([list(range(100, 130))], SamplingParams(max_tokens=4, temperature=0))
+llm = LLM(loaded=q, kv_cache_memory_gib=0.01, block_size=4)
+out = llm.generate([list(range(100, 130))], SamplingParams(max_tokens=4, temperature=0))
 print(out[0].token_ids)
 """
 

@@ -77,7 +77,8 @@ def test_role_contents_and_items_after_role_blocks_have_no_lead():
 def test_module_passes_its_lead_to_its_first_item_and_union_to_each_member():
     schema = parse_schema(
         '<schema name="s"><module name="p">Intro.\n  <module name="c">child</module> tail'
-        '<union> <module name="x">X</module><module name="y"><param name="q" len="2"/></module></union></module></schema>'
+        '<union> <module name="x">X</module><module name="y"><param name="q" len="2"/></module></union>'
+        "</module></schema>"
     )
     p = schema.body[0]
     assert p.body[1] == Module("c", (Text("child", "\n"),))
@@ -150,12 +151,14 @@ def test_duplicate_module_names_in_one_scope_name_the_module():
 
 
 def test_same_module_name_in_different_scopes_is_fine():
-    parse_schema('<schema name="s"><module name="a"><module name="x"/></module><module name="b"><module name="x"/></module></schema>')
+    parse_schema('<schema name="s"><module name="a"><module name="x"/></module>'
+                 '<module name="b"><module name="x"/></module></schema>')
 
 
 def test_duplicate_parameters_name_module_and_parameter():
     error = _semantic(
-        '<schema name="s"><module name="m"><param name="p" len="1"/><user><param name="p" len="2"/></user></module></schema>'
+        '<schema name="s"><module name="m"><param name="p" len="1"/>'
+        '<user><param name="p" len="2"/></user></module></schema>'
     )
     assert (error.module, error.parameter) == ("m", "p")
 

@@ -2,8 +2,8 @@
 Llama) behind ``kvreuse route``; one executor is SIGKILLed while it streams greedy replies
 (after every stream has its first chunks, with hundreds of tokens still to come) and
 computes a non-streamed one. Every stream ends with ``[DONE]``, no error event, and the
-reply of an uninterrupted run; the non-streamed request is retried to the same reply. With ``--migration-limit 0``, or no
-other executor, the official ``openai`` client raises the router's error event."""
+reply of an uninterrupted run; the non-streamed request is retried to the same reply. With
+``--migration-limit 0``, or no other executor, the official ``openai`` client raises the router's error event."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_an_executor_killed_mid_reply_costs_no_request_and_changes_no_reply(clus
         cluster["execs"][victim].kill()  # SIGKILL: every connection to it is reset mid-reply
         results = [f.result(timeout=120) for f in futures]
         retried = pending.result(timeout=120)
-    for (path, body), ref, (_, events) in zip(REQUESTS, reference, results):
+    for (_path, body), ref, (_, events) in zip(REQUESTS, reference, results):
         assert _reply(events, "messages" in body) == ref  # whole ([DONE], no error), the uninterrupted reply
     assert retried.status_code == 200 and retried.json()["choices"][0]["text"] == whole_reference
     assert retried.headers[EXECUTOR_HEADER] != victim

@@ -133,12 +133,13 @@ def test_the_router_refuses_tokens_per_minute_before_proxying_with_the_executors
     refusals = asyncio.run(scenario())
     assert refusals[False] == refusals[True]  # the router's 429s are the executor's, word for word
     assert refusals[False] == [
-        ({"message": "Rate limit reached for tenant acme on tokens per minute: limit 120, available 72, requested 80 "
-                     "(prompt 40 + up to 40 completion tokens); retry in 4.0s",
+        ({"message": "Rate limit reached for tenant acme on tokens per minute: limit 120, available 72, "
+                     "requested 80 (prompt 40 + up to 40 completion tokens); retry in 4.0s",
           "type": "tokens", "param": None, "code": "rate_limit_exceeded"},
          {"retry-after": "4", "retry-after-ms": "4000"}),
-        ({"message": "Request too large for tenant acme on tokens per minute: limit 120, requested 121 (prompt 40 + up "
-                     "to 81 completion tokens); lower max_tokens (or n, or the prompt), or raise its tokens_per_minute",
+        ({"message": "Request too large for tenant acme on tokens per minute: limit 120, requested 121 "
+                     "(prompt 40 + up to 81 completion tokens); lower max_tokens (or n, or the prompt), "
+                     "or raise its tokens_per_minute",
           "type": "tokens", "param": "max_tokens", "code": "rate_limit_exceeded"},
          {"x-should-retry": "false"}),
     ]

@@ -267,10 +267,10 @@ def test_completions_documents_put_bos_once_at_the_start():
 
     from transformers import AutoTokenizer
 
+    from kvreuse.api.chat_prompt import special_lead
     from kvreuse.api.protocol import CompletionRequest
     from kvreuse.models.loader import prepare_folder
     from kvreuse.models.tiny import tiny_model
-    from kvreuse.api.chat_prompt import special_lead
     from kvreuse.server.completions_routes import _documents
 
     gemma = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True)

@@ -212,7 +212,8 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_not_tokenizer_internals(clie
         ("/v1/completions", b'{"prompt": ["fine", "\\udfff"], "max_tokens": 1}',
          "prompt: text contains a lone UTF-16 surrogate (\\udfff at character 0); send valid Unicode", "prompt"),
         ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\\ud83d"}], "max_tokens": 1}',
+         b'{"messages": [{"role": "user", "content": "hi"}, '
+         b'{"role": "assistant", "content": "a\\ud83d"}], "max_tokens": 1}',
          "messages[1].content: text contains a lone UTF-16 surrogate (\\ud83d at character 1); send valid Unicode",
          "messages[1].content"),
     ]

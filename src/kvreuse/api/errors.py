@@ -6,8 +6,9 @@ Every error response is::
 
 ``APIError`` carries one such error with its HTTP status; raising it from a route (or from
 ``render_chat``) gives the client that body. A tenant's limit refusal
-(``kvreuse.api.limiter.LimitExceeded``) is a 429 with ``Retry-After`` (``limit_response``). The handlers that turn every other failure into
-this shape are the server's (``kvreuse.server.errors.install_error_handlers``).
+(``kvreuse.api.limiter.LimitExceeded``) is a 429 with ``Retry-After`` (``limit_response``).
+The handlers that turn every other failure into this shape are the server's
+(``kvreuse.server.errors.install_error_handlers``).
 """
 
 from __future__ import annotations
