@@ -30,7 +30,7 @@ from kvreuse.api.body import check_text
 from kvreuse.api.cache_breakpoints import Breakpoint, BreakpointPolicy, CachePlan, Segment, check_breakpoints
 from kvreuse.api.chat_prompt import document_parts, message_boundaries, message_ends, rendered_lead
 from kvreuse.api.errors import APIError
-from kvreuse.engine.document_cache import DocumentPrompt
+from kvreuse.document_prompt import DocumentPrompt
 
 
 @dataclass(frozen=True)

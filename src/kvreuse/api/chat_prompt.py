@@ -18,7 +18,7 @@ from kvreuse.api.body import check_text
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatMessage
 from kvreuse.cache.retention import KvCacheRetentionConfig, ranges_from_message_boundaries
-from kvreuse.engine.document_cache import DocumentPrompt
+from kvreuse.document_prompt import DocumentPrompt
 
 
 @dataclass(frozen=True)

@@ -23,26 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock
-
-
-class SegmentKind(enum.Enum):
-    DOCUMENT = "document"  # a reusable document's KV at its request positions (read in place or moved copies)
-    TEXT = "text"  # tokens computed by the request itself (its own tokens, not in the context)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One span of a request's prompt, in request order: tokens ``start..start + length`` of
-    the prompt as the user sent it, at RoPE positions ``position..position + length``. For a
-    ``DOCUMENT``, ``context_start`` is the index of its first key in the context's ``slots`` /
-    ``positions`` (what blend recomputes against the assembled context); ``None`` for
-    ``TEXT`` (those are the sequence's own tokens)."""
-
-    start: int
-    length: int
-    kind: SegmentKind
-    position: int
-    context_start: int | None = None
+from kvreuse.document_prompt import Segment, SegmentKind  # value types; importable from here
 
 
 class ContextState(enum.Enum):

@@ -49,7 +49,7 @@ import numpy as np
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
-from kvreuse.engine.context import Segment, SegmentKind
+from kvreuse.document_prompt import DocumentLayout, DocumentPrompt, Segment  # values; importable from here
 from kvreuse.events.records import HOST_LEVEL
 
 if TYPE_CHECKING:
@@ -58,79 +58,6 @@ if TYPE_CHECKING:
 
 class DocumentPoolBusy(ValueError):
     """The pool cannot hold the documents now (other requests hold the blocks)."""
-
-
-@dataclass(frozen=True)
-class DocumentLayout:
-    """Where a document prompt's tokens go. Everything up to the end of the last document is
-    assembled context, in pieces: ``documents[i]`` (token ids) at ``document_positions[i]``,
-    encoded after ``encoded_after[i]``. The text before the first document is a piece encoded
-    after nothing (its true KV: the prefix every document is encoded after); a text part between
-    documents is a piece encoded after that prefix, like a document. Only the text after the
-    last document is computed by the request (``token_ids`` at ``positions``), so no token ever
-    attends to one after it."""
-
-    after: tuple[int, ...]  # the prompt's tokens before its first document (encoded with each)
-    token_ids: tuple[int, ...]  # own tokens: the text after the last document
-    positions: tuple[int, ...]  # [len(token_ids)] their RoPE positions
-    documents: tuple[tuple[int, ...], ...]  # context pieces in request order (the head text first, if any)
-    document_positions: tuple[int, ...]  # first position of each piece
-    encoded_after: tuple[tuple[int, ...], ...]  # what each piece is encoded after
-    segments: tuple[Segment, ...]
-
-    @property
-    def num_document_tokens(self) -> int:
-        return sum(len(d) for d in self.documents)
-
-
-@dataclass(frozen=True)
-class DocumentPrompt:
-    """A prompt given as parts, ``(token ids, is a document)`` in request order. The last part
-    must be text (its logits start the reply); the text before the first document is what
-    every document is encoded after."""
-
-    parts: tuple[tuple[tuple[int, ...], bool], ...]
-
-    @classmethod
-    def of(cls, parts: Sequence[tuple[Sequence[int], bool]]) -> "DocumentPrompt":
-        """Raises ``ValueError`` naming ``documents`` when there is no document, a document is
-        empty, or the prompt ends with a document."""
-        frozen = tuple((tuple(int(t) for t in ids), bool(doc)) for ids, doc in parts if ids or doc)
-        if not any(doc for _, doc in frozen):
-            raise ValueError("documents: the prompt marks no document")
-        if any(doc and not ids for ids, doc in frozen):
-            raise ValueError("documents: a document is empty")
-        if frozen[-1][1]:
-            raise ValueError("documents: the prompt must end with text after its last document (a question)")
-        return cls(frozen)
-
-    def layout(self) -> DocumentLayout:
-        first = next(i for i, (_, doc) in enumerate(self.parts) if doc)
-        last = max(i for i, (_, doc) in enumerate(self.parts) if doc)
-        after = tuple(t for ids, _ in self.parts[:first] for t in ids)
-        pieces, positions, encoded_after, segments = [], [], [], []
-        pos = context = 0
-        if after:
-            pieces.append(after)
-            positions.append(0)
-            encoded_after.append(())
-            segments.append(Segment(0, len(after), SegmentKind.TEXT, 0, 0))
-            pos = context = len(after)
-        for ids, doc in self.parts[first : last + 1]:
-            pieces.append(ids)
-            positions.append(pos)
-            encoded_after.append(after)
-            segments.append(Segment(pos, len(ids), SegmentKind.DOCUMENT if doc else SegmentKind.TEXT, pos, context))
-            pos += len(ids)
-            context += len(ids)
-        own = tuple(t for ids, _ in self.parts[last + 1 :] for t in ids)
-        segments.append(Segment(pos, len(own), SegmentKind.TEXT, pos))
-        return DocumentLayout(after, own, tuple(range(pos, pos + len(own))), tuple(pieces), tuple(positions),
-                              tuple(encoded_after), tuple(segments))
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(ids) for ids, _ in self.parts)
 
 
 @dataclass(frozen=True)
