@@ -25,6 +25,7 @@ import torch
 
 from kvreuse import LLM, SamplingParams
 from kvreuse.models import quant
+from kvreuse.models.quant import dense_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
 from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
         samples = {r: {"ttft_s": [], "decode_tok_s": []} for r in rules}
         for rep in range(args.reps):
             for name, rule in rules.items():
-                quant.dense_dtype = rule  # Int4Linear / Int8Linear read it at call time
+                dense_rule.dense_dtype = rule  # Int4Linear / Int8Linear read it from there at call time
                 try:
                     out = llm.generate(prompt, SamplingParams(max_tokens=1), cache_salt=f"{name}-{rep}-{time.time()}")
                     samples[name]["ttft_s"].append(out[0].ttft_s)
@@ -67,7 +68,7 @@ def main() -> None:
                     steps = len(out[0].token_ids) - 1
                     samples[name]["decode_tok_s"].append(steps / (time.perf_counter() - t0 - out[0].ttft_s))
                 finally:
-                    quant.dense_dtype = rules["new"]
+                    dense_rule.dense_dtype = rules["new"]
             print(config, rep, {n: {k: round(v[-1], 3) for k, v in s.items()} for n, s in samples.items()}, flush=True)
         med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
         result["configs"][config] = {"dtype": dtype, "prompt_tokens": int(tokens), "model_id": llm.engine.model_id,
