@@ -19,6 +19,8 @@ Every function takes ``x [T, in]`` rows and returns ``[T, out]`` in ``x``'s dtyp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ from kvreuse.models.quant import Int4Linear, Int8Linear
 MIN_ROWS = 8  # below 8 rows CPU sgemm (fp32) picks another kernel, measured on torch 2.13
 
 
-def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def project(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` with each row's result independent of the other rows of ``x [T, in]``.
     ``layer``: an ``nn.Linear``, an ``Int4Linear`` / ``Int8Linear``, or anything exposing
     ``parts`` (projections called one by one and concatenated)."""
@@ -43,6 +45,8 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         scale = layer.scale if layer.scale.dtype == x.dtype else layer.scale.to(x.dtype)
         y = torch._weight_int8pack_mm(x.contiguous(), layer.qweight, scale)
         return y if layer.bias is None else y + layer.bias
+    weight: torch.Tensor
+    bias: torch.Tensor | None
     if isinstance(layer, nn.Linear):
         weight, bias = layer.weight, layer.bias
     elif isinstance(layer, (Int4Linear, Int8Linear)):  # no kernel here: codes dequantized on the fly

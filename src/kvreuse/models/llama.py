@@ -16,6 +16,9 @@ families) keeps the transformers forward, which works everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeGuard, cast
+
 import torch
 import torch.nn.functional as F
 
@@ -23,8 +26,11 @@ from kvreuse.engine.attention import ForwardContext, attend
 from kvreuse.models import invariant
 from kvreuse.models.quant import fused_projection
 
+if TYPE_CHECKING:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
-def supports(model: torch.nn.Module) -> bool:
+
+def supports(model: torch.nn.Module) -> TypeGuard[LlamaForCausalLM]:
     """True when ``LlamaForward`` computes exactly what ``model``'s own forward does."""
     cfg = getattr(model, "config", None)
     return (
@@ -56,7 +62,7 @@ class LlamaForward:
     The caller must hold ``torch.inference_mode()`` and check ``supports(model)`` first.
     """
 
-    def __init__(self, model: torch.nn.Module, invariant: bool = False) -> None:
+    def __init__(self, model: LlamaForCausalLM, invariant: bool = False) -> None:
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model; use its transformers forward")
         cfg = model.config
@@ -64,10 +70,12 @@ class LlamaForward:
         self.invariant = invariant
         self.hidden = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # LlamaConfig already turns None into num_attention_heads; the "or" only tells the type
+        self.num_kv_heads: int = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        # ModuleList is untyped; LlamaModel builds it of LlamaDecoderLayer
+        self.layers = [_Layer(cast("LlamaDecoderLayer", layer)) for layer in model.model.layers]
         self.final_norm = _NormWeight(model.model.norm.weight)
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, half) * sign: the sign folds into sin once per step
@@ -87,7 +95,7 @@ class LlamaForward:
         deviation pass)."""
         inner = self.model.model
         t = input_ids.shape[1]
-        heads, kv, d, hidden, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.hidden, self.eps
+        heads, kv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         x = inner.embed_tokens(input_ids[0])  # [T, hidden]
         cos, sin = inner.rotary_emb(x, position_ids)  # each [1, T, head_dim]
         cos = cos[0].unsqueeze(1)  # [T, 1, d]: broadcast over the q and k heads
@@ -111,7 +119,7 @@ class LlamaForward:
         return proj(self.model.lm_head, x)  # [n, vocab]
 
 
-def _call(layer, x: torch.Tensor) -> torch.Tensor:
+def _call(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
@@ -122,7 +130,7 @@ def _invariant_norm(x: torch.Tensor, w: _NormWeight, eps: float) -> torch.Tensor
 class _Layer:
     """One decoder layer's weights as the step uses them (fused where the weights allow)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = _NormWeight(layer.input_layernorm.weight)
         self.post_norm = _NormWeight(layer.post_attention_layernorm.weight)
@@ -151,9 +159,11 @@ class _NormWeight:
         except RuntimeError:  # an inference tensor has no version counter: in-place updates are not allowed on it
             version = None
         key = (w.data_ptr(), version, w.dtype)
-        if key != self._key:
-            self._doubled, self._key = torch.cat([w, w]), key
-        return self._doubled
+        doubled = self._doubled
+        if key != self._key or doubled is None:
+            doubled = self._doubled = torch.cat([w, w])
+            self._key = key
+        return doubled
 
 
 def rms_norm(x: torch.Tensor, w: _NormWeight, eps: float) -> torch.Tensor:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
 import torch
+
+import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
 from kvreuse.models.quant import SCHEMES, QuantMode, fast_bf16_cpu, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
 from kvreuse.models.store import (

@@ -168,6 +168,7 @@ def _gguf_location(src: ModelSource, workdir: Path) -> tuple[Path, str]:
     """(folder, file name) of the GGUF to read; assembles packaged chunks into ``workdir``."""
     if src.kind == "packaged":
         import importlib
+        assert src.gguf_name is not None  # a packaged source always names its GGUF file
         pkg = importlib.import_module(src.path.name)  # the package folder is named as the module
         out = pkg.assemble(workdir / src.gguf_name)  # verifies the expected sha256
         return out.parent, out.name
@@ -205,7 +206,7 @@ def convert_gguf(src: ModelSource, target: Path) -> Path:
             tok = AutoTokenizer.from_pretrained(str(gguf_dir), **kw)
             model = AutoModelForCausalLM.from_pretrained(str(gguf_dir), dtype=torch.float32, **kw)
             # save_pretrained refuses a quantizer-tagged model; the weights are plain fp32 now.
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]  # set by from_pretrained, undeclared in transformers
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             out = tmp / "model"

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from kvreuse.models import loader as ml
-from kvreuse.models import store
+from kvreuse.models import loader as ml, store
 
 ARCHES = ("llama", "gemma3")
 
@@ -76,14 +75,15 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 49152, num_layers: int
     sliding, full, sliding, full. ``initializer_range`` is larger than HF's 0.02 so random
     logits are not near-uniform (greedy tests then have clear winners).
     Raises ValueError for an unknown arch."""
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_heads,
+    common: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, head_dim=head_dim,
                   intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
                   initializer_range=initializer_range, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                   tie_word_embeddings=True)
     if arch == "llama":
         from transformers import LlamaConfig
-        return LlamaConfig(num_hidden_layers=num_layers or 2, rope_theta=10000.0, **common)
+        rope = {"rope_theta": 10000.0, "rope_type": "default"}  # what rope_theta=10000.0 gave (typed form)
+        return LlamaConfig(num_hidden_layers=num_layers or 2, rope_parameters=rope, **common)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
         n = num_layers or 4

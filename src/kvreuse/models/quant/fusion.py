@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -9,10 +12,12 @@ from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS
 from kvreuse.models.quant.int8_linear import Int8Linear
 
-__all__ = ["fuse_linears", "fused_projection"]
+__all__ = ["Projection", "fuse_linears", "fused_projection"]
+
+Projection = nn.Linear | Int8Linear | Int4Linear  # the layers fuse_linears fuses (exact types)
 
 
-def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
     """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one matmul (q/k/v,
     gate/up of a decoder layer: a decode step is many small calls), or None when they cannot
     share one: different types, input sizes, dtypes or kernels, a bias, or an int4 part whose
@@ -25,17 +30,43 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     kind = type(first)
     if kind not in (nn.Linear, Int8Linear, Int4Linear) or any(type(m) is not kind for m in layers):
         return None
-    if any(m.bias is not None or m.in_features != first.in_features for m in layers):
+    # every part an nn.Linear, or every part an Int8Linear, or every part an Int4Linear: checked above
+    parts = cast("list[Projection]", list(layers))
+    if any(m.bias is not None or m.in_features != parts[0].in_features for m in parts):
         return None
     if kind is nn.Linear:
-        if len({(m.weight.dtype, m.weight.device) for m in layers}) != 1:
+        dense = cast("list[nn.Linear]", parts)
+        if len({(m.weight.dtype, m.weight.device) for m in dense}) != 1:
             return None
-        fused = nn.Linear(first.in_features, sum(m.out_features for m in layers), bias=False,
-                          device=first.weight.device, dtype=first.weight.dtype)
-        fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in layers]), requires_grad=False)
-        for m, rows in zip(layers, _row_spans(layers)):
-            m.weight = nn.Parameter(fused.weight.detach()[rows], requires_grad=False)
-        return fused
+        fused_dense = nn.Linear(dense[0].in_features, sum(m.out_features for m in dense), bias=False,
+                                device=dense[0].weight.device, dtype=dense[0].weight.dtype)
+        fused_dense.weight = nn.Parameter(torch.cat([m.weight.detach() for m in dense]), requires_grad=False)
+        for part, rows in zip(dense, _row_spans(dense)):
+            part.weight = nn.Parameter(fused_dense.weight.detach()[rows], requires_grad=False)
+        return fused_dense
+    quantized = cast("list[Int8Linear | Int4Linear]", parts)
+    if len({(m.use_kernel, _buffer_dtype(m)) for m in quantized}) != 1:
+        return None
+    fused = cast("Int8Linear | Int4Linear", kind.__new__(kind))
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = quantized[0].in_features, sum(m.out_features for m in quantized)
+    fused.use_kernel = quantized[0].use_kernel
+    if isinstance(fused, Int8Linear):
+        int8 = cast("list[Int8Linear]", quantized)
+        fused.register_buffer("qweight", torch.cat([m.qweight for m in int8]))  # [out, in] int8
+        fused.register_buffer("scale", torch.cat([m.scale for m in int8]))  # [out]
+    else:
+        int4 = cast("list[Int4Linear]", quantized)
+        if int4[0].use_kernel and any(m.out_features % INT4_PACK_ROWS for m in int4):
+            return None
+        fused.group = int4[0].group
+        fused.register_buffer("qweight", torch.cat([m.qweight for m in int4]))  # packed rows, or [out, in/2]
+        # (scale, zero): [in/group, out, 2] for the kernel, [out, groups, 2] unpacked
+        fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=1 if int4[0].use_kernel else 0))
+    fused.register_buffer("bias", None)
+    for m, rows in zip(quantized, _row_spans(quantized)):
+        m.qweight = fused.qweight[rows]  # a view: the codes are stored once (scales stay the part's own)
+    return fused
     if len({(m.use_kernel, _buffer_dtype(m)) for m in layers}) != 1:
         return None
     fused = kind.__new__(kind)
@@ -58,7 +89,7 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
-def fused_projection(owner: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+def fused_projection(owner: nn.Module, names: tuple[str, ...]) -> Projection | None:
     """``fuse_linears`` of ``owner``'s sub-layers ``names``, made once per owner: kept on the
     owner (not as a registered sub-module: ``state_dict`` and ``.to()`` see only the parts)
     and reused while the parts are still views of it, so several runners over one model
@@ -73,15 +104,15 @@ def fused_projection(owner: nn.Module, names: tuple[str, ...]) -> nn.Module | No
     return fused
 
 
-def _weight(m: nn.Module) -> torch.Tensor:
+def _weight(m: Projection) -> torch.Tensor:
     return m.weight if isinstance(m, nn.Linear) else m.qweight
 
 
-def _storage(m: nn.Module | None) -> int | None:
+def _storage(m: Projection | None) -> int | None:
     return None if m is None else _weight(m).untyped_storage().data_ptr()
 
 
-def _row_spans(layers: list[nn.Module]) -> list[slice]:
+def _row_spans(layers: Sequence[Projection]) -> list[slice]:
     spans, start = [], 0
     for m in layers:
         spans.append(slice(start, start + m.out_features))
@@ -89,5 +120,5 @@ def _row_spans(layers: list[nn.Module]) -> list[slice]:
     return spans
 
 
-def _buffer_dtype(m: nn.Module) -> torch.dtype:
+def _buffer_dtype(m: Int8Linear | Int4Linear) -> torch.dtype:
     return m.scale.dtype if isinstance(m, Int8Linear) else m.scale_zero.dtype

@@ -33,6 +33,11 @@ class Int4Linear(nn.Module):
     dequantized on the fly.
     """
 
+    # buffers (register_buffer): declared so the type checker knows them
+    qweight: torch.Tensor  # CPU kernel: its packed rows; else [out, in/2] uint8, two codes a byte
+    scale_zero: torch.Tensor  # (scale, zero): [in/group, out, 2] for the kernel, else [out, groups, 2]
+    bias: torch.Tensor | None  # [out]
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
                  group: int = INT4_GROUP) -> None:
         super().__init__()

@@ -16,6 +16,10 @@ class Int8Embedding(nn.Module):
     ``embed_scale`` (Gemma's scaled embedding: rows times sqrt(hidden)) multiplies the rows.
     """
 
+    # buffers (register_buffer): declared so the type checker knows them
+    qweight: torch.Tensor  # [vocab, hidden] int8
+    scale: torch.Tensor  # one per group of columns, the activation dtype
+
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, group: int = EMBED_GROUP,
                  embed_scale: torch.Tensor | float | None = None) -> None:
         super().__init__()

@@ -15,6 +15,11 @@ __all__ = ["Int8Linear"]
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale[:, None]).T (+ bias)``; ``q`` int8 ``[out, in]``, ``scale`` ``[out]``."""
 
+    # buffers (register_buffer): declared so the type checker knows them
+    qweight: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out], the activation dtype
+    bias: torch.Tensor | None  # [out]
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype) -> None:
         super().__init__()
         w = weight.detach().float()  # [out, in]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -9,6 +11,9 @@ from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import INT4_GROUP, QuantMode, parse_quantization
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["quantize_model", "weight_bytes"]
 
@@ -19,7 +24,7 @@ def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype
     return Int8Linear(linear.weight, linear.bias, act_dtype)
 
 
-def quantize_model(model: nn.Module, mode: str | QuantMode, *, act_dtype: torch.dtype) -> nn.Module:
+def quantize_model(model: PreTrainedModel, mode: str | QuantMode, *, act_dtype: torch.dtype) -> PreTrainedModel:
     """Replace, in place, every ``nn.Linear`` of ``model`` by its quantized form.
 
     Linear layers take ``mode`` (int4 falls back to int8 where ``in_features`` is not a multiple
