@@ -31,10 +31,15 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def tools_server():
+    import copy
+    import dataclasses
+
     from kvreuse.models.tiny import tiny_model
 
-    loaded = tiny_model("llama", seed=0)  # a tokenizer of its own: the session's is never changed
-    loaded.tokenizer.chat_template = TOOLS_TEMPLATE
+    base = tiny_model("llama", seed=0)
+    tokenizer = copy.deepcopy(base.tokenizer)  # tiny_model's tokenizer is shared (cached): never change it
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    loaded = dataclasses.replace(base, tokenizer=tokenizer)
     with fresh_server(loaded, kv_cache_memory_gib=0.02) as (url, engine):
         yield url, engine
 
