@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # only its fields are read: the router replays stops without the engine's imports
-    from kvreuse.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from kvreuse.engine.sampling_params import SamplingParams
 
 
-def check_stop(seq: Sequence, tokenizer, eos_token_ids: frozenset[int]) -> tuple[str, str | None]:
+class StopState(Protocol):
+    """What ``check_stop`` reads and writes of a request: the engine's ``Sequence``, or the
+    router's replay of a stream (which checks stops without the engine's imports)."""
+
+    params: SamplingParams
+    output_token_ids: list[int]
+    text: str
+
+
+def check_stop(seq: StopState, tokenizer, eos_token_ids: frozenset[int]) -> tuple[str, str | None]:
     """Update ``seq.text`` for the token just appended; return ``(new_text, finish_reason)``.
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string), ``"length"``

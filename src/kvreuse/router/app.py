@@ -58,16 +58,20 @@ from kvreuse.api.errors import APIError, error_response, limit_response
 from kvreuse.api.limit_metrics import TenantsHidden
 from kvreuse.api.limiter import LimitExceeded, TenantLimiter
 from kvreuse.api.middleware import (
-    DEFAULT_MAX_BODY_BYTES, APIKeyMiddleware, BodyLimitMiddleware, TenantLimitMiddleware, lease_of,
+    DEFAULT_MAX_BODY_BYTES,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    TenantLimitMiddleware,
+    lease_of,
 )
 from kvreuse.api.tenants import APIKeys, sees_tenants, tenant_of, tenant_salt
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.messages_proxy import MessagesUsage, forward_messages, messages_cost, messages_keys
 from kvreuse.router.openapi import install_openapi
-from kvreuse.server import docs_routes
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
+from kvreuse.server import docs_routes
 
 
 def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,
@@ -124,7 +128,7 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
                 raw = _dumps(body)
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
-        if tap is not None:
+        if tap is not None and isinstance(body, dict):  # a tap is made only for a dict body
             cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
@@ -146,10 +150,10 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             return exc.response()  # in Anthropic's shape (AnthropicErrorMiddleware)
         keys = await asyncio.to_thread(messages_keys, router, body)
         lease, usage = lease_of(request.scope), None
-        if lease is not None and lease.limits_tokens and path == "/v1/messages":
-            if (cost := messages_cost(body, keys)) is not None:
-                lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
-                usage = MessagesUsage(lease)
+        if (lease is not None and lease.limits_tokens and path == "/v1/messages"
+                and (cost := messages_cost(body, keys)) is not None):
+            lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
+            usage = MessagesUsage(lease)
         return await forward_messages(router, path, raw, upstream_headers(request), request=request, body=body,
                                       keys=keys, affinity=prompt_cache_key(body), usage=usage)
 

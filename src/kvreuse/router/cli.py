@@ -54,8 +54,7 @@ from collections.abc import Sequence
 import httpx
 
 from kvreuse.api.middleware import DEFAULT_MAX_BODY_BYTES
-from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments
-from kvreuse.api.tenant_limits import limits_from_args
+from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_arguments, limits_from_args
 from kvreuse.api.tenants import APIKeys
 from kvreuse.router.deadline import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_PROGRESS_TIMEOUT_S, Deadlines
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible

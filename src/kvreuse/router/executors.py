@@ -43,7 +43,7 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...] | None = None  # what ends its requests (None: not reported)
 
     @classmethod
-    def from_json(cls, url: str, d: dict) -> "ExecutorInfo":
+    def from_json(cls, url: str, d: dict) -> ExecutorInfo:
         """Raises ``ValueError`` naming the field when the info is incomplete."""
         try:
             return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),

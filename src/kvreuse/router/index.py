@@ -33,12 +33,24 @@ then the index is stale, which can cost a miss, never a wrong answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvreuse.events.records import DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL
-from kvreuse.events.records import AllBlocksCleared, BlocksRemoved, BlocksStored, BlockUpdated
-from kvreuse.events.records import CacheCreated, Event, KVEvent, KVSnapshot
+from kvreuse.events.records import (
+    DEVICE_LEVEL,
+    DISK_LEVEL,
+    HOST_LEVEL,
+    REMOTE_LEVEL,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    BlockUpdated,
+    CacheCreated,
+    Event,
+    KVEvent,
+    KVSnapshot,
+)
 
 IndexKey = int  # low 64 bits of a BlockHash, big-endian (as events.wire.wire_hash "int")
 
@@ -73,7 +85,7 @@ class KVIndex:
         self._stores: dict[str, int] = {}  # remote store identity -> bitmask of the executors sharing it
         self._level_sets: dict[frozenset[str], frozenset[str]] = {}  # one object per set of levels
         self._mirrors: dict[str, Mirror] = {}
-        self._handlers = {
+        self._handlers: dict[type, Callable[[str, Any], None]] = {
             BlocksStored: self._on_stored,
             BlocksRemoved: self._on_removed,
             BlockUpdated: self._on_updated,

@@ -28,7 +28,7 @@ tried for the continuation failed too), ``limit``, ``no_executor``, ``unsupporte
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import httpx
@@ -58,7 +58,7 @@ def stream_error_event(executor_url: str, failure: str, refusal: str | None = No
     return error_event(message + "the output is incomplete")
 
 
-async def relay_events(upstream: Upstream, ledger: StreamLedger) -> AsyncIterator[bytes]:
+async def relay_events(upstream: Upstream, ledger: StreamLedger) -> AsyncGenerator[bytes, None]:
     """The client's events for ``upstream``'s, until ``[DONE]`` or the end of the stream.
     Raises ``httpx.TransportError`` when the connection breaks, ``Stalled`` when it stalls,
     ``ExecutorFault`` for an error event that is not the request's fault (the event is not
@@ -75,7 +75,7 @@ async def relay_events(upstream: Upstream, ledger: StreamLedger) -> AsyncIterato
 
 
 async def migrating_stream(router: Router, first: Upstream, request: StreamRequest, keys: RequestKeys,
-                           path: str, headers: dict[str, str], tried: list[str]) -> AsyncIterator[bytes]:
+                           path: str, headers: dict[str, str], tried: list[str]) -> AsyncGenerator[bytes, None]:
     """The client's stream for ``first`` (the executor serving ``request`` at ``path``),
     continued on other executors (not in ``tried``) when it fails."""
     ledger = StreamLedger(request)

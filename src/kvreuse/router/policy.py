@@ -22,7 +22,6 @@ from typing import Protocol
 
 from kvreuse.events.records import DEVICE_LEVEL, DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
-
 # One uncached block costs as much as 8 blocks of load elsewhere: measured on the Mooncake
 # conversation trace (docs/benchmarks.md, "Router (simulator)"); 1 spreads prefixes too thin.
 DEFAULT_OVERLAP_WEIGHT = 8.0

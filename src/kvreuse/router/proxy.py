@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -41,15 +41,15 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvreuse.api.connection import client_disconnected  # the executor's own watcher
 from kvreuse.api.body import parse_json_body
+from kvreuse.api.connection import client_disconnected  # the executor's own watcher
 from kvreuse.api.errors import APIError, error_response
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.deadline import Stalled
 from kvreuse.router.migration import MIGRATION_OFF, migrating_stream, stream_error_event
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
-from kvreuse.router.sse import EventSplitter, SSE_DONE
+from kvreuse.router.sse import SSE_DONE, EventSplitter
 from kvreuse.router.stream_request import StreamRequest
 from kvreuse.router.tenant_usage import UsageTap
 from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
@@ -145,7 +145,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         return StreamingResponse(events, status_code=result.status_code, headers=headers_out)
 
 
-async def _tapped(events: AsyncIterator[bytes], usage: UsageTap) -> AsyncIterator[bytes]:
+async def _tapped(events: AsyncGenerator[bytes, None], usage: UsageTap) -> AsyncGenerator[bytes, None]:
     """``events`` (whole SSE events) as ``usage`` leaves them, having read their usage."""
     async with aclosing(events) as stream:
         async for data in stream:
@@ -163,7 +163,7 @@ def _refusal(router: Router, stream: StreamRequest) -> tuple[str, str] | None:
     return None if why is None else ("unsupported", why)
 
 
-async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | None) -> AsyncIterator[bytes]:
+async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | None) -> AsyncGenerator[bytes, None]:
     """``upstream``'s bytes in whole events, untouched, then the error event if it fails
     (saying ``refusal``'s why: the stream is not one the router continues)."""
     splitter = EventSplitter()

@@ -31,17 +31,21 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvreuse.cache.kv_block import cdiv
+from kvreuse.router.affinity import Affinity
 from kvreuse.router.deadline import DEFAULT_DEADLINES, Deadlines
 from kvreuse.router.executors import (
-    Executor, ExecutorAuthError, ExecutorInfo, IncompatibleExecutors, parse_load_metrics,
+    Executor,
+    ExecutorAuthError,
+    ExecutorInfo,
+    IncompatibleExecutors,
+    parse_load_metrics,
 )
 from kvreuse.router.feeds import SSEFeed, ZmqFeed, http_snapshot, reachable_endpoint
-from kvreuse.router.affinity import Affinity
 from kvreuse.router.index import KVIndex
 from kvreuse.router.metrics import RouterMetrics
 from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS, Candidate, Decision, RoutingPolicy, choose
 from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
-from kvreuse.cache.kv_block import cdiv
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvreuse.api.limiter import Lease
-from kvreuse.api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # the executor's (OpenAI's) default
 from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
 from kvreuse.router.sse import SSE_SEPARATOR, payload
 

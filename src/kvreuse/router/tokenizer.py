@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvreuse.router.executors import ExecutorInfo
 from kvreuse.api.probe import tokenizer_probe
+from kvreuse.router.executors import ExecutorInfo
 
 
 class TokenizerMismatch(ValueError):
