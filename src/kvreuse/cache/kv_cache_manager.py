@@ -12,25 +12,23 @@ simulator and the routed simulator) goes through two calls here:
         adopted and ours freed, in this one place
 
 The engine's ``admit`` / ``grow`` / ``commit_computed`` / ``free`` wrap them for a
-``Sequence`` and keep the prefix-cache counters (queries and hits, in tokens) that
-``/metrics`` reports.
+``CachedSequence`` (``cached_sequence.py``: what the engine's ``Sequence`` offers) and keep
+the prefix-cache counters (queries and hits, in tokens) that ``/metrics`` reports.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import overload
 
 from kvreuse.cache.block_pool import BlockPool, KVBlock
+from kvreuse.cache.cached_sequence import CachedSequence
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.host_tier import HostTier
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 from kvreuse.cache.retention import requested_block_retention
 from kvreuse.events.records import HOST_LEVEL
-
-if TYPE_CHECKING:  # the simulators use this module without the engine (or torch)
-    from kvreuse.engine.sequence import Sequence
 
 Retention = tuple[int | None, float | None]
 """(priority, or None to keep a reused block's; duration in s, or None for "until evicted")."""
@@ -39,10 +37,10 @@ BlockRetention = Callable[[int], Retention | None]
 """Block index -> the retention a request asks for that block; ``None``: it asks nothing."""
 
 # (sequence, block index, block size) -> the retention the request asks for that block
-RetentionFn = Callable[["Sequence", int, int], Retention | None]
+RetentionFn = Callable[[CachedSequence, int, int], Retention | None]
 
 
-def request_retention(seq: Sequence, index: int, block_size: int) -> Retention | None:
+def request_retention(seq: CachedSequence, index: int, block_size: int) -> Retention | None:
     """The retention a request's ``KvCacheRetentionConfig`` gives block ``index``
     (SPEC 3: the range holding the block's first token, decode retention for generated
     blocks); ``None`` without a config."""
@@ -237,16 +235,16 @@ class KVCacheManager:
             self.lower.drop(keys[start:end])
 
     # ------------------------------------------------------------------ sequences
-    def _extend_hashes(self, seq: Sequence, upto_tokens: int) -> None:
+    def _extend_hashes(self, seq: CachedSequence, upto_tokens: int) -> None:
         """Make ``seq.block_hashes`` cover every full block within the first ``upto_tokens``."""
         extend_chain(seq.block_hashes, seq.token_ids, self.block_size,
                      root_extra=root_extra_keys(self.model_id, seq.cache_salt), algorithm=self.hash_algorithm,
                      upto_tokens=upto_tokens)
 
-    def _token_blocks(self, seq: Sequence) -> _TokenBlocks:
+    def _token_blocks(self, seq: CachedSequence) -> _TokenBlocks:
         return _TokenBlocks(seq.token_ids, self.block_size)
 
-    def admit(self, seq: Sequence, *, first_time: bool) -> bool:
+    def admit(self, seq: CachedSequence, *, first_time: bool) -> bool:
         """Give a waiting sequence its blocks: hits from the prefix cache for its leading full
         blocks (never the block holding the last token, whose logits must be computed),
         fresh blocks for the rest. Returns ``False`` and changes nothing when the pool
@@ -282,7 +280,7 @@ class KVCacheManager:
             self.hits_tokens += seq.num_cached_tokens
         return True
 
-    def grow(self, seq: Sequence, extra: int = 0) -> bool:
+    def grow(self, seq: CachedSequence, extra: int = 0) -> bool:
         """Make sure every token of ``seq``, and ``extra`` slots after them (a draft to
         verify), has a slot. ``False`` (nothing changed) when the pool is out of blocks; the
         scheduler then preempts someone (or drops the draft)."""
@@ -294,7 +292,7 @@ class KVCacheManager:
         seq.append_blocks(self.allocate(missing))
         return True
 
-    def commit_computed(self, seq: Sequence) -> None:
+    def commit_computed(self, seq: CachedSequence) -> None:
         """Register every block whose tokens are now all computed."""
         if not self.enable_prefix_caching or seq.prompt_positions is not None:
             return
@@ -313,7 +311,7 @@ class KVCacheManager:
             self.lower.write_through(blocks[seq.num_registered_blocks : full])
         seq.num_registered_blocks = full
 
-    def trim(self, seq: Sequence) -> None:
+    def trim(self, seq: CachedSequence) -> None:
         """Release the blocks past the ones ``seq``'s tokens need (they held only rejected
         draft tokens: never computed as accepted, never registered)."""
         keep = self.blocks_needed(seq.num_tokens)
@@ -321,14 +319,14 @@ class KVCacheManager:
             assert seq.num_registered_blocks <= keep, "a registered block held a rejected draft"
             self.pool.release(reversed(seq.drop_tail_blocks(keep)))
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: CachedSequence) -> None:
         """Release every block of ``seq`` (tail first, so its chain evicts from the end)."""
         self.pool.release(reversed(seq.blocks))
         seq.clear_blocks()
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
-    def release_context(self, seq: Sequence) -> None:
+    def release_context(self, seq: CachedSequence) -> None:
         """Drop the sequence's references on its context blocks (PML modules) at its end;
         not on preemption: the context stays valid while the sequence waits."""
         if seq.context is not None:
