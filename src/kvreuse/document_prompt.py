@@ -68,7 +68,7 @@ class DocumentPrompt:
     parts: tuple[tuple[tuple[int, ...], bool], ...]
 
     @classmethod
-    def of(cls, parts: Sequence[tuple[Sequence[int], bool]]) -> "DocumentPrompt":
+    def of(cls, parts: Sequence[tuple[Sequence[int], bool]]) -> DocumentPrompt:
         """Raises ``ValueError`` naming ``documents`` when there is no document, a document is
         empty, or the prompt ends with a document."""
         frozen = tuple((tuple(int(t) for t in ids), bool(doc)) for ids, doc in parts if ids or doc)
@@ -84,7 +84,10 @@ class DocumentPrompt:
         first = next(i for i, (_, doc) in enumerate(self.parts) if doc)
         last = max(i for i, (_, doc) in enumerate(self.parts) if doc)
         after = tuple(t for ids, _ in self.parts[:first] for t in ids)
-        pieces, positions, encoded_after, segments = [], [], [], []
+        pieces: list[tuple[int, ...]] = []  # context pieces, the head text first
+        positions: list[int] = []  # first position of each piece
+        encoded_after: list[tuple[int, ...]] = []  # what each piece is encoded after
+        segments: list[Segment] = []
         pos = context = 0
         if after:
             pieces.append(after)

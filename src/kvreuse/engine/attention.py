@@ -23,8 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvreuse.engine import invariant_attention
 from kvreuse.engine.flash import attend_alone, flash, merge
-# the batch description lives in forward_batch.py; importable from here too (runner, models)
-from kvreuse.engine.forward_batch import DecodeBatch, ForwardContext, KeyTable, PrefillItem
+from kvreuse.engine.forward_batch import DecodeBatch, ForwardContext, KeyTable, PrefillItem  # also exported here
 from kvreuse.engine.key_frames import KeyFrames
 
 __all__ = ["ATTN_NAME", "paged_attention", "attend", "register",

@@ -71,7 +71,8 @@ class FillHost(Protocol):
     runner: KVAccess
     chunk_tokens: int  # the grid precompute passes run on
 
-    def module_hashes(self, schema: CompiledSchema, module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
+    def module_hashes(self, schema: CompiledSchema,
+                      module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
         """Keys and token lists of the module's blocks (the last may be partial)."""
         ...
 
