@@ -52,13 +52,23 @@ class KVMover(Protocol):
 
 
 class LoadedBlock(Protocol):
-    """A block read back from a persistent store (``tiers.persistent.StoredKV``)."""
+    """A block read back from a persistent store (``tiers.persistent.StoredKV``, frozen: its
+    fields are read-only here too)."""
 
-    key: BlockHash
-    parent_key: BlockHash | None
-    token_ids: tuple[int, ...]
-    kv: Any
-    level: str
+    @property
+    def key(self) -> BlockHash: ...
+
+    @property
+    def parent_key(self) -> BlockHash | None: ...
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def kv(self) -> Any: ...
+
+    @property
+    def level(self) -> str: ...
 
 
 class Stores(Protocol):
@@ -66,14 +76,16 @@ class Stores(Protocol):
     they do their own IO; this tier only hands them blocks (key, parent key, token ids,
     depth), asks them for chains, and takes the changes they saw (thread-safe)."""
 
-    levels: tuple[str, ...]  # the cache level of each store present
+    @property
+    def levels(self) -> tuple[str, ...]:  # the cache level of each store present
+        ...
 
     def spill(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, tuple[int, ...], int]], kv: Any) -> None: ...
 
     def writes_through(self, priority: int) -> bool: ...
 
     def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
-              depth: int = 0) -> list[LoadedBlock]: ...
+              depth: int = 0) -> Sequence[LoadedBlock]: ...
 
     def take_changes(self) -> list[StoreChange]: ...
 
@@ -212,12 +224,13 @@ class HostTier:
         return moved
 
     # ------------------------------------------------------------------ stores -> device
-    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None, depth: int = 0) -> list:
+    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
+                     depth: int = 0) -> list[LoadedBlock]:
         """The stores' continuation of a chain after ``parent`` (``keys[0]`` at chain position
         ``depth``): verified blocks, or ``[]``."""
         if self.below is None or not keys:
             return []
-        return self.below.match(keys, token_blocks, parent, depth)
+        return list(self.below.match(keys, token_blocks, parent, depth))
 
     def sync_stores(self) -> int:
         """Apply the changes the stores reported since the last call to their ledgers, in the
