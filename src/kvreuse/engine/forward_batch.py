@@ -4,6 +4,7 @@ prefill items attended one sequence at a time, the padded decode batch, and the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -72,7 +73,7 @@ class PrefillItem:
     num_new: int
     keys: KeyTable  # every key (context + new), the new tokens last
     mask_full: torch.Tensor | None  # [num_new, L] bool, None = plain causal over new tokens only
-    mask_sliding: dict[int, torch.Tensor | None]  # window -> [num_new, L] bool
+    mask_sliding: Mapping[int, torch.Tensor | None]  # window -> [num_new, L] bool
     kv_runs: tuple[tuple[int, int], ...] = ()  # (first slot, length) runs covering the keys, if few
     device: torch.device | str = "cpu"  # where kv_slots is wanted (the pool's device)
     # True: the masks are the whole truth on every layer (keys visible by position, seam

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, Pref
 from kvreuse.engine.key_frames import KeyFrames
 from kvreuse.engine.rope_shift import RopeShift
 from kvreuse.models import llama
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,9 @@ class SeqChunk:
 
     @classmethod
     def from_slots(
-        cls, token_ids: list[int], positions: list[int], new_slots: list[int], context_slots: list[int],
-        context_positions: list[int] | None, sample: bool,
-    ) -> "SeqChunk":
+        cls, token_ids: Sequence[int], positions: Sequence[int], new_slots: Sequence[int], context_slots: Sequence[int],
+        context_positions: Sequence[int] | None, sample: bool,
+    ) -> SeqChunk:
         """A chunk whose keys lie in arbitrary slots (module precompute, tests): the keys
         before the new tokens are fixed context slots, the new tokens a table of one-slot
         blocks."""
@@ -84,7 +88,7 @@ class KVLayout:
 class ModelRunner:
     """Owns the model and the KV storage; not thread-safe (engine thread only)."""
 
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int, block_size: int,
+    def __init__(self, model: PreTrainedModel, layout: KVLayout, num_blocks: int, block_size: int,
                  deterministic: bool = False) -> None:
         """``deterministic``: every token's logits independent of what shares its step (the
         batch-invariant forward and attention, ``--deterministic``); a plain Llama model only."""
@@ -157,7 +161,9 @@ class ModelRunner:
         position_ids = torch.tensor([positions], dtype=torch.long, device=dev)  # [1, T]
         logits_index = torch.tensor(sample_index, dtype=torch.long, device=dev)  # [num_sampled]
         if self._llama is not None:
-            return self._llama(input_ids, position_ids, logits_index, ctx).float()  # [num_sampled, vocab]
+            logits = self._llama(input_ids, position_ids, logits_index, ctx)
+            assert logits is not None  # every layer ran (no num_layers): the logits are there
+            return logits.float()  # [num_sampled, vocab]
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_index, kv_context=ctx,
         )
@@ -310,6 +316,7 @@ class ModelRunner:
         keys, n = chunk.keys, len(chunk.token_ids)
         own_end = keys.num_own if n == 1 else keys.num_own - n  # own keys the groups hold
         own_starts, own_lengths = keys.own_intervals(0, own_end)
+        assert keys.context_shifts is not None  # only moved keys (documents in place) come here
         frames = KeyFrames.build(keys.context_slots, keys.context_shifts, own_starts, own_lengths, self.rope_shift(),
                                  self.device)
         return PrefillItem(start, n, keys, None, {}, (), self.device, frames=frames)
@@ -351,7 +358,7 @@ MAX_RUNS = 32  # more pieces than this and one gather is cheaper than many small
 DECODE_IN_PLACE_MIN = 1024  # context tokens from which a decode skips the gathered batch
 
 
-def _runs(slots: "list[int] | np.ndarray") -> tuple[tuple[int, int], ...]:
+def _runs(slots: list[int] | np.ndarray) -> tuple[tuple[int, int], ...]:
     """``slots`` as (first slot, length) runs of consecutive slots; ``()`` if more than MAX_RUNS."""
     arr = np.asarray(slots, dtype=np.int64).reshape(-1)  # [L]
     return _as_runs(*_merge_intervals(arr, np.ones_like(arr)))
