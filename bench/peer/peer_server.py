@@ -10,8 +10,9 @@ KV buffer, flash attention auto, the prompt cache on, weight repacking on, threa
 ``--llama-server-args`` adds flags to every llama-server (``--no-repack`` on a CPU where its
 default repacking crashes; say so beside any figure). ``kvreuse serve --model FILE`` runs at its
 defaults (``--kvreuse-args`` adds flags). For 16 streams llama-server also runs a second
-configuration, ``-np 16 -kvu`` (16 slots on the same unified KV buffer; without ``-kvu`` the
-context would be split 16 ways, too short for the load's prompts), and both are reported.
+configuration, ``--np16-args`` (default ``-np 16 -c 32768``: 16 slots of 2,048 tokens each;
+with ``-np`` given, llama-server splits its context among the slots, and the default 8,192 would
+leave 512 a slot, too short for the load's prompts), and both are reported.
 
 Every request is a streaming ``POST /v1/completions`` with token ids (random ids from the middle
 of the vocabulary, fresh each time unless cached on purpose), ``temperature`` 0 and
@@ -239,8 +240,12 @@ def main() -> None:
     ap.add_argument("--load-requests", type=int, default=3, help="requests each client sends in a row")
     ap.add_argument("--load-rounds", type=int, default=1, help="repetitions of each load run (pooled)")
     ap.add_argument(
-        "--np16-from", type=int, default=16, help="run llama-server -np 16 -kvu too at concurrencies >= this (0: never)"
+        "--np16-from",
+        type=int,
+        default=16,
+        help="run llama-server with --np16-args too at concurrencies >= this (0: never)",
     )
+    ap.add_argument("--np16-args", default="-np 16 -c 32768", help="the second llama-server's flags")
     ap.add_argument("--threads", type=int, default=2, help="threads of the limits and of llama-bench")
     ap.add_argument("--bench-prompts", type=int, nargs="*", default=[512, 2048], help="llama-bench -p (none: skip)")
     ap.add_argument("--bench-gen", type=int, default=128, help="llama-bench -n")
@@ -292,7 +297,7 @@ def main() -> None:
                 llama_server(
                     Path(args.llama_server),
                     model,
-                    [*extra, "-np", "16", "-kvu"],
+                    [*extra, *shlex.split(args.np16_args)],
                     logs / "llama_np16.log",
                     args.startup_s,
                 )
@@ -369,7 +374,7 @@ def main() -> None:
             "binary": str(args.llama_server),
             "version": tool_version(Path(args.llama_server)),
             "args": ["-m", "FILE", "--host", "127.0.0.1", "--port", "P", *extra],
-            "np16_args": [*extra, "-np", "16", "-kvu"],
+            "np16_args": [*extra, *shlex.split(args.np16_args)],
         },
         "kvreuse_args": ["serve", "--model", "FILE", *shlex.split(args.kvreuse_args)],
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
