@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from kvreuse.cache.kv_block import KVBlock
-from kvreuse.document_prompt import Segment, SegmentKind  # value types; importable from here
+from kvreuse.document_prompt import Segment, SegmentKind  # noqa: F401 - value types, re-exported from here
 
 
 class ContextState(enum.Enum):
@@ -138,11 +137,11 @@ class PromptContext:
         """``[c]`` int64: how far each key's RoPE position is from the one its K was computed
         at (an acquisition whose ``HeldKV`` has ``shifts``: documents read in place);
         ``None`` when none moves, or while released."""
-        held = self._held
-        if held is None or getattr(held, "shifts", None) is None:
+        shifts = None if self._held is None else getattr(self._held, "shifts", None)  # only documents have them
+        if shifts is None:
             return None
         if self._shifts is None:
-            self._shifts = np.asarray(held.shifts, dtype=np.int64).reshape(-1)  # [c]
+            self._shifts = np.asarray(shifts, dtype=np.int64).reshape(-1)  # [c]
         return self._shifts
 
     def _array_pair(self) -> tuple[np.ndarray, np.ndarray]:

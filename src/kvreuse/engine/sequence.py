@@ -6,16 +6,20 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.hashing import BlockHash
+from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.context import PromptContext
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.spec_decode import SpecState
+
+if TYPE_CHECKING:  # a sequence imports no torch (the simulators build sequences without it)
+    import torch
 
 
 _EMPTY = np.zeros(0, np.int64)  # [0] no module context
@@ -59,7 +63,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     text: str = ""  # detokenized output so far (stop strings cut)
-    generator: object | None = None  # torch.Generator when params.seed is set
+    generator: torch.Generator | None = None  # when params.seed is set
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     # Prompt lookup: tokens proposed for verification this step (not part of token_ids; their
     # slots follow the last token's; the scheduler may drop them, the engine clears them after

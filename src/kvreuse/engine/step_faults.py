@@ -44,8 +44,8 @@ class StepFaults:
         by_stage: dict[str, list[Mark]] = {stage: [] for stage in STAGES}
         for spec in specs:
             stage, sep, prefix = str(spec).partition(":")
-            head, at, after = prefix.rpartition("@")
-            prefix, after = (head, int(after)) if at and after.isdigit() else (prefix, 0)
+            head, at, count = prefix.rpartition("@")
+            prefix, after = (head, int(count)) if at and count.isdigit() else (prefix, 0)
             if not sep or stage not in by_stage or not prefix:
                 raise ValueError(f"--debug-step-fault must be STAGE:REQUEST_ID_PREFIX[@N] with STAGE one of "
                                  f"{', '.join(STAGES)} and a non-empty prefix, got {spec!r}")
