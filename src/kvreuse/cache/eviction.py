@@ -85,8 +85,9 @@ class TwoQueuePolicy(EvictionPolicy):
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.history_size = 4 * num_blocks
         self.protect_ticks = 16 * num_blocks
-        self._ghost: OrderedDict[BlockHash, int] = OrderedDict()  # evicted key -> uses so far
-        self._resident_prior: dict[BlockHash, int] = {}  # cached key -> uses before this residency
+        # keyed by block_hash, typed BlockHash | None: policies see only cached (hashed) blocks
+        self._ghost: OrderedDict[BlockHash | None, int] = OrderedDict()  # evicted key -> uses so far
+        self._resident_prior: dict[BlockHash | None, int] = {}  # cached key -> uses before this residency
 
     @classmethod
     def for_pool(cls, num_blocks: int) -> TwoQueuePolicy:
@@ -94,16 +95,16 @@ class TwoQueuePolicy(EvictionPolicy):
 
     def sort_key(self, block: KVBlock) -> tuple:
         key = block.block_hash
-        prior = self._resident_prior.get(key)  # type: ignore[arg-type]
+        prior = self._resident_prior.get(key)
         if prior is None:  # first key of this residency: adopt its ghost count
-            prior = self._resident_prior[key] = self._ghost.pop(key, 0)  # type: ignore[index,arg-type]
+            prior = self._resident_prior[key] = self._ghost.pop(key, 0)
         protected = prior + block.access_count >= 2
         return (block.last_access + (self.protect_ticks if protected else 0),)
 
     def on_evict(self, block: KVBlock) -> None:
         key = block.block_hash
-        uses = self._resident_prior.pop(key, 0) + block.access_count  # type: ignore[arg-type]
-        self._ghost[key] = uses  # type: ignore[index]
+        uses = self._resident_prior.pop(key, 0) + block.access_count
+        self._ghost[key] = uses
         if len(self._ghost) > self.history_size:
             self._ghost.popitem(last=False)
 
@@ -142,8 +143,9 @@ class LogFrequencyPolicy(EvictionPolicy):
         self.history_size = 4 * max(num_blocks, DEFAULT_NUM_BLOCKS)
         self.protect_ticks = protect_ticks
         self.max_uses = max_uses
-        self._ghost: OrderedDict[BlockHash, int] = OrderedDict()  # evicted key -> uses so far
-        self._resident_prior: dict[BlockHash, int] = {}  # cached key -> uses before this residency
+        # keyed by block_hash, typed BlockHash | None: policies see only cached (hashed) blocks
+        self._ghost: OrderedDict[BlockHash | None, int] = OrderedDict()  # evicted key -> uses so far
+        self._resident_prior: dict[BlockHash | None, int] = {}  # cached key -> uses before this residency
 
     @classmethod
     def for_pool(cls, num_blocks: int) -> LogFrequencyPolicy:
@@ -153,9 +155,9 @@ class LogFrequencyPolicy(EvictionPolicy):
         """Uses of ``block``'s key, earlier residencies included (adopts its ghost count
         the first time the key is seen in this residency)."""
         key = block.block_hash
-        prior = self._resident_prior.get(key)  # type: ignore[arg-type]
+        prior = self._resident_prior.get(key)
         if prior is None:
-            prior = self._resident_prior[key] = self._ghost.pop(key, 0)  # type: ignore[index,arg-type]
+            prior = self._resident_prior[key] = self._ghost.pop(key, 0)
         return prior + block.access_count
 
     def sort_key(self, block: KVBlock) -> tuple:
@@ -164,7 +166,7 @@ class LogFrequencyPolicy(EvictionPolicy):
 
     def on_evict(self, block: KVBlock) -> None:
         key = block.block_hash
-        self._ghost[key] = self._resident_prior.pop(key, 0) + block.access_count  # type: ignore[index,arg-type]
+        self._ghost[key] = self._resident_prior.pop(key, 0) + block.access_count
         if len(self._ghost) > self.history_size:
             self._ghost.popitem(last=False)
 

@@ -46,7 +46,7 @@ class BeladyPolicy(EvictionPolicy):
                     upcoming[k] = i
         self._trace = trace
         self._next_after = next_after
-        self._next_use: dict[BlockHash, float] = {}  # key -> next request index that needs it
+        self._next_use: dict[BlockHash | None, float] = {}  # key -> next request index that needs it (None: never)
 
     def start_request(self, index: int) -> None:
         """Request ``index`` runs now: its keys' next uses move to the following occurrence.
@@ -55,7 +55,7 @@ class BeladyPolicy(EvictionPolicy):
             self._next_use[key] = nxt
 
     def sort_key(self, block: KVBlock) -> tuple:
-        return (-self._next_use.get(block.block_hash, math.inf), -block.depth)  # type: ignore[arg-type]
+        return (-self._next_use.get(block.block_hash, math.inf), -block.depth)
 
 
 def replay_belady(trace: Trace, capacity_blocks: int, **kwargs) -> ReplayResult:
