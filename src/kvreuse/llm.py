@@ -121,8 +121,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate. A message
         with ``"kvreuse": {"document": True}`` is a reusable document (as over HTTP)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(conv) for conv in conversations]  # type: ignore[arg-type]
+        # one conversation (a list of messages) or a list of them
+        conversations = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages)
+        prompts = [self._chat_prompt(conv) for conv in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def _chat_prompt(self, messages: list[dict]) -> list[int] | DocumentPrompt:

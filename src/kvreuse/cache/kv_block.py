@@ -72,5 +72,6 @@ class EvictedBlock:
 
     @staticmethod
     def of(block: KVBlock) -> EvictedBlock:
-        return EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids,  # type: ignore[arg-type]
+        assert block.block_hash is not None  # only cached (hashed) blocks are evicted
+        return EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids,
                             block.depth, block.priority, block.duration_s)

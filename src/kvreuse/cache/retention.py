@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvreuse.cache.kv_block import DEFAULT_PRIORITY, cdiv
 
@@ -242,12 +242,12 @@ def _expect_mapping(obj: object, path: str, allowed: set[str]) -> Mapping:
     return obj
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a number
 
 
 def _check_priority(v: object, path: str) -> None:
-    if not _is_int(v) or not MIN_PRIORITY <= v <= MAX_PRIORITY:  # type: ignore[operator]
+    if not _is_int(v) or not MIN_PRIORITY <= v <= MAX_PRIORITY:
         raise ValueError(f"{path}: must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {v!r}")
 
 
@@ -255,7 +255,7 @@ MAX_DURATION_MS = 10**12  # ~31.7 years; null means no expiry at all
 
 
 def _check_duration(v: object, path: str) -> None:
-    if v is not None and (not _is_int(v) or not 0 < v <= MAX_DURATION_MS):  # type: ignore[operator]
+    if v is not None and (not _is_int(v) or not 0 < v <= MAX_DURATION_MS):
         raise ValueError(f"{path}: must be a positive integer (ms) up to {MAX_DURATION_MS}, or null, got {v!r:.40}")
 
 

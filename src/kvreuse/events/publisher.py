@@ -79,9 +79,9 @@ def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[di
                 same_kind = prev is not None and prev["type"] == "BlockStored" and (
                     prev["medium"], prev["lora_id"], prev["block_size"]
                 ) == (b.cache_level, b.lora_id, data.block_size)
-                if same_kind and prev["block_hashes"][-1] == p:  # type: ignore[index]
-                    prev["block_hashes"].append(h)  # type: ignore[index]
-                    prev["token_ids"].extend(b.token_ids)  # type: ignore[index]
+                if prev is not None and same_kind and prev["block_hashes"][-1] == p:
+                    prev["block_hashes"].append(h)
+                    prev["token_ids"].extend(b.token_ids)
                 else:
                     prev = stored_message([h], p, list(b.token_ids), data.block_size, b.lora_id, b.cache_level)
                     out.append(prev)
