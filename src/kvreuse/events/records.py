@@ -97,7 +97,12 @@ def _hex(h: bytes | None) -> str | None:
 
 
 def _unhex(s: str | None) -> BlockHash | None:
-    return None if s is None else BlockHash(bytes.fromhex(s))
+    return None if s is None else _key(s)
+
+
+def _key(s: str) -> BlockHash:
+    """A block hash from its hex (a field that is never null)."""
+    return BlockHash(bytes.fromhex(s))
 
 
 def _diff(old: Any, new: Any) -> dict | None:
@@ -143,16 +148,16 @@ def record_from_json(d: dict) -> KVEvent:
     kind = d.get("type")
     if kind == "stored":
         blocks = tuple(
-            StoredBlock(_unhex(b["block_hash"]), tuple(b["token_ids"]), b["priority"], b["cache_level"], b.get("lora_id"))  # type: ignore[arg-type]
+            StoredBlock(_key(b["block_hash"]), tuple(b["token_ids"]), b["priority"], b["cache_level"], b.get("lora_id"))
             for b in d["blocks"]
         )
         return BlocksStored(_unhex(d["parent_hash"]), blocks, d["block_size"])
     if kind == "removed":
-        return BlocksRemoved(tuple(_unhex(h) for h in d["block_hashes"]), d.get("cache_level", DEVICE_LEVEL))  # type: ignore[misc]
+        return BlocksRemoved(tuple(_key(h) for h in d["block_hashes"]), d.get("cache_level", DEVICE_LEVEL))
     if kind == "updated":
         p, c = d.get("priority") or {}, d.get("cache_level") or {}
         return BlockUpdated(
-            _unhex(d["block_hash"]),  # type: ignore[arg-type]
+            _key(d["block_hash"]),
             p.get("old_value"),
             p.get("new_value"),
             c.get("old_value"),
@@ -215,7 +220,7 @@ class KVSnapshot:
     def from_json(cls, d: dict) -> KVSnapshot:
         blocks = tuple(
             SnapshotBlock(
-                _unhex(b["block_hash"]), _unhex(b["parent_hash"]), tuple(b["token_ids"]),  # type: ignore[arg-type]
+                _key(b["block_hash"]), _unhex(b["parent_hash"]), tuple(b["token_ids"]),
                 b["priority"], b["cache_level"], b["depth"], b["in_use"],
             )
             for b in d["blocks"]
