@@ -172,7 +172,7 @@ class BlockPool:
                     block = self._free.popleft()
                 else:
                     block = self._pop_victim()
-                    removed.append(block.block_hash)  # type: ignore[arg-type]
+                    removed.append(block.block_hash)  # type: ignore[arg-type]  # a victim is a cached, hashed block
                     if self._evicted is not None:
                         self._evicted.append(EvictedBlock.of(block))
                     self._unregister(block)
@@ -392,4 +392,4 @@ class BlockPool:
         key = block.block_hash
         self._unregister(block, evicted=False)
         self._free.append(block)
-        return key  # type: ignore[return-value]
+        return key  # type: ignore[return-value]  # a cached block is hashed

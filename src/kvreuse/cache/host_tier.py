@@ -266,7 +266,7 @@ class HostTier:
         picked = [b for b in blocks if b.block_hash is not None and self.below.writes_through(b.priority)]
         if picked:
             kv = self.mover.read_device([b.block_id for b in picked])
-            self.below.spill([(b.block_hash, b.parent_hash, b.token_ids, b.depth) for b in picked], kv)  # type: ignore[misc]
+            self.below.spill([(b.block_hash, b.parent_hash, b.token_ids, b.depth) for b in picked], kv)  # type: ignore[misc]  # picked blocks are hashed (filter above)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

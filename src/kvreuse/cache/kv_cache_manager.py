@@ -176,7 +176,7 @@ class KVCacheManager:
         if below or stored:
             j = n + len(below)
             ids = [b.block_id for b in blocks]
-            moved = self.lower.onboard(below, ids[n:j]) + self.lower.load(stored, ids[j : j + len(stored)])  # type: ignore[union-attr]
+            moved = self.lower.onboard(below, ids[n:j]) + self.lower.load(stored, ids[j : j + len(stored)])  # type: ignore[union-attr]  # blocks from below imply a lower tier
             self._register_moved(blocks, keys, token_blocks, n, moved, wanted)
         return Admission(tuple(blocks), n + len(below) + len(stored), len(below), len(stored),
                          tuple(s.level for s in stored))

@@ -35,9 +35,9 @@ class PrefixIndex:
         the count of children already registered under its key, and a registered parent stops
         being a leaf (its ``version`` bumps, dropping its eviction-heap entry)."""
         key, parent_hash = block.block_hash, block.parent_hash
-        self.blocks[key] = block  # type: ignore[index]
+        self.blocks[key] = block  # type: ignore[index]  # entered blocks are hashed
         self.held_by_priority[block.priority] = self.held_by_priority.get(block.priority, 0) + 1
-        block.num_cached_children = self.children.get(key, 0)  # type: ignore[arg-type]
+        block.num_cached_children = self.children.get(key, 0)  # type: ignore[arg-type]  # entered blocks are hashed
         if parent_hash is not None:
             self.children[parent_hash] = self.children.get(parent_hash, 0) + 1
         parent = self.get(parent_hash)
@@ -48,7 +48,7 @@ class PrefixIndex:
     def remove(self, block: KVBlock) -> KVBlock | None:
         """Take a registered ``block`` out of the index (its fields are left to the caller).
         Returns its registered parent when that parent is left a leaf, else None."""
-        del self.blocks[block.block_hash]  # type: ignore[arg-type]
+        del self.blocks[block.block_hash]  # type: ignore[arg-type]  # registered blocks are hashed
         self.held_by_priority[block.priority] -= 1
         if block.parent_hash is not None:
             left = self.children[block.parent_hash] - 1

@@ -156,8 +156,8 @@ class ModuleFill:
         step = self.cache.chunk_tokens
         while self.tokens_left and (done == 0 or max_tokens is None or done + self.next_chunk <= max_tokens):
             run, start = self._run, self._next
-            end = min(start + step, len(run.token_ids))  # type: ignore[union-attr]
-            self.cache.runner.precompute_chunk(run.token_ids, run.position_ids, self._slots, start, end)  # type: ignore[union-attr]
+            end = min(start + step, len(run.token_ids))  # type: ignore[union-attr]  # tokens_left implies a run
+            self.cache.runner.precompute_chunk(run.token_ids, run.position_ids, self._slots, start, end)  # type: ignore[union-attr]  # tokens_left implies a run
             self._next = end
             done += end - start
         return done
@@ -200,7 +200,7 @@ class ModuleFill:
         """Fill the fresh blocks from the store; False (compute instead) when the file is
         absent or refused, or its tensor does not fit the module (the runner's ``ValueError``)."""
         store = self.cache.store
-        kv = store.load_module(self.schema, self.module.qualified_name)  # type: ignore[union-attr]
+        kv = store.load_module(self.schema, self.module.qualified_name)  # type: ignore[union-attr]  # _load runs only with a store
         if kv is None:
             return False
         lo = self._num_hits * self.cache.pool.block_size  # stored tokens below this are already in the pool
@@ -208,7 +208,7 @@ class ModuleFill:
         try:
             self.cache.runner.write_kv(slots, kv, first_token=lo)
         except ValueError as exc:
-            store.refuse(self.schema, StoreMismatch(f"module {self.module.qualified_name!r}: {exc}", "shape"))  # type: ignore[union-attr]
+            store.refuse(self.schema, StoreMismatch(f"module {self.module.qualified_name!r}: {exc}", "shape"))  # type: ignore[union-attr]  # _load runs only with a store
             return False
         self.loaded_tokens = len(slots)
         return True

@@ -139,7 +139,7 @@ class KVIndex:
         the index."""
         counts = self._overlap_counts(keys, names)
         if tier_weights is None:
-            return counts  # type: ignore[return-value]
+            return counts  # type: ignore[return-value]  # int counts are the scores without tier weights
         out: dict[str, float] = {}
         for name, n in counts.items():
             out[name] = float(sum(max(tier_weights.get(level, 1.0) for level in self.reachable_levels(name, key))

@@ -65,4 +65,4 @@ def install_openapi(app: FastAPI) -> None:
             app.openapi_schema = get_openapi(title=app.title, version=app.version, routes=[*twins, *own])
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override

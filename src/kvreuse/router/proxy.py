@@ -100,7 +100,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
     stream = StreamRequest.of(chat, body)
     refusal = None if stream is None else _refusal(router, stream)
     migrating = stream is not None and refusal is None
-    upstream_raw = stream.upstream_body() if migrating else raw  # type: ignore[union-attr]
+    upstream_raw = stream.upstream_body() if migrating else raw  # type: ignore[union-attr]  # migrating implies a stream
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
     last_error = "no healthy executor"
@@ -137,7 +137,7 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
             return result
         headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
         if migrating:
-            events = migrating_stream(router, result, stream, keys, path, fwd, tried)  # type: ignore[arg-type]
+            events = migrating_stream(router, result, stream, keys, path, fwd, tried)  # type: ignore[arg-type]  # migrating implies a stream
         else:
             events = _relay(router, result, refusal)
         if usage is not None:

@@ -168,7 +168,7 @@ class Router:
         endpoint = reachable_endpoint(endpoint, e.url) if endpoint else None
         if endpoint:
             return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url, self.control_headers),
-                           topic=e.info.events.get("zmq_topic") or "")  # type: ignore[union-attr]
+                           topic=e.info.events.get("zmq_topic") or "")  # type: ignore[union-attr]  # an endpoint implies e.info
         return SSEFeed(self.index, e.name, e.url, self.client, headers=self.control_headers)
 
     # ------------------------------------------------------------------ health

@@ -47,7 +47,7 @@ class StreamRequest:
             return None
         try:
             parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
-            prompts = 1 if chat else len(parsed.prompts())  # type: ignore[union-attr]
+            prompts = 1 if chat else len(parsed.prompts())  # type: ignore[union-attr]  # not chat: a CompletionRequest
             parsed.num_logprobs()  # checks what validation leaves to it (top_logprobs without logprobs)
         except (ValidationError, ValueError, APIError):
             return cls(chat, body, None, 0)
@@ -64,7 +64,7 @@ class StreamRequest:
 
     @property
     def continuous_usage(self) -> bool:
-        return self.include_usage and self.parsed.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+        return self.include_usage and self.parsed.stream_options.continuous_usage_stats  # type: ignore[union-attr]  # include_usage implies stream_options
 
     def unsupported(self) -> str | None:
         """Why a stream of this request cannot be continued from its tokens, or ``None``."""

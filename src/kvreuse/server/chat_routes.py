@@ -158,7 +158,7 @@ def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_rea
 async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer,
                   prompt_ids: list[int] | None) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
-    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]  # include_usage implies stream_options
     logprobs = ChatLogprobs(tokenizer)
     pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
     pending_ids: dict[int, list[int]] = {}  # return_token_ids: ids sampled since the choice's last chunk

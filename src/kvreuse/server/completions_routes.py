@@ -152,7 +152,7 @@ def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> Do
 async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str, Any], streams,
                   echo_text: list[str], prompt_ids: list[list[int] | None]) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
-    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]  # include_usage implies stream_options
     logprobs: dict[int, CompletionLogprobs] = {}  # per choice, when asked for
     pending: dict[int, list[TokenLogprobs]] = {}  # tokens whose text has not been sent yet
     pending_ids: dict[int, list[int]] = {}  # return_token_ids: ids sampled since the choice's last chunk
