@@ -58,12 +58,15 @@ def main() -> None:
     with torch.inference_mode():
         for rows in ROWS:
             xs = [torch.randn(rows, k, generator=gen).to(act) for _, k in SHAPES]
-            kernel = lambda: [torch._weight_int4pack_mm_for_cpu(x, m.qweight, m.group, m.scale_zero)  # noqa: E731
-                              for m, x in zip(layers, xs)]
-            dense = lambda: [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16))  # noqa: E731
-                             for m, x in zip(layers, xs)]
-            dense32 = lambda: [F.linear(x.float(), m.unpacked_weight(torch.float32)).to(act)  # noqa: E731
-                               for m, x in zip(layers, xs)]
+            def kernel(xs=xs):
+                return [torch._weight_int4pack_mm_for_cpu(x, m.qweight, m.group, m.scale_zero) for m, x in zip(layers, xs)]
+
+            def dense(xs=xs):
+                return [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16)) for m, x in zip(layers, xs)]
+
+            def dense32(xs=xs):
+                return [F.linear(x.float(), m.unpacked_weight(torch.float32)).to(act) for m, x in zip(layers, xs)]
+
             kernel(), dense(), dense32()
             calls = 3 if rows >= 128 or act == torch.float32 else 10
             samples = {"kernel_ms": [], "dense_ms": [], "dense_fp32_ms": []}
@@ -74,7 +77,8 @@ def main() -> None:
             med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
             result["rows"][rows] = {**med, "runs_dense_in": str(dense_dtype(rows, act)), "samples": samples}
             print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms"
-                  f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms (one decoder layer's four matmuls;"
+                  f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms"
+                  " (one decoder layer's four matmuls;"
                   f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})", flush=True)
     out = RESULTS / f"int4_rows{args.tag}.json"
     write_json(out, result)

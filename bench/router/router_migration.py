@@ -13,8 +13,9 @@ through the limit-3 router with no fault. Then ``--runs`` interleaved pairs of r
 3, limit 0, limit 3, ...): ``--streams`` greedy streams at once (half completions, half
 chat, ``ignore_eos``), and once every stream has its first chunks the executor serving the
 first one is SIGKILLed (SIGTERM to this script leaves the executors running: stop it with
-Ctrl-C); it is restarted after the run. Stall: each stream's longest gap between two events, for the streams that were on the victim and for the others (which
-share the surviving executor with the continued ones), and each run's median gap.
+Ctrl-C); it is restarted after the run. Stall: each stream's longest gap between two events,
+for the streams that were on the victim and for the others (which share the surviving
+executor with the continued ones), and each run's median gap.
 A request refused before its first byte (e.g. a 503 while a loaded router's health probes
 time out) is counted as ``refused``, apart from the cut streams. Writes
 bench/results/router_migration.json and bench/results/router_migration.png.

@@ -207,8 +207,9 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     # are common and any change to the arithmetic's order breaks some of them one way or the
     # other (measured once: fp32 flash vs fp32 matmuls for the cached context's attention
     # swapped 2 and 3 of these 120 positions, every one a tie or a one-step margin in the
-    # no-reuse logits; the bf16 flash kernel now used swaps 1, 0 and 1 for none / int8 / int4). A position agrees
-    # when the reused prompt's token is no-reuse's, or scores within one bf16 step of no-reuse's top (as below for transformers).
+    # no-reuse logits; the bf16 flash kernel now used swaps 1, 0 and 1 for none / int8 / int4). A position
+    # agrees when the reused prompt's token is no-reuse's, or scores within one bf16 step of no-reuse's top
+    # (as below for transformers).
     ids = loaded.tokenizer(DATA.joinpath("perplexity_text.txt").read_text()).input_ids
     shared, tails = ids[:200], [ids[200:240], ids[300:340], ids[400:440]]
     prompts = [shared + tail[:n] for tail in tails for n in range(1, len(tail) + 1)]

@@ -44,11 +44,11 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
-def anthropic_error_body(message: str, type: str = "invalid_request_error") -> dict[str, Any]:  # noqa: A002
+def anthropic_error_body(message: str, type: str = "invalid_request_error") -> dict[str, Any]:
     return {"type": "error", "error": {"type": type, "message": message}}
 
 
-def stream_error(message: str, type: str = "api_error") -> str:  # noqa: A002
+def stream_error(message: str, type: str = "api_error") -> str:
     """An ``error`` event of a Messages stream (what the official clients raise from)."""
     return f"event: error\ndata: {json.dumps(anthropic_error_body(message, type), separators=(',', ':'))}\n\n"
 

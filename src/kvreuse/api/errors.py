@@ -29,7 +29,7 @@ class APIError(Exception):
         message: str,
         *,
         status: int = 400,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
     ) -> None:
@@ -40,12 +40,12 @@ class APIError(Exception):
         return error_response(self.message, status=self.status, type=self.type, param=self.param, code=self.code)
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",  # noqa: A002
+def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status, headers=headers)

@@ -149,8 +149,9 @@ class KVCacheManager:
     ) -> Admission | None:
         """Hold ``num_blocks`` blocks for a request whose leading blocks have ``keys`` /
         ``token_blocks`` (indexable and iterable, one entry per key at least): the longest
-        cached run of them (at most ``max_hits``, default all) is acquired, each hit taking the request's retention (its priority when it gives one,
-        its duration always), and fresh blocks make up the rest. Returns ``None`` and changes
+        cached run of them (at most ``max_hits``, default all) is acquired, each hit taking the
+        request's retention (its priority when it gives one, its duration always), and fresh
+        blocks make up the rest. Returns ``None`` and changes
         nothing when the pool cannot hold them now."""
         limit = len(keys) if max_hits is None else min(max_hits, len(keys))
         hits = self.pool.match_prefix(keys[:limit], token_blocks) if limit > 0 else []

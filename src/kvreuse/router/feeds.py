@@ -170,7 +170,7 @@ class ZmqFeed:
                         self.num_batches += 1
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - any failure: forget this executor's blocks, retry
                     logger.debug("zmq feed %s: %r", self.endpoint, exc)
                     self.index.clear(self.name)
                     await asyncio.sleep(self.retry_s)

@@ -8,7 +8,8 @@ Prints, per policy, the token-level hit rate, evictions (by priority) and Belady
 offline bound; with ``--host-blocks M`` each policy replays with a host tier of M blocks
 below the pool (the engine's tier rules, through the same pool code) and the bounds are
 Belady's and an infinite cache's for the combined size; ``--json`` prints one JSON document
-instead; ``--plot`` also draws hit rate against capacity (``--sweep`` capacities, default N/4 .. 4N). Progress goes to stderr.
+instead; ``--plot`` also draws hit rate against capacity (``--sweep`` capacities, default
+N/4 .. 4N). Progress goes to stderr.
 """
 
 from __future__ import annotations
