@@ -107,7 +107,7 @@ def attend(
 
 
 def _attend_item(
-    item: "PrefillItem",
+    item: PrefillItem,
     q: torch.Tensor,  # [n, heads, d]
     k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys
     v: torch.Tensor,  # [n, kv_heads, d]
@@ -166,7 +166,7 @@ SMALL_QUERY = 128  # below this many new tokens, plain matmuls beat SDPA's kerne
 
 
 def _flash_over_pool(
-    item: "PrefillItem",
+    item: PrefillItem,
     q: torch.Tensor,  # [n, heads, d]
     k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys (already in the pool too)
     v: torch.Tensor,  # [n, kv_heads, d]

@@ -49,7 +49,7 @@ import numpy as np
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
-from kvreuse.document_prompt import DocumentLayout, DocumentPrompt, Segment  # values; importable from here
+from kvreuse.document_prompt import DocumentLayout, DocumentPrompt, Segment  # noqa: F401 - values, re-exported from here
 from kvreuse.events.records import HOST_LEVEL
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class DocumentCache:
         return extend_chain([], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm,
                             partial_tail=True)
 
-    def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> "DocumentSource":
+    def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> DocumentSource:
         """The request's ``ContextSource``; ``in_place``: reference the documents' own blocks
         (no copy; the keys stay where they were computed, so only for a request that is not
         blended, on a model without sliding-window layers), else copy them moved."""

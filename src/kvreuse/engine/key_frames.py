@@ -59,7 +59,7 @@ class KeyFrames:
 
     @classmethod
     def build(cls, slots: np.ndarray, shifts: np.ndarray, own_starts: np.ndarray, own_lengths: np.ndarray,
-              rope: RopeShift, device: torch.device | str) -> "KeyFrames":
+              rope: RopeShift, device: torch.device | str) -> KeyFrames:
         """``slots``/``shifts`` (``[c]`` int64 each): context keys and the positions each must
         move by; ``own_starts``/``own_lengths`` (``[k]`` int64): the item's own keys as slot
         intervals, shift 0. Keys of one shift are attended together, so the order does not
@@ -93,7 +93,7 @@ class KeyFrames:
     @classmethod
     def by_position(cls, slots: np.ndarray, shifts: np.ndarray, key_positions: np.ndarray,
                     query_positions: np.ndarray, rope: RopeShift, dtype: torch.dtype,
-                    device: torch.device | str) -> "KeyFrames":
+                    device: torch.device | str) -> KeyFrames:
         """Every key (``[L]`` int64 ``slots``, ``shifts``, RoPE ``key_positions``; the new
         tokens' own keys included, shift 0) grouped by shift and gathered, each group with the
         mask of query ``i`` (at ``query_positions[i]``) seeing key ``j`` iff ``key_positions[j]

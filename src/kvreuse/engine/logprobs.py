@@ -11,11 +11,10 @@ Cost: only the rows of requests that asked for logprobs go through ``log_softmax
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-
 
 
 @dataclass(frozen=True, slots=True)

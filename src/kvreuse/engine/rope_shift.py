@@ -41,7 +41,7 @@ class RopeShift:
     inv_freq: torch.Tensor  # [layers, head_dim / 2] fp32
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> "RopeShift":
+    def of(cls, model: torch.nn.Module) -> RopeShift:
         """The shift for a transformers ``*ForCausalLM`` (Llama family, Gemma 3). Raises
         ``ValueError`` for a rope type whose frequencies change with the length."""
         inner = getattr(model, "model", model)

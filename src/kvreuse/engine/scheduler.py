@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 
-
 # Prefill tokens a decoding step carries when no setting says: on a CPU a prefill token costs
 # ~1-2 ms (135M, 2 cores), so a step with a 1,500-token prompt beside a decode takes ~1 s; a small
 # cap keeps a stream's inter-token latency near its lone step (bench/decode/mixed_load.py). A GPU

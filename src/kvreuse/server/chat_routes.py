@@ -25,22 +25,35 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from kvreuse.api.chat_prompt import merge_retention, render_chat
+from kvreuse.api.errors import APIError, error_body
+from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
+from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.blend import BlendOverride
 from kvreuse.engine.logprobs import TokenLogprobs
-from kvreuse.pml.module_cache import is_pml_prompt
 from kvreuse.pml import PMLError
-from kvreuse.api.chat_prompt import merge_retention, render_chat
-from kvreuse.api.tenants import tenant_of, tenant_salt
-from kvreuse.api.errors import APIError, error_body
+from kvreuse.pml.module_cache import is_pml_prompt
+from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import ChatLogprobs
-from kvreuse.api.protocol import ChatCompletionRequest, now_s, usage_dict
-from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, document_reply_room, new_request_id,
-    parse_blend, parse_retention, reply_room, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
+    SSE_DONE,
+    EngineRequest,
+    check_model,
+    check_prompt,
+    check_prompt_length,
+    document_reply_room,
+    new_request_id,
+    parse_blend,
+    parse_retention,
+    reply_room,
+    reserve_tokens,
+    run_to_completion,
+    sampling_params,
+    sse,
+    start_streams,
 )
 
 router = APIRouter()

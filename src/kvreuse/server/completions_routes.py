@@ -27,22 +27,34 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvreuse.api.body import check_text
+from kvreuse.api.chat_prompt import special_lead
+from kvreuse.api.errors import APIError, error_body
+from kvreuse.api.protocol import CompletionRequest, default_max_tokens, now_s, usage_dict
+from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.engine.async_engine import EngineError
+from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.logprobs import TokenLogprobs
 from kvreuse.pml.module_cache import is_pml_prompt
-from kvreuse.api.chat_prompt import special_lead
-from kvreuse.api.body import check_text
-from kvreuse.api.errors import APIError, error_body
-from kvreuse.engine.document_cache import DocumentPrompt
-from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.pml.prepared import PreparedPrompt
+from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.errors import from_value_error
 from kvreuse.server.logprobs_format import CompletionLogprobs
-from kvreuse.api.protocol import CompletionRequest, default_max_tokens, now_s, usage_dict
-from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.serving import (
-    SSE_DONE, EngineRequest, check_model, check_prompt, check_prompt_length, document_reply_room, new_request_id,
-    parse_blend, parse_retention, reserve_tokens, run_to_completion, sampling_params, sse, start_streams,
+    SSE_DONE,
+    EngineRequest,
+    check_model,
+    check_prompt,
+    check_prompt_length,
+    document_reply_room,
+    new_request_id,
+    parse_blend,
+    parse_retention,
+    reserve_tokens,
+    run_to_completion,
+    sampling_params,
+    sse,
+    start_streams,
 )
 
 router = APIRouter()
