@@ -16,6 +16,8 @@ which read the pool in place).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -58,7 +60,8 @@ def paged_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
             sliding_window=sliding_window, **kwargs,
         )
-    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+    layer_idx = cast("int", module.layer_idx)  # transformers' attention modules carry their layer index
+    out = attend(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                  kv_context, scaling, sliding_window)  # [T, heads, d]
     return out.unsqueeze(0), None
 
@@ -146,6 +149,7 @@ def _attend_item(
     if not sliding_window:
         return _flash_over_pool(item, q, k, v, k_cache, v_cache, scale)
     # Sliding-window layer: the window masks context keys too (attention order, bool mask).
+    assert mask is not None  # the batch builds a mask for every sliding window it serves
     qh = q.transpose(0, 1)  # [heads, n, d]
     if item.num_new <= SMALL_QUERY and item.kv_runs:
         # the keys lie in a few runs of consecutive slots: read them in place, no gather
@@ -180,8 +184,9 @@ def _flash_over_pool(
 
     - ``n == 1`` (a decode): every key is visible, the new one included (written above), so
       each run of the keys is one unmasked call; one run (a sequence's blocks side by side)
-      is one call and no merge; short or many runs are gathered into one call. The query heads of a KV head are stacked as
-      rows (``[kv_heads, groups, d]``, a view), so the kernel reads each key once per KV head.
+      is one call and no merge; short or many runs are gathered into one call. The query heads
+      of a KV head are stacked as rows (``[kv_heads, groups, d]``, a view), so the kernel reads
+      each key once per KV head.
     - ``n > 1`` (a suffix after a cached prefix, a chunk): the context in one unmasked call
       (in place when it is one run, else gathered once), the new tokens in one causal call
       over their own K/V (square, so causal is unambiguous), merged.
@@ -244,13 +249,15 @@ def _flash_over_frames(
     as_is = qh.contiguous()
     pieces = []
     for group in frames.groups:
+        qf = as_is if group.frame < 0 else _frame(moved, group.frame)  # [heads, n, d]
         if group.mask is not None:  # by position: [1, heads, n, d] against the group's keys, the mask decides
-            qm = (as_is if group.frame < 0 else moved[group.frame]).unsqueeze(0)
+            assert group.slots is not None and group.blind is not None  # by_position groups carry both
+            qm = qf.unsqueeze(0)
             o, lse = flash(qm, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
                             scale, mask=group.mask)  # [1, heads, n, d], [1, heads, n]
             pieces.append((o, lse.masked_fill(group.blind, float("-inf"))))
             continue
-        qg = (as_is if group.frame < 0 else moved[group.frame]).view(1, kv_heads, heads // kv_heads * n, d)
+        qg = qf.view(1, kv_heads, heads // kv_heads * n, d)
         if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
             pieces.append(flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
                                  scale))
@@ -262,6 +269,13 @@ def _flash_over_frames(
         pieces.append(flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
                              causal=True))
     return merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
+
+
+def _frame(moved: torch.Tensor | None, frame: int) -> torch.Tensor:
+    """The queries rotated into ``frame``, ``[heads, n, d]``: ``moved`` is None only when
+    the frames hold no shifted group, and then no group asks for one."""
+    assert moved is not None
+    return moved[frame]
 
 
 def _grouped_attention(
@@ -294,6 +308,7 @@ def _grouped_attention(
         piece = torch.bmm(probs[..., offset : offset + v.shape[1]], v)  # [kv_heads, groups*n, d]
         out = piece if out is None else out.add_(piece)
         offset += v.shape[1]
+    assert out is not None  # vs holds at least one piece
     return out.view(heads, n, d)
 
 
