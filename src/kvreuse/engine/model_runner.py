@@ -12,7 +12,6 @@ scratch pass for blend's deviation score, ``engine/blend_pass.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,67 +21,11 @@ from kvreuse.engine import attention
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.engine.key_frames import KeyFrames
 from kvreuse.engine.rope_shift import RopeShift
+from kvreuse.engine.seq_chunk import KVLayout, SeqChunk  # re-exported: the runner's input types
 from kvreuse.models import llama
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """New tokens of one sequence to compute in this step.
-
-    ``keys`` says where every key lies: the fixed context (PML modules), then the
-    sequence's own tokens through its block table, the last ``len(token_ids)`` of them
-    being these new tokens. The new tokens attend to every key before them and causally
-    to each other. ``context_positions`` are the RoPE positions of the keys before the new
-    tokens, read only by sliding-window layers (``None`` = ``0..len-1``).
-    """
-
-    token_ids: list[int]  # [n]
-    positions: list[int]  # [n] RoPE positions of the new tokens
-    keys: KeyTable
-    context_positions: np.ndarray | None  # [num_context] int64
-    sample: bool
-    # True: a key is visible to a new token iff its position <= the token's (not by order;
-    # blend recomputes scattered tokens among keys on both sides of them)
-    by_position: bool = False
-    num_logits: int = 1  # with sample: logits rows for the last this many new tokens (a verified draft)
-
-    @classmethod
-    def from_slots(
-        cls, token_ids: Sequence[int], positions: Sequence[int], new_slots: Sequence[int], context_slots: Sequence[int],
-        context_positions: Sequence[int] | None, sample: bool,
-    ) -> SeqChunk:
-        """A chunk whose keys lie in arbitrary slots (module precompute, tests): the keys
-        before the new tokens are fixed context slots, the new tokens a table of one-slot
-        blocks."""
-        keys = KeyTable(np.asarray(context_slots, dtype=np.int64).reshape(-1),
-                        np.asarray(new_slots, dtype=np.int64).reshape(-1), 1, len(new_slots))
-        ctx_pos = None if context_positions is None else np.asarray(context_positions, dtype=np.int64).reshape(-1)
-        return cls(list(token_ids), list(positions), keys, ctx_pos, sample)
-
-    @property
-    def num_context(self) -> int:
-        """Keys before the new tokens."""
-        return self.keys.num_keys - len(self.token_ids)
-
-    @property
-    def new_slots(self) -> np.ndarray:
-        """``[n]`` int64 slots the new tokens' K/V are written to."""
-        own = self.keys.num_own
-        return self.keys.own_slots(own - len(self.token_ids), own)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_windows: tuple[int, ...]  # distinct sliding windows used by some layer
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -228,7 +171,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ scratch passes
     @torch.inference_mode()
-    def forward_by_position(self, token_ids: Sequence[int], positions: Sequence[int], through_layer: int) -> torch.Tensor:
+    def forward_by_position(self, token_ids: Sequence[int], positions: Sequence[int],
+                            through_layer: int) -> torch.Tensor:
         """One pass over ``token_ids`` at RoPE ``positions``, each token attending to the tokens
         at or before its position, into a scratch KV tensor (the pool is only read): returns
         ``[depth, 2, kv_heads, n, head_dim]`` with token ``i``'s K/V at index ``i``, valid for
