@@ -28,8 +28,12 @@ Pure torch; no pool, no engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _SHIFTABLE = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
@@ -41,22 +45,23 @@ class RopeShift:
     inv_freq: torch.Tensor  # [layers, head_dim / 2] fp32
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> RopeShift:
+    def of(cls, model: PreTrainedModel) -> RopeShift:
         """The shift for a transformers ``*ForCausalLM`` (Llama family, Gemma 3). Raises
         ``ValueError`` for a rope type whose frequencies change with the length."""
         inner = getattr(model, "model", model)
         cfg = model.config
-        rotary = inner.rotary_emb
+        rotary = cast("torch.nn.Module", inner.rotary_emb)  # the model's rotary embedding module
         layers = int(cfg.num_hidden_layers)
         layer_types = getattr(cfg, "layer_types", None)
         per_type = getattr(rotary, "rope_type", None)
         if isinstance(per_type, dict):  # Gemma 3: one rotary module, one frequency set per layer type
             for kind, rope in per_type.items():
                 _check_type(rope, kind)
+            assert layer_types is not None  # a rope per layer type (Gemma 3) comes with layer_types
             rows = [getattr(rotary, f"{t}_inv_freq") for t in layer_types]
         else:
             _check_type(per_type or "default", "rope")
-            rows = [rotary.inv_freq] * layers
+            rows = [cast("torch.Tensor", rotary.inv_freq)] * layers  # a registered buffer
         return cls(torch.stack([r.detach().float().cpu() for r in rows]))  # [layers, d/2]
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
