@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -51,6 +51,11 @@ class SegmentedSource(ContextSource, Protocol):
     def private_blocks(self) -> bool:
         """Whether ``acquire``'s blocks are the caller's alone (unregistered copies no other
         request reads): blend then writes them in place, with no copy-on-write."""
+        ...
+
+    def release(self, held: Any) -> None:
+        """``ContextSource.release`` of what this source's own ``acquire`` gave (each source
+        takes its own ``HeldKV`` type back, hence ``Any`` here)."""
         ...
 
 
