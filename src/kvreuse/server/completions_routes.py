@@ -72,15 +72,16 @@ async def create_completion(body: CompletionRequest, request: Request):
     tokenizer = ctx.engine.tokenizer
     prompt_ids: list[list[int]] = []
     pml: list[str | None] = []  # PML prompts, each compiled once on the engine thread (docs/pml.md)
-    prepared: list[PreparedPrompt | None] = []
+    prepared: list[PreparedPrompt | DocumentPrompt | None] = []
     lengths: list[int] = []  # context length of each prompt: where decoding starts
     prompts = body.prompts()
     documents = None if body.documents is None else _documents(ctx, body, prompts)
     for prompt in prompts:
         pml.append(prompt if isinstance(prompt, str) and is_pml_prompt(prompt) else None)
         if pml[-1] is not None:
-            prepared.append(await ctx.engine.prepare_pml(pml[-1]))
-            ids, n = [], prepared[-1].next_position
+            compiled = await ctx.engine.prepare_pml(pml[-1])
+            prepared.append(compiled)
+            ids, n = [], compiled.next_position
             check_prompt_length(ctx, n, body.max_tokens, param="prompt")
         elif documents is not None:
             prepared.append(documents)
@@ -115,7 +116,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return StreamingResponse(_stream(ctx, body, header, streams, echo_text, reported),
                                  media_type="text/event-stream")
     finals = await run_to_completion(ctx, requests, request, meter)
-    choices = [
+    choices: list[dict[str, Any]] = [
         {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
          "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),
          "finish_reason": out.finish_reason}
