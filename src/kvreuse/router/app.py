@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvreuse import __version__
+from kvreuse.api import docs_routes
 from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
 from kvreuse.api.body import parse_json_body
 from kvreuse.api.errors import APIError, error_response, limit_response
@@ -71,7 +72,6 @@ from kvreuse.router.openapi import install_openapi
 from kvreuse.router.proxy import error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
-from kvreuse.server import docs_routes
 
 
 def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,

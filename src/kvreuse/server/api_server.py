@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from kvreuse import __version__
+from kvreuse.api import docs_routes
 from kvreuse.api.anthropic_errors import AnthropicErrorMiddleware
 from kvreuse.api.cache_breakpoints import DEFAULT_POLICY, BreakpointPolicy
 from kvreuse.api.limiter import TenantLimiter
@@ -34,7 +35,6 @@ from kvreuse.server import (
     chat_routes,
     completions_routes,
     dashboard_routes,
-    docs_routes,
     events_routes,
     executor_info_routes,
     info_routes,
