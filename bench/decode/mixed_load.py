@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, machine, pyplot, save_png, write_json  # noqa: E402
-
-from kvreuse import LLM, SamplingParams  # noqa: E402
+from bench.common import RESULTS, machine, pyplot, save_png, write_json
+from kvreuse import LLM, SamplingParams
 
 
 def percentile(xs: list[float], q: float) -> float:

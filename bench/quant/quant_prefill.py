@@ -1,6 +1,7 @@
 """Prefill and decode of a quantized model: kvreuse's many-row dense path vs the old rule.
 
-    PYTHONPATH=src .venv/bin/python bench/quant/quant_prefill.py [--reps 5] [--configs bfloat16:2000,float32:256] [--quantization int4]
+    PYTHONPATH=src .venv/bin/python bench/quant/quant_prefill.py [--reps 5] \
+        [--configs bfloat16:2000,float32:256] [--quantization int4]
     -> bench/results/quant_prefill<tag>.json, .png
 
 The default model quantized (``--quantization``, int4 by default: what ``auto`` gives its Q4_1
@@ -15,9 +16,9 @@ in for the run. On a CPU without native bf16 (``cpu_has_fast_bf16`` false) the t
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,8 +29,7 @@ from kvreuse.models import quant
 from kvreuse.models.quant import dense_rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
-from bench.common import RESULTS, pyplot, save_png, write_json  # noqa: E402
-
+from bench.common import RESULTS, pyplot, save_png, write_json
 
 
 def old_rule(rows: int, x_dtype: torch.dtype) -> torch.dtype | None:
