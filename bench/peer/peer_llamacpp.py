@@ -149,7 +149,7 @@ def kernel_ms(llm) -> float:
     forward = llm.engine.runner._llama
     model = llm.engine.loaded.model
     if forward is None:
-        raise SystemExit("kernel_ms needs the own Llama forward (models/llama.py)")
+        raise SystemExit("kernel_ms needs the own Llama forward (engine/llama_forward.py)")
     widths = (forward.hidden, forward.num_heads * forward.head_dim)
     layers = [(proj, width) for layer in forward.layers
               for proj, width in ((layer.qkv, widths[0]), (layer.o_proj, widths[1]), (layer.gate_up, widths[0]),

@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from kvreuse.engine.sampling_params import SamplingParams
+        from kvreuse.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -16,10 +16,10 @@ from kvreuse.cache.retention import KvCacheRetentionConfig, as_retention
 from kvreuse.engine.blend import Blend, BlendOverride
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.events.records import event_to_json
 from kvreuse.pml.module_cache import SchemaInfo
 from kvreuse.pml.prepared import is_pml_prompt
+from kvreuse.sampling_params import SamplingParams
 
 PromptType = str | list[int] | DocumentPrompt
 

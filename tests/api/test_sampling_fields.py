@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
-from kvreuse.engine.sampling_params import MIN_TOP_P, SamplingParams
+from kvreuse.sampling_params import MIN_TOP_P, SamplingParams
 
 
 def _body(text: str) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.engine.async_engine import AsyncEngine
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 from tests.server.helpers import BLOCK_SIZE, MAX_MODEL_LEN
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kvreuse.engine.forward_isolation import isolate
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 from tests.engine_helpers import step_to_end
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvreuse.engine.sampler import make_generator, sample_one, top_token
-from kvreuse.engine.sampling_params import MIN_TOP_P, SamplingParams
 from kvreuse.llm import LLM
+from kvreuse.sampling_params import MIN_TOP_P, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 

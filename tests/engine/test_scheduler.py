@@ -5,9 +5,9 @@ import pytest
 
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.kv_cache_manager import KVCacheManager
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
 from kvreuse.engine.sequence import Sequence
+from kvreuse.sampling_params import SamplingParams
 
 BS = 4
 

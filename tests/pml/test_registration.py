@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.pml.schema_cost import SchemaTooLarge
+from kvreuse.sampling_params import SamplingParams
 
 SLICE = 8  # tokens per step: every member's pass (root text + member) is split in chunks
 GREEDY = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.stop_checker import check_stop
 from kvreuse.router.sse import SSE_DONE, encode, payload
 from kvreuse.router.stream_ledger import StreamLedger
 from kvreuse.router.stream_request import StreamRequest
+from kvreuse.sampling_params import SamplingParams
 
 TEXT = "Grüße aus 東京, 🙂 und Zürich"
 PROMPT = [1, 2, 3]

@@ -96,7 +96,7 @@ class Cluster:
 
 
 async def _greedy_ids(engine) -> list[int]:
-    from kvreuse.engine.sampling_params import SamplingParams
+    from kvreuse.sampling_params import SamplingParams
 
     outs = [out async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")]
     return outs[-1].output_token_ids

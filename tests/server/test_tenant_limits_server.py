@@ -120,7 +120,7 @@ def test_a_stream_holds_its_tenants_slot_until_it_ends_or_its_client_leaves(engi
 
 
 def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_charge_the_usage(engine):
-    from kvreuse.engine.sampling_params import SamplingParams
+    from kvreuse.sampling_params import SamplingParams
 
     clock = Clock()
     app, limiter = _app(engine, TenantLimits(tenants={"acme": Limits(tokens_per_minute=120)}), clock)  # 2 tokens/s

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kvreuse.engine.sampling_params import MAX_STOP_SEQUENCES, SamplingParams
+from kvreuse.sampling_params import MAX_STOP_SEQUENCES, SamplingParams
 
 MAX_BLOCKS = 10_000  # content blocks in one message, tools, system blocks: bounds the work per request
 MAX_MESSAGES = 10_000

@@ -36,8 +36,8 @@ from pydantic_core import PydanticCustomError
 
 from kvreuse.api.body import check_text
 from kvreuse.api.cache_breakpoints import prompt_cache_retention_config
-from kvreuse.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from kvreuse.events.records import TIER_NAMES  # level -> what users read (re-exported)
+from kvreuse.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _drop_nulls(data: Any) -> Any:

@@ -30,7 +30,7 @@ from kvreuse.engine.engine_loop import (
     Stop,
     Stream,
 )
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 from kvreuse.tiers.tier_stats import store_stats
 
 if TYPE_CHECKING:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from kvreuse.engine.blend import BlendOverride
     from kvreuse.engine.document_cache import DocumentPrompt
     from kvreuse.engine.llm_engine import EngineStats, LLMEngine
-    from kvreuse.engine.sampling_params import SamplingParams
     from kvreuse.pml.prepared import PreparedPrompt
+    from kvreuse.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

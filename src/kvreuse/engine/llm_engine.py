@@ -28,11 +28,11 @@ from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: th
 from kvreuse.engine.prompt_intake import AssembledPrompt, PromptIntake
 from kvreuse.engine.request_checks import check_request
 from kvreuse.engine.sampler import make_generator
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.schema_service import SchemaService
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.spec_decode import SpecState, draft_for
 from kvreuse.engine.step_faults import StepFaults
+from kvreuse.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

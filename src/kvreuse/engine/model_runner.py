@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvreuse.engine import attention
+from kvreuse.engine import attention, llama_forward as llama
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.engine.key_frames import KeyFrames
 from kvreuse.engine.rope_shift import RopeShift
 from kvreuse.engine.seq_chunk import KVLayout, SeqChunk  # re-exported: the runner's input types
-from kvreuse.models import llama
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -63,7 +62,7 @@ class ModelRunner:
 
     @property
     def forward_impl(self) -> str:
-        """Which forward runs: ``"kvreuse-llama"`` (models/llama.py) or ``"transformers"``."""
+        """Which forward runs: ``"kvreuse-llama"`` (engine/llama_forward.py) or ``"transformers"``."""
         return "transformers" if self._llama is None else "kvreuse-llama"
 
     @torch.inference_mode()

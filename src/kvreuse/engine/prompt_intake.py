@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from kvreuse.engine.config import EngineConfig
     from kvreuse.engine.document_cache import DocumentCache, DocumentLayout
     from kvreuse.engine.model_runner import ModelRunner
-    from kvreuse.engine.sampling_params import SamplingParams
     from kvreuse.pml.module_cache import ModuleCache
+    from kvreuse.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 
 
 def check_request(

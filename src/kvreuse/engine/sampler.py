@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

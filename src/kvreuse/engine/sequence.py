@@ -15,8 +15,8 @@ from kvreuse.cache.kv_block import KVBlock
 from kvreuse.cache.retention import KvCacheRetentionConfig
 from kvreuse.engine.context import PromptContext
 from kvreuse.engine.logprobs import TokenLogprobs
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.spec_decode import SpecState
+from kvreuse.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # a sequence imports no torch (the simulators build sequences without it)
     import torch

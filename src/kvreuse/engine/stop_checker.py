@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvreuse.engine.sampling_params import SamplingParams
+    from kvreuse.sampling_params import SamplingParams
 
 
 class StopState(Protocol):

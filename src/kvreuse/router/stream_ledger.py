@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.engine.stop_checker import check_stop
 from kvreuse.router.sse import SSE_DONE, encode, payload
 from kvreuse.router.stream_request import StreamRequest
+from kvreuse.sampling_params import SamplingParams
 
 _TOKEN_FIELDS = ("token_ids", "prompt_token_ids")
 

@@ -26,8 +26,8 @@ from pydantic import ValidationError
 
 from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest, default_max_tokens
-from kvreuse.engine.sampling_params import SamplingParams
 from kvreuse.router.executors import ExecutorInfo
+from kvreuse.sampling_params import SamplingParams
 
 # what the router asks every executor for on a stream it may have to continue
 _UPSTREAM_EXTRAS = {"return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}

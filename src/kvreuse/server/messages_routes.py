@@ -31,7 +31,7 @@ from kvreuse.api.errors import APIError
 from kvreuse.api.tenants import tenant_of, tenant_salt
 from kvreuse.engine.async_engine import EngineError
 from kvreuse.engine.outputs import RequestOutput
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 from kvreuse.server import messages_format as fmt
 from kvreuse.server.context import ServerContext, context_of
 from kvreuse.server.errors import from_value_error

@@ -20,7 +20,7 @@ from kvreuse.api.middleware import lease_of
 from kvreuse.api.protocol import default_max_tokens
 from kvreuse.cache.retention import FIELD as RETENTION_FIELD, KvCacheRetentionConfig
 from kvreuse.engine.blend import BlendOverride
-from kvreuse.engine.sampling_params import SamplingParams
+from kvreuse.sampling_params import SamplingParams
 from kvreuse.server.context import ServerContext
 from kvreuse.server.errors import ClientDisconnected, from_value_error
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvreuse import LLM, SamplingParams
-from kvreuse.models import llama
+from kvreuse.engine import llama_forward as llama
 
 
 def test_only_plain_llama_models_take_the_own_forward(tiny_llama, tiny_gemma3):
