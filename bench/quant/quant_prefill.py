@@ -1,6 +1,6 @@
 """Prefill and decode of a quantized model: kvreuse's many-row dense path vs the old rule.
 
-    PYTHONPATH=src .venv/bin/python bench/quant/quant_prefill.py [--reps 5] \
+    PYTHONPATH=src .venv/bin/python bench/quant/quant_prefill.py [--reps 5] \\
         [--configs bfloat16:2000,float32:256] [--quantization int4]
     -> bench/results/quant_prefill<tag>.json, .png
 
