@@ -77,7 +77,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (the unit of prefix reuse)")
     p.add_argument("--dtype", default=C.dtype,
                    choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"],
-                   help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16 and on any CPU with --quantization int8|int4, else float32)")
+                   help="weights, activations and KV (auto: bfloat16 on CPUs with native bf16 and on any CPU "
+                        "with --quantization int8|int4, else float32)")
     p.add_argument("--quantization", default=C.quantization, choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (auto: as compact as the GGUF file on CPU, "
                         "Q4 -> int4, Q8_0 -> int8; none for float weights, with --dtype float32 and off the CPU. "

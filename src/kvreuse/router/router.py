@@ -164,11 +164,12 @@ class Router:
     def _feed_for(self, e: Executor) -> SSEFeed | ZmqFeed:
         """ZMQ where ``e`` advertises a PUB socket the router can reach (``reachable_endpoint``:
         not another machine's loopback), else the HTTP (SSE) feed."""
-        endpoint = e.info.zmq_endpoint if e.info else None
+        info = e.info
+        endpoint = info.zmq_endpoint if info else None
         endpoint = reachable_endpoint(endpoint, e.url) if endpoint else None
-        if endpoint:
+        if endpoint and info:  # an endpoint implies info
             return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url, self.control_headers),
-                           topic=e.info.events.get("zmq_topic") or "")  # type: ignore[union-attr]  # an endpoint implies e.info
+                           topic=info.events.get("zmq_topic") or "")
         return SSEFeed(self.index, e.name, e.url, self.client, headers=self.control_headers)
 
     # ------------------------------------------------------------------ health

@@ -62,8 +62,9 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """Raises 400 (bad field or messages, prompt too long), 404 (unknown model), 429 (a
-    tenant limit, ``kvreuse.api.limiter``); 500 on engine failure. Without ``max_tokens`` the reply may fill the context (vLLM's default), or
-    the KV pool where that is smaller (``reply_room``)."""
+    tenant limit, ``kvreuse.api.limiter``); 500 on engine failure. Without ``max_tokens`` the
+    reply may fill the context (vLLM's default), or the KV pool where that is smaller
+    (``reply_room``)."""
     ctx = context_of(request)
     model = check_model(ctx, body.model)
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)  # a tenant key's blocks are the tenant's
