@@ -79,3 +79,16 @@ def test_the_middleware_rewrites_only_messages_errors():
     assert json.loads(_call("/v1/messages", ok)[2]) == {
         "error": {"message": "fine", "type": "invalid_request_error", "param": None, "code": None}
     }
+
+
+def test_starlettes_default_errors_are_rewritten_too():
+    # kvreuse route answers a method or path no route serves with Starlette's {"detail": ...}
+    assert json.loads(translate(b'{"detail": "Method Not Allowed"}', 405)) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "Method Not Allowed"},
+    }
+    assert json.loads(translate(b'{"detail": "Not Found"}', 404)) == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "Not Found"},
+    }
+    assert translate(b'{"detail": [{"loc": ["body"]}]}', 422) is None  # not a message: left alone

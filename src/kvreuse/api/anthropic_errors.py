@@ -54,12 +54,15 @@ def stream_error(message: str, type: str = "api_error") -> str:
 
 
 def translate(body: bytes, status: int) -> bytes | None:
-    """An OpenAI error body as Anthropic's, or ``None`` when ``body`` is not one (already
-    Anthropic's, empty, not JSON)."""
+    """An OpenAI error body, or Starlette's ``{"detail": "Not Found"}`` (a path or method no
+    route serves, e.g. on ``kvreuse route``), as Anthropic's; ``None`` when ``body`` is neither
+    (already Anthropic's, empty, not JSON)."""
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
+    if isinstance(parsed, dict) and set(parsed) == {"detail"} and isinstance(parsed["detail"], str):
+        return json.dumps(anthropic_error_body(parsed["detail"], error_type(status))).encode()
     error = parsed.get("error") if isinstance(parsed, dict) else None
     if not isinstance(error, dict) or parsed.get("type") == "error" or not isinstance(error.get("message"), str):
         return None
