@@ -3,6 +3,7 @@ admits only the allowed subscribers' keys, and token ids left out on request."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -260,4 +261,44 @@ def test_a_start_up_warning_when_events_leave_the_host_under_api_keys(keys):
     finally:
         for pub in pubs.values():
             pub.close()
+        ctx.term()
+
+
+def test_an_endpoint_that_cannot_be_opened_is_a_value_error_naming_the_flag(keys, tmp_path):
+    """A port in use or a malformed endpoint is a one-line start-up error naming the flag (not a
+    ZMQError traceback), and the publisher leaves no socket or ZAP handler behind."""
+    from kvreuse.events import zmq_options
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        taken.bind("tcp://127.0.0.1:*")
+        port = taken.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        curve = ("--kv-events-curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
+                 "--kv-events-curve-clients-dir", str(tmp_path / "allowed"))
+        cases = [
+            (("--kv-events-endpoint", f"tcp://*:{port}"),
+             f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+             f"(addr='tcp://127.0.0.1:{port}')"),
+            (("--kv-events-endpoint", f"tcp://*:{port}", *curve),
+             f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+             f"(addr='tcp://127.0.0.1:{port}')"),
+            (("--kv-events-endpoint", "tcp://*:*", "--kv-events-replay-endpoint", f"tcp://*:{port}", *curve),
+             f"--kv-events-replay-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+             f"(addr='tcp://127.0.0.1:{port}')"),
+            (("--kv-events-endpoint", "bogus"), "--kv-events-endpoint: cannot connect 'bogus': Invalid argument "
+                                                "(addr='bogus')"),
+        ]
+        buf = EventBuffer(10)
+        threads = {t.name for t in threading.enumerate()}
+        for flags, message in cases:
+            args = _serve(*flags)
+            zmq_options.check_arguments(args)
+            with pytest.raises(ValueError) as caught:
+                zmq_options.publisher_from_args(args, buf, lambda: buf.snapshot(BlockPool(1, BS)))
+            assert str(caught.value) == message
+        time.sleep(0.2)  # a ZAP handler's thread ends soon after its stop()
+        assert {t.name for t in threading.enumerate()} == threads
+    finally:
+        taken.close(linger=0)
         ctx.term()

@@ -116,6 +116,15 @@ def encode_batch(ts: float, events: list[dict], data_parallel_rank: int, event_e
     return msgpack.packb([ts, wire, data_parallel_rank], use_bin_type=True)
 
 
+class EndpointError(ValueError):
+    """An event socket could not bind or connect its endpoint (``replay``: the replay one)."""
+
+    def __init__(self, endpoint: str, cause: zmq.ZMQError, *, replay: bool) -> None:
+        self.endpoint, self.replay = endpoint, replay
+        verb = "bind" if replay or ZmqEventPublisher.binds(endpoint) else "connect"
+        super().__init__(f"cannot {verb} {endpoint!r}: {cause.strerror}")
+
+
 class ZmqEventPublisher:
     """Reads ``buffer`` from its own thread and publishes vLLM event batches.
 
@@ -181,12 +190,20 @@ class ZmqEventPublisher:
         self._pub = self._socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self.bound = self.binds(endpoint)
-        self.endpoint = self._attach(self._pub, self._on_host(endpoint), self.bound)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
+        try:
+            self.endpoint = self._attach(self._pub, self._on_host(endpoint), self.bound)
+        except zmq.ZMQError as exc:  # a port in use, a malformed endpoint: say which one
+            self._close_sockets()
+            raise EndpointError(endpoint, exc, replay=False) from None
         if replay_endpoint is not None:
             self._replay = self._socket(zmq.ROUTER)
-            self._replay.bind(self._on_host(replay_endpoint))
+            try:
+                self._replay.bind(self._on_host(replay_endpoint))
+            except zmq.ZMQError as exc:
+                self._close_sockets()
+                raise EndpointError(replay_endpoint, exc, replay=True) from None
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
@@ -215,6 +232,10 @@ class ZmqEventPublisher:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        """Close the sockets, stop the ZAP handler and end a private context."""
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)

@@ -41,13 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def publisher_from_args(args: argparse.Namespace, buffer: EventBuffer,
                         snapshot_fn: Callable[[], KVSnapshot]) -> ZmqEventPublisher:
     """The publisher the flags describe. Raises ``ValueError`` naming the flag for bad CURVE
-    keys, and for CURVE flags without ``--kv-events-endpoint`` (checked by the caller first)."""
-    from kvreuse.events.publisher import ZmqEventPublisher
+    keys, for CURVE flags without ``--kv-events-endpoint`` (checked by the caller first), and
+    for an endpoint its socket cannot bind or connect (a port in use, a malformed address)."""
+    from kvreuse.events.publisher import EndpointError, ZmqEventPublisher
 
     curve = _curve(args)
-    return ZmqEventPublisher(buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-                             snapshot_fn=snapshot_fn, bind_host=args.kv_events_bind_host, curve=curve,
-                             include_token_ids=not args.kv_events_no_token_ids)
+    try:
+        return ZmqEventPublisher(buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
+                                 snapshot_fn=snapshot_fn, bind_host=args.kv_events_bind_host, curve=curve,
+                                 include_token_ids=not args.kv_events_no_token_ids)
+    except EndpointError as exc:
+        flag = "--kv-events-replay-endpoint" if exc.replay else "--kv-events-endpoint"
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _curve(args: argparse.Namespace) -> CurveServer | None:
