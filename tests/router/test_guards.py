@@ -149,3 +149,16 @@ def test_a_tenant_keys_requests_are_hashed_explained_and_forwarded_with_the_tena
     assert [e["overlap_blocks"] for e in explained.json()["executors"]] == [2]
     assert [e["overlap_blocks"] for e in as_admin.json()["executors"]] == [0]
 
+
+
+def test_a_routed_response_names_its_executor_to_an_admin_key_only():
+    """``x-kvreuse-executor`` (the executor's URL) reaches an admin key and a router without
+    keys, never a tenant key: tenants learn executor addresses nowhere (``/health``,
+    ``/v1/route/executors``), so not from their own responses either."""
+    paths = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+    requests = [("POST", path, BODY, _bearer(key)) for key in ("acme-key", KEY) for path in paths]
+    responses, seen, _ = _call(requests, api_key=[KEY, "acme-key:acme"])
+    assert [r.status_code for r in responses] == [200] * 6 and len(seen) == 6
+    assert [r.headers.get("x-kvreuse-executor") for r in responses] == [None] * 3 + ["http://a"] * 3
+    (open_router,), _, _ = _call([("POST", "/v1/completions", BODY, {})], api_key=None)
+    assert open_router.headers["x-kvreuse-executor"] == "http://a"

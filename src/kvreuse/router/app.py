@@ -69,7 +69,7 @@ from kvreuse.api.tenants import APIKeys, sees_tenants, tenant_of, tenant_salt
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.messages_proxy import MessagesUsage, forward_messages, messages_cost, messages_keys
 from kvreuse.router.openapi import install_openapi
-from kvreuse.router.proxy import error, forward
+from kvreuse.router.proxy import EXECUTOR_HEADER, error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
 
@@ -132,8 +132,8 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
-        return await forward(router, path, raw, upstream_headers(request), chat=chat, request=request, body=body,
-                             keys=keys, usage=tap)
+        return _for_client(request, await forward(router, path, raw, upstream_headers(request), chat=chat,
+                                                  request=request, body=body, keys=keys, usage=tap))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -154,8 +154,9 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
                 and (cost := messages_cost(body, keys)) is not None):
             lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
             usage = MessagesUsage(lease)
-        return await forward_messages(router, path, raw, upstream_headers(request), request=request, body=body,
-                                      keys=keys, affinity=prompt_cache_key(body), usage=usage)
+        return _for_client(request, await forward_messages(router, path, raw, upstream_headers(request),
+                                                           request=request, body=body, keys=keys,
+                                                           affinity=prompt_cache_key(body), usage=usage))
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
@@ -242,6 +243,15 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(AnthropicErrorMiddleware)  # outermost: Anthropic's error shape on /v1/messages*
     return app
+
+
+def _for_client(request: Request, response: Response) -> Response:
+    """``response`` without the executor's address (``EXECUTOR_HEADER``) for a tenant key: like
+    ``/v1/route/executors`` and ``/health``, a routed response names executors to admin keys
+    only (and to every client when the router has no keys)."""
+    if tenant_of(request.scope) is not None and EXECUTOR_HEADER in response.headers:
+        del response.headers[EXECUTOR_HEADER]
+    return response
 
 
 async def _client_body(request: Request) -> tuple[bytes, object]:
