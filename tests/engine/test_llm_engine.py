@@ -410,3 +410,46 @@ def test_pressured_mixed_workload_logits_equal_alone(arch, seed, request):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= 1e-4
     assert eng.pool.num_used_blocks == 0
+
+
+def test_prefill_cap_keeps_outputs_under_preemption_and_speculation(tiny_llama):
+    # The decode-first cap (3 prefill tokens per step while anyone decodes) in a 24-block pool
+    # with prompt-lookup drafts: every request's greedy tokens are those of an uncapped roomy
+    # engine, the pool stays consistent after every step, and no decoding step carries more
+    # than 3 prompt tokens.
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 4
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [list(range(1000 + 50 * i, 1030 + 50 * i)) if i % 2 else [7, 8, 9, 10, 11] * 6 for i in range(6)]
+
+    def staggered(llm: LLM) -> list[list[int]]:
+        outs = {}
+        for i, prompt in enumerate(prompts):  # each arrives while the earlier ones decode
+            llm.engine.add_request(f"r{i}", prompt, params)
+            for _ in range(2):
+                outs |= {o.request_id: o for o in llm.engine.step()}
+                llm.engine.check_integrity()
+        outs |= run_steps(llm)
+        return [outs[f"r{i}"].token_ids for i in range(len(prompts))]
+
+    roomy = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, max_prefill_tokens_while_decoding=0)
+    capped = LLM(
+        loaded=tiny_llama,
+        kv_cache_memory_gib=24 * bytes_per_block / 2**30,
+        block_size=4,
+        max_prefill_tokens_while_decoding=3,
+        speculative_tokens=3,
+    )
+    prompt_tokens: list[int] = []  # per step that decodes: the prompt tokens beside its decodes
+    execute = capped.engine.runner.execute
+
+    def spy(chunks):
+        if any(len(c.token_ids) == c.num_logits for c in chunks):  # a decode or a draft verification
+            prompt_tokens.append(sum(len(c.token_ids) for c in chunks if len(c.token_ids) > c.num_logits))
+        return execute(chunks)
+
+    capped.engine.runner.execute = spy
+    assert staggered(capped) == staggered(roomy)
+    stats = capped.engine.stats()
+    assert stats.num_preemptions == 1 and stats.spec_decode_num_draft_tokens == 25
+    assert max(prompt_tokens) == 3
+    assert capped.engine.pool.num_used_blocks == 0
