@@ -49,6 +49,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -259,6 +260,7 @@ def main() -> None:
         help="the JSON (default: bench/results/peer_server_<file stem>_<cpu tag>.json; PNG beside)",
     )
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still stops its servers
     if args.llama_server is None or not Path(args.llama_server).is_file():
         ap.error(BUILD_HINT)
     if args.reps < 1 or args.decode < 2 or args.load_out < 2:
