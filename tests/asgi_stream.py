@@ -18,8 +18,11 @@ class HeldStream:
     def __init__(self, app: Any, path: str, body: dict, headers: dict[str, str] | None = None) -> None:
         self.app, self.path = app, path
         self.body = json.dumps(body).encode()
-        self.headers = [(b"host", b"test"), (b"content-type", b"application/json"),
-                        (b"content-length", str(len(self.body)).encode())]
+        self.headers = [
+            (b"host", b"test"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self.body)).encode()),
+        ]
         self.headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.status: int | None = None
         self.chunks: list[bytes] = []
@@ -50,10 +53,20 @@ class HeldStream:
     async def start(self) -> None:
         """Send the request; return once the first body chunk arrived (the app is then
         blocked sending the next one)."""
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
-                 "query_string": b"", "root_path": "", "headers": self.headers, "client": ("127.0.0.1", 50000),
-                 "server": ("test", 80)}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": self.headers,
+            "client": ("127.0.0.1", 50000),
+            "server": ("test", 80),
+        }
         self.task = asyncio.ensure_future(self.app(scope, self._receive, self._send))
         await asyncio.wait({self.task, asyncio.ensure_future(self._first.wait())}, return_when=asyncio.FIRST_COMPLETED)
         if self.task.done():

@@ -31,8 +31,16 @@ class Completion:
     seconds: float  # wall time of the whole call
 
 
-def complete(url: str, prompt: list[int] | str, *, max_tokens: int = 1, salt: str | None = None,
-             model: str | None = None, timeout_s: float = 600, client: httpx.Client | None = None) -> Completion:
+def complete(
+    url: str,
+    prompt: list[int] | str,
+    *,
+    max_tokens: int = 1,
+    salt: str | None = None,
+    model: str | None = None,
+    timeout_s: float = 600,
+    client: httpx.Client | None = None,
+) -> Completion:
     """A greedy completion of ``prompt``, exactly ``max_tokens`` long (``ignore_eos``); raises
     ``AssertionError`` with the body on a non-200."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -46,9 +54,15 @@ def complete(url: str, prompt: list[int] | str, *, max_tokens: int = 1, salt: st
     assert r.status_code == 200, f"{r.status_code}: {r.text}"
     doc = r.json()
     details = doc["usage"]["prompt_tokens_details"]
-    return Completion(doc["choices"][0]["text"], doc["choices"][0]["finish_reason"], doc["usage"]["prompt_tokens"],
-                      doc["usage"]["completion_tokens"], details["cached_tokens"],
-                      details.get("cached_tokens_by_tier", {}), seconds)
+    return Completion(
+        doc["choices"][0]["text"],
+        doc["choices"][0]["finish_reason"],
+        doc["usage"]["prompt_tokens"],
+        doc["usage"]["completion_tokens"],
+        details["cached_tokens"],
+        details.get("cached_tokens_by_tier", {}),
+        seconds,
+    )
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -89,8 +103,9 @@ def wait_for_puts(url: str, level: str, at_least: float, timeout_s: float = 60) 
 def block_keys(url: str, prompt: list[int], salt: str | None = None) -> list[BlockHash]:
     """The keys the server gives the full blocks of ``prompt`` (from ``/v1/kvreuse/info``)."""
     info = httpx.get(f"{url}/v1/kvreuse/info", timeout=30).json()
-    return hash_token_blocks(prompt, info["block_size"], model_id=info["model_id"], cache_salt=salt,
-                             algorithm=info["hash_algorithm"])
+    return hash_token_blocks(
+        prompt, info["block_size"], model_id=info["model_id"], cache_salt=salt, algorithm=info["hash_algorithm"]
+    )
 
 
 def block_file(disk_dir: Path, key: BlockHash) -> Path:

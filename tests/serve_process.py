@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(port: int, args: Sequence[str], log: Path, startup_s: float = 180,
-                   env_path: str | None = None) -> Iterator[str]:
+def running_server(
+    port: int, args: Sequence[str], log: Path, startup_s: float = 180, env_path: str | None = None
+) -> Iterator[str]:
     """``python -m kvreuse serve --port PORT ARGS`` with its output in ``log``; yields its base
     URL once /health answers 200, terminates it afterwards (killed if it does not stop in 15 s).
     ``env_path``: the ``PYTHONPATH`` it runs with (another checkout's ``src``, for benches).
@@ -32,8 +33,9 @@ def running_server(port: int, args: Sequence[str], log: Path, startup_s: float =
 
 
 @contextmanager
-def running_servers(servers: Sequence[tuple[int, Sequence[str], Path]], startup_s: float = 180,
-                    env_path: str | None = None) -> Iterator[list[str]]:
+def running_servers(
+    servers: Sequence[tuple[int, Sequence[str], Path]], startup_s: float = 180, env_path: str | None = None
+) -> Iterator[list[str]]:
     """``running_server`` for several ``(port, args, log)`` at once: all are started before
     any is waited for (they load their models side by side); yields their URLs in order."""
     procs: list[subprocess.Popen] = []

@@ -14,27 +14,55 @@ from kvreuse.cli import _engine_config, build_parser
 from kvreuse.engine.config import EngineConfig
 
 # flag dest -> EngineConfig field
-SERVE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",
-         "kv_cache_memory": "kv_cache_memory_gib", "block_size": "block_size", "max_num_seqs": "max_num_seqs",
-         "max_model_len": "max_model_len", "enable_prefix_caching": "enable_prefix_caching",
-         "prefix_hash_algorithm": "hash_algorithm", "eviction_policy": "eviction_policy",
-         "event_buffer_max_size": "event_buffer_max_size", "seed": "seed", "schema_dir": "schema_dir",
-         "schema_src_dir": "schema_src_dir", "schema_slice_tokens": "schema_slice_tokens",
-         "schema_max_tokens": "schema_max_tokens", "schema_max_bytes": "schema_max_bytes",
-         "host_cache_memory": "host_cache_memory_gib", "host_offload_min_priority": "host_offload_min_priority",
-         "disk_cache_dir": "disk_cache_dir", "disk_cache_size": "disk_cache_size_gib",
-         "disk_cache_ttl": "disk_cache_ttl_s", "remote_cache": "remote_cache",
-         "tier_write_through_min_priority": "tier_write_through_min_priority",
-         "blend_first_tokens": "blend_first_tokens", "blend_ratio": "blend_ratio",
-         "blend_last_tokens": "blend_last_tokens",
-         "document_blend_first_tokens": "document_blend_first_tokens",
-         "document_blend_ratio": "document_blend_ratio", "document_blend_last_tokens": "document_blend_last_tokens",
-         "speculative_tokens": "speculative_tokens", "speculative_ngram": "speculative_ngram_max",
-         "speculative_ngram_min": "speculative_ngram_min", "deterministic": "deterministic"}
-PRECOMPUTE = {"model": "model", "dtype": "dtype", "quantization": "quantization", "device": "device",
-              "kv_cache_memory": "kv_cache_memory_gib", "block_size": "block_size", "max_model_len": "max_model_len",
-              "schema_dir": "schema_dir", "schema_max_tokens": "schema_max_tokens",
-              "schema_max_bytes": "schema_max_bytes"}
+SERVE = {
+    "model": "model",
+    "dtype": "dtype",
+    "quantization": "quantization",
+    "device": "device",
+    "kv_cache_memory": "kv_cache_memory_gib",
+    "block_size": "block_size",
+    "max_num_seqs": "max_num_seqs",
+    "max_model_len": "max_model_len",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "prefix_hash_algorithm": "hash_algorithm",
+    "eviction_policy": "eviction_policy",
+    "event_buffer_max_size": "event_buffer_max_size",
+    "seed": "seed",
+    "schema_dir": "schema_dir",
+    "schema_src_dir": "schema_src_dir",
+    "schema_slice_tokens": "schema_slice_tokens",
+    "schema_max_tokens": "schema_max_tokens",
+    "schema_max_bytes": "schema_max_bytes",
+    "host_cache_memory": "host_cache_memory_gib",
+    "host_offload_min_priority": "host_offload_min_priority",
+    "disk_cache_dir": "disk_cache_dir",
+    "disk_cache_size": "disk_cache_size_gib",
+    "disk_cache_ttl": "disk_cache_ttl_s",
+    "remote_cache": "remote_cache",
+    "tier_write_through_min_priority": "tier_write_through_min_priority",
+    "blend_first_tokens": "blend_first_tokens",
+    "blend_ratio": "blend_ratio",
+    "blend_last_tokens": "blend_last_tokens",
+    "document_blend_first_tokens": "document_blend_first_tokens",
+    "document_blend_ratio": "document_blend_ratio",
+    "document_blend_last_tokens": "document_blend_last_tokens",
+    "speculative_tokens": "speculative_tokens",
+    "speculative_ngram": "speculative_ngram_max",
+    "speculative_ngram_min": "speculative_ngram_min",
+    "deterministic": "deterministic",
+}
+PRECOMPUTE = {
+    "model": "model",
+    "dtype": "dtype",
+    "quantization": "quantization",
+    "device": "device",
+    "kv_cache_memory": "kv_cache_memory_gib",
+    "block_size": "block_size",
+    "max_model_len": "max_model_len",
+    "schema_dir": "schema_dir",
+    "schema_max_tokens": "schema_max_tokens",
+    "schema_max_bytes": "schema_max_bytes",
+}
 
 
 def _serve_args():
@@ -77,8 +105,9 @@ def test_serve_deterministic_flag_sets_the_engine_field():
 
 
 def test_serve_debug_step_fault_flags_reach_the_engine_config():
-    args = build_parser().parse_args(["serve", "--debug-step-fault", "forward:fault-", "--debug-step-fault",
-                                      "sample:cut-@20"])
+    args = build_parser().parse_args(
+        ["serve", "--debug-step-fault", "forward:fault-", "--debug-step-fault", "sample:cut-@20"]
+    )
     assert _engine_config(args).debug_step_faults == ("forward:fault-", "sample:cut-@20")
     assert _engine_config(_serve_args()).debug_step_faults == ()
     with pytest.raises(ValueError, match="--debug-step-fault must be"):
@@ -151,8 +180,11 @@ def _args(*flags: str):
 
 def test_blend_flags_default_to_the_config_and_reach_it():
     config = _engine_config(_args())
-    assert (config.blend_first_tokens, config.blend_ratio) == (EngineConfig.blend_first_tokens,
-                                                               EngineConfig.blend_ratio) == (0, 0.0)
+    assert (
+        (config.blend_first_tokens, config.blend_ratio)
+        == (EngineConfig.blend_first_tokens, EngineConfig.blend_ratio)
+        == (0, 0.0)
+    )
     config = _engine_config(_args("--blend-first-tokens", "8", "--blend-ratio", "0.15"))
     assert (config.blend_first_tokens, config.blend_ratio) == (8, 0.15)
     assert EngineConfig.blend_last_tokens == 0 and _engine_config(_args()).blend.last_tokens == 0
@@ -160,9 +192,14 @@ def test_blend_flags_default_to_the_config_and_reach_it():
     assert (config.blend.first_tokens, config.blend.ratio, config.blend.last_tokens) == (1, 0.0, 2)
 
 
-@pytest.mark.parametrize("flags, name", [(("--blend-ratio", "1.5"), "--blend-ratio"),
-                                         (("--blend-first-tokens", "-1"), "--blend-first-tokens"),
-                                         (("--blend-last-tokens", "-1"), "--blend-last-tokens")])
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (("--blend-ratio", "1.5"), "--blend-ratio"),
+        (("--blend-first-tokens", "-1"), "--blend-first-tokens"),
+        (("--blend-last-tokens", "-1"), "--blend-last-tokens"),
+    ],
+)
 def test_a_bad_blend_flag_is_refused_naming_it(flags, name):
     with pytest.raises(ValueError, match=name):
         _engine_config(_args(*flags))

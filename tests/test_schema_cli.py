@@ -13,5 +13,6 @@ def test_schema_precompute_can_target_a_quantized_server():
     # serve.sh (the quick start) serves --quantization int4; module files are keyed by model_id,
     # which now includes the scheme, but `kvreuse schema precompute` cannot produce them.
     from kvreuse.schema_cli import _parser
+
     args = _parser().parse_args(["precompute", "s.pml", "--schema-dir", "d", "--quantization", "int4"])
     assert args.quantization == "int4"

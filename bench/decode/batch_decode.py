@@ -51,8 +51,12 @@ def run(llm: LLM, streams: int, tokens: int, rng: random.Random) -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     first = max(o.ttft_s for o in outs)  # every stream decodes from here on
     decoded = sum(len(o.token_ids) - 1 for o in outs)
-    return {"decode_tok_s": decoded / (wall - first), "ms_per_step": (wall - first) / (tokens - 1) * 1e3,
-            "cpu_ms_per_token": cpu / sum(len(o.token_ids) for o in outs) * 1e3, "prefill_s": first}
+    return {
+        "decode_tok_s": decoded / (wall - first),
+        "ms_per_step": (wall - first) / (tokens - 1) * 1e3,
+        "cpu_ms_per_token": cpu / sum(len(o.token_ids) for o in outs) * 1e3,
+        "prefill_s": first,
+    }
 
 
 def main() -> None:
@@ -75,40 +79,64 @@ def main() -> None:
         # every stream admitted at once (serve's default max_num_seqs is 32): with fewer slots than
         # streams some would start late and the "decode from the last first token" window would
         # count tokens made before it
-        llms[name] = LLM(loaded=loaded, kv_cache_memory_gib=0.25 * max(1, max(args.streams) / 32),
-                         max_num_seqs=max(32, max(args.streams)))
+        llms[name] = LLM(
+            loaded=loaded,
+            kv_cache_memory_gib=0.25 * max(1, max(args.streams) / 32),
+            max_num_seqs=max(32, max(args.streams)),
+        )
     rng = random.Random(0)
     cells = [(s, n) for s in args.settings for n in args.streams]
     for s, n in cells:  # warm-up: kernels and allocator at every batch size
         run(llms[s], n, 4, rng)
     raw: dict[str, dict[int, list[dict]]] = {s: {n: [] for n in args.streams} for s in args.settings}
     for rep in range(args.reps):
-        for s, n in cells[rep % len(cells):] + cells[: rep % len(cells)]:
+        for s, n in cells[rep % len(cells) :] + cells[: rep % len(cells)]:
             r = run(llms[s], n, args.tokens, rng)
             raw[s][n].append(r)
-            print(f"rep {rep} {s:>10} x{n:<3}: {r['decode_tok_s']:7.1f} tok/s  {r['ms_per_step']:7.1f} ms/step",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rep {rep} {s:>10} x{n:<3}: {r['decode_tok_s']:7.1f} tok/s  {r['ms_per_step']:7.1f} ms/step",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for s in args.settings:
         base = statistics.median(r["decode_tok_s"] for r in raw[s][args.streams[0]])
         for n in args.streams:
             rs = raw[s][n]
             tok_s = statistics.median(r["decode_tok_s"] for r in rs)
-            rows.append({"setting": s, "dtype": str(llms[s].engine.loaded.dtype).removeprefix("torch."),
-                         "quantization": SETTINGS[s][1], "streams": n, "decode_tok_s": round(tok_s, 2),
-                         "per_stream_tok_s": round(tok_s / n, 2),
-                         "ms_per_step": round(statistics.median(r["ms_per_step"] for r in rs), 2),
-                         "cpu_ms_per_token": round(statistics.median(r["cpu_ms_per_token"] for r in rs), 3),
-                         f"vs_{args.streams[0]}_stream": round(tok_s / base, 2),
-                         "raw_tok_s": [round(r["decode_tok_s"], 2) for r in rs]})
+            rows.append(
+                {
+                    "setting": s,
+                    "dtype": str(llms[s].engine.loaded.dtype).removeprefix("torch."),
+                    "quantization": SETTINGS[s][1],
+                    "streams": n,
+                    "decode_tok_s": round(tok_s, 2),
+                    "per_stream_tok_s": round(tok_s / n, 2),
+                    "ms_per_step": round(statistics.median(r["ms_per_step"] for r in rs), 2),
+                    "cpu_ms_per_token": round(statistics.median(r["cpu_ms_per_token"] for r in rs), 3),
+                    f"vs_{args.streams[0]}_stream": round(tok_s / base, 2),
+                    "raw_tok_s": [round(r["decode_tok_s"], 2) for r in rs],
+                }
+            )
     for r in rows:
         ratio = r[f"vs_{args.streams[0]}_stream"]
-        print(f"{r['setting']:>10} x{r['streams']:<3} {r['decode_tok_s']:8.1f} tok/s  ({ratio:.2f}x)"
-              f"  {r['ms_per_step']:7.1f} ms/step")
-    doc = {"model": "default", "device": "cpu", "threads": torch.get_num_threads(), "tokens_per_stream": args.tokens,
-           "prompt_tokens": PROMPT_TOKENS, "reps": args.reps, "statistic": "median",
-           "load_average": os.getloadavg(), "target": "16 streams >= 4x batch 1", "rows": rows,
-           "command": "python bench/decode/batch_decode.py " + " ".join(sys.argv[1:])}
+        print(
+            f"{r['setting']:>10} x{r['streams']:<3} {r['decode_tok_s']:8.1f} tok/s  ({ratio:.2f}x)"
+            f"  {r['ms_per_step']:7.1f} ms/step"
+        )
+    doc = {
+        "model": "default",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "tokens_per_stream": args.tokens,
+        "prompt_tokens": PROMPT_TOKENS,
+        "reps": args.reps,
+        "statistic": "median",
+        "load_average": os.getloadavg(),
+        "target": "16 streams >= 4x batch 1",
+        "rows": rows,
+        "command": "python bench/decode/batch_decode.py " + " ".join(sys.argv[1:]),
+    }
     out = Path(args.out)
     write_json(out, doc)
     plot(doc, args.streams, out.with_suffix(".png"))
@@ -121,8 +149,12 @@ def plot(doc: dict, streams: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in dict.fromkeys(r["setting"] for r in doc["rows"]):
         rows = [r for r in doc["rows"] if r["setting"] == s]
-        ax.plot([r["streams"] for r in rows], [r["decode_tok_s"] for r in rows], "o-",
-                label=f"{s} ({rows[0]['dtype']}, {rows[0]['quantization']})")
+        ax.plot(
+            [r["streams"] for r in rows],
+            [r["decode_tok_s"] for r in rows],
+            "o-",
+            label=f"{s} ({rows[0]['dtype']}, {rows[0]['quantization']})",
+        )
         base = rows[0]["decode_tok_s"]
         ax.plot([r["streams"] for r in rows], [base * r["streams"] / streams[0] for r in rows], ":", color="0.7")
     ax.set_xscale("log", base=2)

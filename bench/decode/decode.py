@@ -40,7 +40,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096, 8000])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory_gib=1.0, max_model_len=max(args.contexts) + 64)
+    llm = LLM(
+        args.model, dtype="float32", quantization="none", kv_cache_memory_gib=1.0, max_model_len=max(args.contexts) + 64
+    )
     runner = llm.engine.runner
     own, in_place_min = runner._llama, runner.decode_in_place_min
     if own is None:
@@ -60,7 +62,7 @@ def main() -> None:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         tokens: dict[str, list[int]] = {}
         for rep in range(args.reps):
-            order = VARIANTS[rep % 3:] + VARIANTS[: rep % 3]
+            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
             for variant in order:
                 use(variant)
                 start = time.perf_counter()
@@ -69,16 +71,33 @@ def main() -> None:
                 times[variant].append((time.perf_counter() - start - out.ttft_s) / steps)
                 tokens[variant] = out.token_ids
         use("own+in-place")
-        row = {"context_tokens": n, "steps": STEPS,
-               "ms_per_token": {v: statistics.median(t) * 1e3 for v, t in times.items()},
-               "same_tokens": all(tokens[v] == tokens[VARIANTS[0]] for v in VARIANTS),
-               "raw_ms": {v: [x * 1e3 for x in t] for v, t in times.items()}}
-        row["speedup_vs_transformers_gather"] = row["ms_per_token"]["transformers+gather"] / row["ms_per_token"]["own+in-place"]
+        row = {
+            "context_tokens": n,
+            "steps": STEPS,
+            "ms_per_token": {v: statistics.median(t) * 1e3 for v, t in times.items()},
+            "same_tokens": all(tokens[v] == tokens[VARIANTS[0]] for v in VARIANTS),
+            "raw_ms": {v: [x * 1e3 for x in t] for v, t in times.items()},
+        }
+        row["speedup_vs_transformers_gather"] = (
+            row["ms_per_token"]["transformers+gather"] / row["ms_per_token"]["own+in-place"]
+        )
         rows.append(row)
-        print(f"context {n:>5}: " + "  ".join(f"{v} {row['ms_per_token'][v]:6.1f} ms" for v in VARIANTS)
-              + f"  same tokens: {row['same_tokens']}", flush=True)
-    out = {"model": llm.engine.model_id, "dtype": "float32", "device": str(runner.device), "batch": 1,
-           "reps": args.reps, "statistic": "median", "decode_in_place_min": in_place_min, "rows": rows}
+        print(
+            f"context {n:>5}: "
+            + "  ".join(f"{v} {row['ms_per_token'][v]:6.1f} ms" for v in VARIANTS)
+            + f"  same tokens: {row['same_tokens']}",
+            flush=True,
+        )
+    out = {
+        "model": llm.engine.model_id,
+        "dtype": "float32",
+        "device": str(runner.device),
+        "batch": 1,
+        "reps": args.reps,
+        "statistic": "median",
+        "decode_in_place_min": in_place_min,
+        "rows": rows,
+    }
     write_json(RESULTS / "decode.json", out)
     plot(rows, RESULTS / "decode.png")
     print(f"wrote {RESULTS / 'decode.json'} and {RESULTS / 'decode.png'}")

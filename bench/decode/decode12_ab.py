@@ -52,23 +52,36 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.what == "settings":
         tokens, reps = args.tokens or 16, args.reps or 3
-        llms = {s: LLM(loaded=load_model("default", dtype=s.split(":")[0], device="cpu", quantization=s.split(":")[1]),
-                       kv_cache_memory_gib=0.1) for s in ("float32:none", "bfloat16:int4", "float32:int4")}
+        llms = {
+            s: LLM(
+                loaded=load_model("default", dtype=s.split(":")[0], device="cpu", quantization=s.split(":")[1]),
+                kv_cache_memory_gib=0.1,
+            )
+            for s in ("float32:none", "bfloat16:int4", "float32:int4")
+        }
         variants = {s: (llm, lambda: None) for s, llm in llms.items()}
     elif args.what == "attention":
         tokens, reps = args.tokens or 48, args.reps or 5
-        llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="int4"), kv_cache_memory_gib=0.1)
+        llm = LLM(
+            loaded=load_model("default", dtype="auto", device="cpu", quantization="int4"), kv_cache_memory_gib=0.1
+        )
         new = attention.attend_alone
         old = lambda q, k, v, scale: flash.flash(q, k, v, scale)[0]  # noqa: E731 (the code before)
-        variants = {"before": (llm, lambda: setattr(attention, "attend_alone", old)),
-                    "after": (llm, lambda: setattr(attention, "attend_alone", new))}
+        variants = {
+            "before": (llm, lambda: setattr(attention, "attend_alone", old)),
+            "after": (llm, lambda: setattr(attention, "attend_alone", new)),
+        }
     if args.what == "flash-bf16":
         tokens, reps = args.tokens or 48, args.reps or 5
-        llm = LLM(loaded=load_model("default", dtype="auto", device="cpu", quantization="auto"), kv_cache_memory_gib=0.1)
+        llm = LLM(
+            loaded=load_model("default", dtype="auto", device="cpu", quantization="auto"), kv_cache_memory_gib=0.1
+        )
         new = attention.attend_alone
         matmuls = lambda q, k, v, scale: flash.math_attention(q, k, v, scale, False)[0]  # noqa: E731
-        variants = {"matmuls": (llm, lambda: setattr(attention, "attend_alone", matmuls)),
-                    "flash": (llm, lambda: setattr(attention, "attend_alone", new))}
+        variants = {
+            "matmuls": (llm, lambda: setattr(attention, "attend_alone", matmuls)),
+            "flash": (llm, lambda: setattr(attention, "attend_alone", new)),
+        }
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     names = list(variants)
     for llm, use in variants.values():  # warm-up
@@ -85,6 +98,7 @@ def main() -> None:
             w, c = time.perf_counter() - t, time.process_time() - c
             toks[n] = out.token_ids
             return (w - out.ttft_s) / (len(out.token_ids) - 1) * 1e3, c / len(out.token_ids) * 1e3
+
         return run
 
     samples = interleave({n: arm(n) for n in names}, reps)  # the order rotates every repetition
@@ -92,8 +106,10 @@ def main() -> None:
     cpu = {n: [c for _, c in samples[n]] for n in names}
     print(f"{args.what}: threads={torch.get_num_threads()} tokens={tokens} reps={reps}")
     for n in names:
-        print(f"{n:>14}: {1e3 / median(wall[n]):6.1f} tok/s  wall {median(wall[n]):7.2f} ms/step"
-              f"  cpu {median(cpu[n]):7.2f} ms/token  same tokens as {names[0]}: {toks[n] == toks[names[0]]}")
+        print(
+            f"{n:>14}: {1e3 / median(wall[n]):6.1f} tok/s  wall {median(wall[n]):7.2f} ms/step"
+            f"  cpu {median(cpu[n]):7.2f} ms/token  same tokens as {names[0]}: {toks[n] == toks[names[0]]}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,12 @@ from kvreuse.models.quant import weight_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
 from bench.common import RESULTS, pyplot, save_png, write_json
 
-SETTINGS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-            "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4")}
+SETTINGS = {
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
 
 
@@ -67,26 +71,45 @@ def main() -> None:
     rates: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, list[int]] = {}
     for rep in range(args.reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             start = time.perf_counter()
             out = llms[name].generate(prompt, params)[0]
             rates[name].append((len(out.token_ids) - 1) / (time.perf_counter() - start - out.ttft_s))
             tokens[name] = out.token_ids
         print(f"rep {rep}: " + "  ".join(f"{n} {rates[n][-1]:5.1f}" for n in names) + " tok/s", flush=True)
-    rows = [{"setting": n, "dtype": SETTINGS[n][0], "quantization": SETTINGS[n][1],
-             "model_id": llms[n].engine.model_id,
-             "decode_tok_s": statistics.median(rates[n]), "raw_tok_s": rates[n],
-             "weight_bytes": sizes[n],
-             "weight_bytes_vs_gguf": sizes[n] / gguf_bytes if gguf_bytes else None,
-             "same_tokens_as_fp32": tokens[n] == tokens["fp32"],
-             "first_diff_vs_fp32": next((i for i, (a, b) in enumerate(zip(tokens[n], tokens["fp32"])) if a != b), None)}
-            for n in names]
+    rows = [
+        {
+            "setting": n,
+            "dtype": SETTINGS[n][0],
+            "quantization": SETTINGS[n][1],
+            "model_id": llms[n].engine.model_id,
+            "decode_tok_s": statistics.median(rates[n]),
+            "raw_tok_s": rates[n],
+            "weight_bytes": sizes[n],
+            "weight_bytes_vs_gguf": sizes[n] / gguf_bytes if gguf_bytes else None,
+            "same_tokens_as_fp32": tokens[n] == tokens["fp32"],
+            "first_diff_vs_fp32": next((i for i, (a, b) in enumerate(zip(tokens[n], tokens["fp32"])) if a != b), None),
+        }
+        for n in names
+    ]
     for r in rows:
-        print(f"{r['setting']:>5}: {r['decode_tok_s']:6.1f} tok/s  weights {r['weight_bytes'] / 1e6:6.1f} MB"
-              + (f" ({r['weight_bytes_vs_gguf']:.2f}x GGUF)" if gguf_bytes else ""))
-    out = {"model": args.model, "gguf_file": str(src.path) if gguf_bytes else None, "gguf_bytes": gguf_bytes,
-           "device": "cpu", "threads": torch.get_num_threads(), "batch": 1, "decode_tokens": args.tokens,
-           "prompt_tokens": len(prompt), "reps": args.reps, "statistic": "median", "rows": rows}
+        print(
+            f"{r['setting']:>5}: {r['decode_tok_s']:6.1f} tok/s  weights {r['weight_bytes'] / 1e6:6.1f} MB"
+            + (f" ({r['weight_bytes_vs_gguf']:.2f}x GGUF)" if gguf_bytes else "")
+        )
+    out = {
+        "model": args.model,
+        "gguf_file": str(src.path) if gguf_bytes else None,
+        "gguf_bytes": gguf_bytes,
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "batch": 1,
+        "decode_tokens": args.tokens,
+        "prompt_tokens": len(prompt),
+        "reps": args.reps,
+        "statistic": "median",
+        "rows": rows,
+    }
     if args.profile:
         best = max(rows, key=lambda r: r["decode_tok_s"])["setting"]
         out["profile"] = {"setting": best, "table": profile_decode(llms[best], prompt)}

@@ -105,30 +105,37 @@ def main() -> None:
     lone: list[float] = []
     for r in range(args.rounds):
         lone.append(lone_itl(llm, args, rng, system))
-        for cap in (args.caps if r % 2 == 0 else list(reversed(args.caps))):
+        for cap in args.caps if r % 2 == 0 else list(reversed(args.caps)):
             res = run_load(llm, cap or None, args, rng, system)
             for key in ("itl_ms", "ttft_ms"):
                 pooled[cap][key] += res[key]
             pooled[cap]["tok_s"].append(res["tok_s"])
-            print(f"round {r} cap {cap or 'none'}: ITL p50 {percentile(res['itl_ms'], .5):.1f} "
-                  f"p99 {percentile(res['itl_ms'], .99):.1f} ms, TTFT p50 {percentile(res['ttft_ms'], .5):.0f} ms, "
-                  f"{res['tok_s']:.1f} tok/s", flush=True)
+            print(
+                f"round {r} cap {cap or 'none'}: ITL p50 {percentile(res['itl_ms'], 0.5):.1f} "
+                f"p99 {percentile(res['itl_ms'], 0.99):.1f} ms, TTFT p50 {percentile(res['ttft_ms'], 0.5):.0f} ms, "
+                f"{res['tok_s']:.1f} tok/s",
+                flush=True,
+            )
         llm.engine.check_integrity()
     lone_ms = sorted(lone)[len(lone) // 2]
     rows = {}
     for cap in args.caps:
         p = pooled[cap]
         rows[str(cap or "none")] = {
-            "itl_p50_ms": percentile(p["itl_ms"], .5), "itl_p99_ms": percentile(p["itl_ms"], .99),
-            "ttft_p50_ms": percentile(p["ttft_ms"], .5), "tok_s": sorted(p["tok_s"])[len(p["tok_s"]) // 2],
-            "itl_p50_x_lone": percentile(p["itl_ms"], .5) / lone_ms,
-            "itl_p99_x_lone": percentile(p["itl_ms"], .99) / lone_ms,
+            "itl_p50_ms": percentile(p["itl_ms"], 0.5),
+            "itl_p99_ms": percentile(p["itl_ms"], 0.99),
+            "ttft_p50_ms": percentile(p["ttft_ms"], 0.5),
+            "tok_s": sorted(p["tok_s"])[len(p["tok_s"]) // 2],
+            "itl_p50_x_lone": percentile(p["itl_ms"], 0.5) / lone_ms,
+            "itl_p99_x_lone": percentile(p["itl_ms"], 0.99) / lone_ms,
         }
     doc = {"machine": machine(), "args": vars(args), "lone_itl_ms": lone_ms, "by_cap": rows}
     print(f"lone stream ITL {lone_ms:.1f} ms")
     for cap, row in rows.items():
-        print(f"cap {cap:>5}: p50 {row['itl_p50_ms']:.1f} ms ({row['itl_p50_x_lone']:.2f}x) p99 {row['itl_p99_ms']:.1f} "
-              f"ms ({row['itl_p99_x_lone']:.2f}x) TTFT p50 {row['ttft_p50_ms']:.0f} ms {row['tok_s']:.1f} tok/s")
+        print(
+            f"cap {cap:>5}: p50 {row['itl_p50_ms']:.1f} ms ({row['itl_p50_x_lone']:.2f}x) p99 {row['itl_p99_ms']:.1f} "
+            f"ms ({row['itl_p99_x_lone']:.2f}x) TTFT p50 {row['ttft_p50_ms']:.0f} ms {row['tok_s']:.1f} tok/s"
+        )
     out = RESULTS / f"mixed_load{args.tag}.json"
     write_json(out, doc)
     plt = pyplot()

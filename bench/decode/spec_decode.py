@@ -44,21 +44,53 @@ from bench.peer.peer_llamacpp import (
     gguf_path,
 )
 
-PLACES = ["Alder", "Brennock", "Calloway", "Dunmere", "Eskdale", "Farrow", "Glenmark", "Harlow", "Ivel", "Jessop",
-          "Kestrel", "Lorne", "Marrow", "Northby", "Orwell", "Penrith", "Quarry", "Rendle", "Stowe", "Tamsin"]
+PLACES = [
+    "Alder",
+    "Brennock",
+    "Calloway",
+    "Dunmere",
+    "Eskdale",
+    "Farrow",
+    "Glenmark",
+    "Harlow",
+    "Ivel",
+    "Jessop",
+    "Kestrel",
+    "Lorne",
+    "Marrow",
+    "Northby",
+    "Orwell",
+    "Penrith",
+    "Quarry",
+    "Rendle",
+    "Stowe",
+    "Tamsin",
+]
 KINDS = ["river", "town", "valley", "lake", "forest", "harbour"]
-SUBJECTS = ["a lighthouse keeper", "a lost dog", "the first snow", "a clockmaker", "a small boat", "an old map",
-            "a night market", "a broken violin", "a tea shop", "a mountain road"]
+SUBJECTS = [
+    "a lighthouse keeper",
+    "a lost dog",
+    "the first snow",
+    "a clockmaker",
+    "a small boat",
+    "an old map",
+    "a night market",
+    "a broken violin",
+    "a tea shop",
+    "a mountain road",
+]
 
 
 def paragraph(rng: random.Random, place: str, kind: str) -> str:
     """Three plain sentences about a made-up place, with numbers that make each unique."""
     a, b, c = rng.sample(PLACES, 3)
-    return (f"The {kind} of {place} lies {rng.randrange(3, 90)} miles north of {a}. "
-            f"It was first mapped in {rng.randrange(1600, 1900)} by a surveyor from {b}, who counted "
-            f"{rng.randrange(20, 900)} houses along its edge. "
-            f"Today about {rng.randrange(2, 60)} thousand people visit it each year, most of them in spring, "
-            f"and the road from {c} is the easiest way in.")
+    return (
+        f"The {kind} of {place} lies {rng.randrange(3, 90)} miles north of {a}. "
+        f"It was first mapped in {rng.randrange(1600, 1900)} by a surveyor from {b}, who counted "
+        f"{rng.randrange(20, 900)} houses along its edge. "
+        f"Today about {rng.randrange(2, 60)} thousand people visit it each year, most of them in spring, "
+        f"and the road from {c} is the easiest way in."
+    )
 
 
 def quoting_prompts(rng: random.Random, n: int) -> list[list[dict]]:
@@ -68,8 +100,15 @@ def quoting_prompts(rng: random.Random, n: int) -> list[list[dict]]:
         paras = [(p, rng.choice(KINDS)) for p in places]
         doc = "\n\n".join(paragraph(rng, p, k) for p, k in paras)
         target, kind = rng.choice(paras)
-        out.append([{"role": "user", "content": f"Here is a document.\n\n{doc}\n\n"
-                     f"Repeat the paragraph about the {kind} of {target} word for word."}])
+        out.append(
+            [
+                {
+                    "role": "user",
+                    "content": f"Here is a document.\n\n{doc}\n\n"
+                    f"Repeat the paragraph about the {kind} of {target} word for word.",
+                }
+            ]
+        )
     return out
 
 
@@ -131,12 +170,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     llm = LLM("default", dtype=args.dtype, quantization=args.quantization, speculative_tokens=args.k)
-    sets = {name: [llm.chat_token_ids(m) for m in make(rng, args.prompts)]
-            for name, make in (("quoting", quoting_prompts), ("free", free_prompts))}
+    sets = {
+        name: [llm.chat_token_ids(m) for m in make(rng, args.prompts)]
+        for name, make in (("quoting", quoting_prompts), ("free", free_prompts))
+    }
     contenders: list = [Kvreuse(llm, False), Kvreuse(llm, True)]
     try:
-        contenders.append(LlamaCpp(gguf_path(), max(len(p) for s in sets.values() for p in s) + args.max_tokens + 8,
-                                   args.threads))
+        contenders.append(
+            LlamaCpp(gguf_path(), max(len(p) for s in sets.values() for p in s) + args.max_tokens + 8, args.threads)
+        )
     except ImportError as exc:
         print(f"llama.cpp skipped: {exc}", file=sys.stderr)
     names = [c.name for c in contenders]
@@ -144,7 +186,7 @@ def main() -> None:
     outputs: dict[str, dict[str, list]] = {n: {s: [None] * args.prompts for s in sets} for n in names}
     drafted = {s: [0, 0] for s in sets}  # [drafted, accepted] of spec on, timed reps
     for rep in range(-1, args.reps):  # rep -1: untimed warm-up
-        order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
+        order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
         for set_name, prompts in sets.items():
             for c in order:
                 tokens_after_first, seconds = 0, 0.0
@@ -159,22 +201,29 @@ def main() -> None:
                 rate = tokens_after_first / seconds
                 if rep >= 0:
                     tok_s[c.name][set_name].append(rate)
-                print(f"rep {rep} {set_name:>7} {c.name:>16}: {rate:6.1f} tok/s ({tokens_after_first} tokens)",
-                      file=sys.stderr)
+                print(
+                    f"rep {rep} {set_name:>7} {c.name:>16}: {rate:6.1f} tok/s ({tokens_after_first} tokens)",
+                    file=sys.stderr,
+                )
     weights = sorted({type(m).__name__ for m in llm.engine.loaded.model.modules() if "Linear" in type(m).__name__})
     med = {n: {s: round(statistics.median(v), 2) for s, v in r.items()} for n, r in tok_s.items()}
     off, on = med["kvreuse spec off"], med["kvreuse spec on"]
     doc = {
-        "gguf": gguf_path().name, "threads": args.threads, "reps": args.reps, "prompts_per_set": args.prompts,
-        "max_tokens": args.max_tokens, "speculative_tokens": args.k,
+        "gguf": gguf_path().name,
+        "threads": args.threads,
+        "reps": args.reps,
+        "prompts_per_set": args.prompts,
+        "max_tokens": args.max_tokens,
+        "speculative_tokens": args.k,
         "ngram": [llm.engine.config.speculative_ngram_min, llm.engine.config.speculative_ngram_max],
         "settings": f"--dtype {args.dtype} --quantization {args.quantization} (resolved: {llm.engine.loaded.dtype}, "
-                    f"{weights}), block {llm.engine.config.block_size} + --speculative-tokens",
+        f"{weights}), block {llm.engine.config.block_size} + --speculative-tokens",
         "median_decode_tok_s": med,
         "spec_on_vs_off": {s: round(on[s] / off[s], 3) for s in sets},
         "same_tokens_on_and_off": {s: outputs["kvreuse spec on"][s] == outputs["kvreuse spec off"][s] for s in sets},
-        "acceptance": {s: {"drafted": d, "accepted": a, "rate": round(a / d, 3) if d else None}
-                       for s, (d, a) in drafted.items()},
+        "acceptance": {
+            s: {"drafted": d, "accepted": a, "rate": round(a / d, 3) if d else None} for s, (d, a) in drafted.items()
+        },
         "answer_tokens": {s: [len(ids) for ids in outputs["kvreuse spec off"][s]] for s in sets},
         "raw_tok_s": tok_s,
         "command": "python bench/decode/spec_decode.py " + " ".join(sys.argv[1:]),
@@ -198,12 +247,16 @@ def main() -> None:
         ax.bar(xs, values, width, label=n, color=colors[n])
         for x, v in zip(xs, values):
             ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(sets)), [f"{s} ({'answers quote the prompt' if s == 'quoting' else 'nothing to quote'})"
-                                     for s in sets], fontsize=8)
+    ax.set_xticks(
+        range(len(sets)),
+        [f"{s} ({'answers quote the prompt' if s == 'quoting' else 'nothing to quote'})" for s in sets],
+        fontsize=8,
+    )
     ax.set_ylabel("decode tok/s, batch 1 (higher is better)", fontsize=8)
     ax.legend(fontsize=8)
-    ax.set_title(f"prompt lookup, k={args.k}: {gguf_path().name}, {args.threads} threads, median of {args.reps}",
-                 fontsize=9)
+    ax.set_title(
+        f"prompt lookup, k={args.k}: {gguf_path().name}, {args.threads} threads, median of {args.reps}", fontsize=9
+    )
     fig.tight_layout()
     save_png(fig, out.with_suffix(".png"))
 

@@ -53,8 +53,9 @@ def main() -> None:
             finally:
                 runner._llama = own
             engine.abort_request(f"{n}-{path}")
-            print(f"context {n:>5} {path:>8}: {median(times) * 1e6:8.1f} us per step "
-                  f"(median of {args.steps})", flush=True)
+            print(
+                f"context {n:>5} {path:>8}: {median(times) * 1e6:8.1f} us per step (median of {args.steps})", flush=True
+            )
     runner.decode_in_place_min = in_place_min
 
 

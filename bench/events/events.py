@@ -118,8 +118,11 @@ def main() -> None:
     for i in range(args.rounds):  # adjacent triples, order rotating, so drift cancels
         for name in orders[i % 3]:
             runs[name].append(one_round(engines[name], batch, params))
-        print(f"round {i}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in runs.items()) + " tok/s",
-              file=sys.stderr, flush=True)
+        print(
+            f"round {i}: " + ", ".join(f"{k} {v[-1][0]:.1f}" for k, v in runs.items()) + " tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
     off, on, ctl = ([w for w, _ in runs[k]] for k in ("off", "on", "control"))
     off_cpu, on_cpu = [c for _, c in runs["off"]], [c for _, c in runs["on"]]
     deadline = time.monotonic() + 10
@@ -134,22 +137,32 @@ def main() -> None:
     events_per_token = (buffer.last_event_id + 1) / (tokens_per_round * (args.rounds + 1))  # +1: warm-up
     implied_overhead = events_per_token * cpu_per_event * statistics.median(off_cpu)  # (s/event)*(tokens/s)
     result = {
-        "model": args.model, "device": args.device, "batch": args.batch, "prefix_len": args.prefix_len,
-        "max_tokens": args.max_tokens, "block_size": args.block_size, "rounds": args.rounds,
-        "tokens_per_s_off": off, "tokens_per_s_on": on,
-        "median_off": statistics.median(off), "median_on": statistics.median(on),
+        "model": args.model,
+        "device": args.device,
+        "batch": args.batch,
+        "prefix_len": args.prefix_len,
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "rounds": args.rounds,
+        "tokens_per_s_off": off,
+        "tokens_per_s_on": on,
+        "median_off": statistics.median(off),
+        "median_on": statistics.median(on),
         "ratio_on_over_off": statistics.median(on) / statistics.median(off),
         "median_paired_ratio": statistics.median(a / b for a, b in zip(on, off)),
         "tokens_per_s_control": ctl,
         "noise_floor_control_over_off": statistics.median(ctl) / statistics.median(off),
         "noise_floor_paired": statistics.median(a / b for a, b in zip(ctl, off)),
-        "tokens_per_cpu_s_off": off_cpu, "tokens_per_cpu_s_on": on_cpu,
+        "tokens_per_cpu_s_off": off_cpu,
+        "tokens_per_cpu_s_on": on_cpu,
         "cpu_ratio_on_over_off": statistics.median(on_cpu) / statistics.median(off_cpu),
         "cpu_us_per_event_full_path": cpu_per_event * 1e6,
         "events_per_token": events_per_token,
         "implied_ratio_from_event_cost": 1 / (1 + implied_overhead),
-        "events_emitted": buffer.last_event_id + 1, "events_dropped": buffer.num_dropped,
-        "batches_published": publisher.num_batches, "events_lost_by_publisher": publisher.num_events_lost,
+        "events_emitted": buffer.last_event_id + 1,
+        "events_dropped": buffer.num_dropped,
+        "batches_published": publisher.num_batches,
+        "events_lost_by_publisher": publisher.num_events_lost,
         "subscriber_received": {"batches": int(received[0]), "events": int(received[1])} if received else None,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
@@ -157,11 +170,28 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out.with_suffix(".json"), result)
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("median_off", "median_on", "ratio_on_over_off", "median_paired_ratio",
-                                            "noise_floor_control_over_off", "noise_floor_paired",
-                                            "cpu_ratio_on_over_off", "cpu_us_per_event_full_path",
-                                            "implied_ratio_from_event_cost", "events_emitted",
-                                            "batches_published", "subscriber_received")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "median_off",
+                    "median_on",
+                    "ratio_on_over_off",
+                    "median_paired_ratio",
+                    "noise_floor_control_over_off",
+                    "noise_floor_paired",
+                    "cpu_ratio_on_over_off",
+                    "cpu_us_per_event_full_path",
+                    "implied_ratio_from_event_cost",
+                    "events_emitted",
+                    "batches_published",
+                    "subscriber_received",
+                )
+            },
+            indent=2,
+        )
+    )
 
 
 def full_path_cpu_per_event(n: int = 20_000) -> float:
@@ -186,16 +216,22 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    bars = (("tokens_per_s_off", "events off", "#9ab"), ("tokens_per_s_on", "events over ZMQ", "#5a8"),
-            ("tokens_per_s_control", "events off\n(control)", "#ccc"))
+    bars = (
+        ("tokens_per_s_off", "events off", "#9ab"),
+        ("tokens_per_s_on", "events over ZMQ", "#5a8"),
+        ("tokens_per_s_control", "events off\n(control)", "#ccc"),
+    )
     for x, (key, _label, color) in enumerate(bars):
         values = result[key]
         ax.bar(x, statistics.median(values), color=color)
         ax.scatter([x] * len(values), values, color="black", s=8, zorder=3)
     ax.set_xticks(range(len(bars)), [label for _, label, _ in bars])
     ax.set_ylabel("decode throughput (tokens/s, median of rounds)")
-    ax.set_title(f"{result['model']} on {result['device']}: on/off {result['ratio_on_over_off']:.3f}, "
-                 f"control/off {result['noise_floor_control_over_off']:.3f}", fontsize=9)
+    ax.set_title(
+        f"{result['model']} on {result['device']}: on/off {result['ratio_on_over_off']:.3f}, "
+        f"control/off {result['noise_floor_control_over_off']:.3f}",
+        fontsize=9,
+    )
     fig.tight_layout()
     save_png(fig, path)
 

@@ -92,22 +92,31 @@ def _first_sight(trace: Trace) -> dict[str, dict[str, dict[str, float]]]:
         for key in req.block_keys:
             last_use[key] = i
     seen: set[BlockHash] = set()
-    tallies = {name: {label: [0, 0] for label in (*(f"<{e}" for e in edges), f">={edges[-1]}")}
-               for name, edges in FEATURES.items()}
+    tallies = {
+        name: {label: [0, 0] for label in (*(f"<{e}" for e in edges), f">={edges[-1]}")}
+        for name, edges in FEATURES.items()
+    }
     for i, req in enumerate(trace.requests):
         new = [(j, key) for j, key in enumerate(req.block_keys) if j > 0 and key not in seen]
         continued = int(len(req.block_keys) > 1 and req.block_keys[1] in seen)
         seen.update(req.block_keys)
         for j, key in new:
-            values = {"prompt_tokens": req.prompt_tokens, "output_tokens": req.output_tokens,
-                      "new_blocks_in_request": len(new), "depth_in_chain": j, "request_reused_a_prefix": continued}
+            values = {
+                "prompt_tokens": req.prompt_tokens,
+                "output_tokens": req.output_tokens,
+                "new_blocks_in_request": len(new),
+                "depth_in_chain": j,
+                "request_reused_a_prefix": continued,
+            }
             for name, edges in FEATURES.items():
                 bucket = next((f"<{e}" for e in edges if values[name] < e), f">={edges[-1]}")
                 tally = tallies[name][bucket]
                 tally[0] += last_use[key] > i
                 tally[1] += 1
-    return {name: {b: {"p_reused": a / n, "blocks": n} for b, (a, n) in buckets.items() if n}
-            for name, buckets in tallies.items()}
+    return {
+        name: {b: {"p_reused": a / n, "blocks": n} for b, (a, n) in buckets.items() if n}
+        for name, buckets in tallies.items()
+    }
 
 
 def _belady_hits(stream: list[tuple[BlockHash, bool]], capacity: int) -> int:
@@ -157,22 +166,36 @@ def main(argv: list[str] | None = None) -> int:
         first = max(float(f) * min(1.0, c1 / t) for t, f in zip(horizons, counts)) if c1 else 0.0
         later_hits = _belady_hits(later, capacity - c1)
         rate = (root_hits + first + later_hits) * to_rate
-        splits.append({"c1_first_use": c1, "first_reuse_hits": round(first, 1), "later_reuse_hits": later_hits,
-                       "hit_rate": rate})
+        splits.append(
+            {"c1_first_use": c1, "first_reuse_hits": round(first, 1), "later_reuse_hits": later_hits, "hit_rate": rate}
+        )
         print(f"C1={c1:>5}  first-reuse hits {first:8.1f}  later-reuse hits {later_hits:6d}  bound {rate:.4f}")
     best = max(splits, key=lambda s: s["hit_rate"])
-    out = {"trace": args.trace.name, "capacity_blocks": args.capacity, "lru_hit_rate": args.lru,
-           "bound_hit_rate": best["hit_rate"], "bound_vs_lru": best["hit_rate"] / args.lru,
-           "target_vs_lru": 2.5, "best_split": best, "root_hits": root_hits,
-           "first_reuses": int(len(first_dist)), "later_reuses": sum(c for _, c in later),
-           "first_sight_features": _first_sight(trace), "splits": splits}
+    out = {
+        "trace": args.trace.name,
+        "capacity_blocks": args.capacity,
+        "lru_hit_rate": args.lru,
+        "bound_hit_rate": best["hit_rate"],
+        "bound_vs_lru": best["hit_rate"] / args.lru,
+        "target_vs_lru": 2.5,
+        "best_split": best,
+        "root_hits": root_hits,
+        "first_reuses": int(len(first_dist)),
+        "later_reuses": sum(c for _, c in later),
+        "first_sight_features": _first_sight(trace),
+        "splits": splits,
+    }
     for name, buckets in out["first_sight_features"].items():
-        print(f"P(reused) of first-seen blocks by {name}: "
-              + ", ".join(f"{b} {v['p_reused']:.2f} ({v['blocks']})" for b, v in buckets.items()))
+        print(
+            f"P(reused) of first-seen blocks by {name}: "
+            + ", ".join(f"{b} {v['p_reused']:.2f} ({v['blocks']})" for b, v in buckets.items())
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.json, out)
-    print(f"history-only bound at {args.capacity} blocks: {best['hit_rate']:.4f} = "
-          f"{best['hit_rate'] / args.lru:.2f}x LRU ({args.lru:.4f}); target 2.5x")
+    print(
+        f"history-only bound at {args.capacity} blocks: {best['hit_rate']:.4f} = "
+        f"{best['hit_rate'] / args.lru:.2f}x LRU ({args.lru:.4f}); target 2.5x"
+    )
     return 0
 
 

@@ -53,16 +53,24 @@ def build_workload(
     for i in range(num_requests):
         system = systems[rng.randrange(num_system_prompts)]
         question = [rng.randrange(30000, 60000) for _ in range(rng.randint(*question_tokens))]
-        records.append({
-            "prompt_token_ids": system + question,
-            "output_length": rng.randint(*output_tokens),
-            "timestamp": round(1000 * i / requests_per_s),
-            "kv_cache_retention_config": {
-                "token_range_retention_configs": [{"token_start": 0, "token_end": len(system),
-                                                   "priority": SYSTEM_PRIORITY, "duration_ms": SYSTEM_DURATION_MS}],
-                "decode_retention_priority": DECODE_PRIORITY,
-            },
-        })
+        records.append(
+            {
+                "prompt_token_ids": system + question,
+                "output_length": rng.randint(*output_tokens),
+                "timestamp": round(1000 * i / requests_per_s),
+                "kv_cache_retention_config": {
+                    "token_range_retention_configs": [
+                        {
+                            "token_start": 0,
+                            "token_end": len(system),
+                            "priority": SYSTEM_PRIORITY,
+                            "duration_ms": SYSTEM_DURATION_MS,
+                        }
+                    ],
+                    "decode_retention_priority": DECODE_PRIORITY,
+                },
+            }
+        )
     return records
 
 
@@ -101,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "retention.json", doc)
     plot_sweep(results, args.out / "retention.png", "shared system prompts + long outputs (16-token blocks)")
     for r in doc["policies"]:
-        print(f"{r['policy']:<9} hit rate {r['hit_rate']:.4f}  evictions {r['evictions']:>7}  "
-              f"by priority {r['evictions_by_priority']}")
+        print(
+            f"{r['policy']:<9} hit rate {r['hit_rate']:.4f}  evictions {r['evictions']:>7}  "
+            f"by priority {r['evictions_by_priority']}"
+        )
     print(f"priority vs LRU at {args.capacity_blocks} blocks: {gain:+.1%} cache hits", file=sys.stderr)
     return 0
 

@@ -31,8 +31,20 @@ def server_args(policy: str, kv_blocks: int) -> list[str]:
     """``kvreuse serve`` arguments for one side: fp32 (``BYTES_PER_TOKEN`` is fp32's), a pool of
     ``kv_blocks`` blocks, eviction by ``policy``, one sequence at a time."""
     gib = kv_blocks * BLOCK * BYTES_PER_TOKEN / 2**30
-    return ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory", f"{gib:.9f}",
-            "--eviction-policy", policy, "--max-num-seqs", "1", "--log-level", "warning"]
+    return [
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--kv-cache-memory",
+        f"{gib:.9f}",
+        "--eviction-policy",
+        policy,
+        "--max-num-seqs",
+        "1",
+        "--log-level",
+        "warning",
+    ]
 
 
 def workload(n: int, system_tokens: int, seed: int = 0) -> list[dict]:
@@ -73,9 +85,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
     policies = ("lru", "priority")
-    with tempfile.TemporaryDirectory() as logs, environment(OMP_NUM_THREADS="1"), running_servers(
-            [(free_port(), server_args(p, args.kv_blocks), Path(logs) / f"{p}.log") for p in policies],
-            startup_s=300) as urls:
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        environment(OMP_NUM_THREADS="1"),
+        running_servers(
+            [(free_port(), server_args(p, args.kv_blocks), Path(logs) / f"{p}.log") for p in policies], startup_s=300
+        ) as urls,
+    ):
         servers = dict(zip(policies, urls))
         reqs = workload(args.requests, args.system_tokens)
         tally = {p: {"prompt_tokens": 0, "cached_tokens": 0, "per_request": []} for p in servers}
@@ -89,8 +105,10 @@ def main() -> None:
                     t["prompt_tokens"] += usage["prompt_tokens"]
                     t["cached_tokens"] += cached
                     t["per_request"].append(cached)
-                print(f"request {i}: " + ", ".join(f"{p} cached {tally[p]['per_request'][-1]}" for p in servers),
-                      flush=True)
+                print(
+                    f"request {i}: " + ", ".join(f"{p} cached {tally[p]['per_request'][-1]}" for p in servers),
+                    flush=True,
+                )
     for t in tally.values():
         t["hit_rate"] = t["cached_tokens"] / t["prompt_tokens"]
     gain = tally["priority"]["hit_rate"] / tally["lru"]["hit_rate"] - 1 if tally["lru"]["hit_rate"] else None

@@ -33,13 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     trace = read_trace(args.trace, block_tokens=512, trace_format="mooncake")
     read_s = time.perf_counter() - started
     capacities = [int(c) for c in args.capacities.split(",")]
-    results = sweep(trace, args.policies.split(","), capacities,
-                    on_done=lambda r: print(f"{r.policy:<7} {r.capacity_blocks:>6} blocks: hit rate "
-                                            f"{r.hit_rate:.4f}  ({r.seconds:.1f} s)", file=sys.stderr))
+    results = sweep(
+        trace,
+        args.policies.split(","),
+        capacities,
+        on_done=lambda r: print(
+            f"{r.policy:<7} {r.capacity_blocks:>6} blocks: hit rate {r.hit_rate:.4f}  ({r.seconds:.1f} s)",
+            file=sys.stderr,
+        ),
+    )
     plot_sweep(results, args.png, "Mooncake conversation trace: hit rate vs capacity (512-token blocks)")
-    write_json(args.json, {
-        "trace": trace.name, "requests": len(trace.requests), "block_lookups": trace.num_block_lookups,
-        "read_seconds": round(read_s, 2), "results": [r.to_dict() for r in results]})
+    write_json(
+        args.json,
+        {
+            "trace": trace.name,
+            "requests": len(trace.requests),
+            "block_lookups": trace.num_block_lookups,
+            "read_seconds": round(read_s, 2),
+            "results": [r.to_dict() for r in results],
+        },
+    )
     return 0
 
 

@@ -30,8 +30,28 @@ from kvreuse import LLM, SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
 from bench.common import RESULTS, machine, write_json
 
-PLACES = ["Alder", "Brennock", "Calloway", "Dunmere", "Eskdale", "Farrow", "Glenmark", "Harlow", "Ivel", "Jessop",
-          "Kestrel", "Lorne", "Marrow", "Northby", "Orwell", "Penrith", "Quarry", "Rendle", "Stowe", "Tamsin"]
+PLACES = [
+    "Alder",
+    "Brennock",
+    "Calloway",
+    "Dunmere",
+    "Eskdale",
+    "Farrow",
+    "Glenmark",
+    "Harlow",
+    "Ivel",
+    "Jessop",
+    "Kestrel",
+    "Lorne",
+    "Marrow",
+    "Northby",
+    "Orwell",
+    "Penrith",
+    "Quarry",
+    "Rendle",
+    "Stowe",
+    "Tamsin",
+]
 KINDS = ["river", "town", "valley", "lake", "forest", "harbour", "bridge", "market"]
 
 
@@ -39,18 +59,25 @@ def cpu_info() -> dict:
     """The machine block's CPU model, the flags that pick kernels here, torch's version and threads."""
     m = machine()
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
-    return {"model": m["cpu_model"], "cpus": m["cpus"], "flags_of_interest": [f for f in wanted if f in m["cpu_flags"]],
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {
+        "model": m["cpu_model"],
+        "cpus": m["cpus"],
+        "flags_of_interest": [f for f in wanted if f in m["cpu_flags"]],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def paragraph(rng: random.Random) -> str:
     place, kind = rng.choice(PLACES), rng.choice(KINDS)
     a, b, c = rng.sample(PLACES, 3)
-    return (f"The {kind} of {place} lies {rng.randrange(3, 90)} miles north of {a}. "
-            f"It was first mapped in {rng.randrange(1600, 1900)} by a surveyor from {b}, who counted "
-            f"{rng.randrange(20, 900)} houses along its edge. "
-            f"Today about {rng.randrange(2, 60)} thousand people visit it each year, most of them in spring, "
-            f"and the road from {c} is the easiest way in.")
+    return (
+        f"The {kind} of {place} lies {rng.randrange(3, 90)} miles north of {a}. "
+        f"It was first mapped in {rng.randrange(1600, 1900)} by a surveyor from {b}, who counted "
+        f"{rng.randrange(20, 900)} houses along its edge. "
+        f"Today about {rng.randrange(2, 60)} thousand people visit it each year, most of them in spring, "
+        f"and the road from {c} is the easiest way in."
+    )
 
 
 def make_prompts(llm: LLM, n: int, tokens: int, seed: int) -> list[list[int]]:
@@ -96,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
     for p in prompts:
         llm.reset_prefix_cache()
         for name in ("miss", "hit", "hit_again"):
-            (toks, nc), = gen([p])
+            ((toks, nc),) = gen([p])
             variants[name].append(toks)
             cached[name].append(nc)
     for name in ("batch_miss", "batch_hit"):
@@ -113,14 +140,25 @@ def run(args: argparse.Namespace) -> dict:
     report = {}
     for name, outs in variants.items():
         diffs = [first_diff(r, o) for r, o in zip(ref, outs)]
-        report[name] = {"differing": sum(d is not None for d in diffs), "first_diff_token": diffs,
-                        "cached_tokens": cached[name]}
+        report[name] = {
+            "differing": sum(d is not None for d in diffs),
+            "first_diff_token": diffs,
+            "cached_tokens": cached[name],
+        }
     return {
-        "cpu": cpu_info(), "model": args.model, "config": config,
-        "settings": {"prompts": args.prompts, "prompt_tokens": [len(p) for p in prompts],
-                     "max_tokens": args.max_tokens, "batch": args.batch, "seed": args.seed},
+        "cpu": cpu_info(),
+        "model": args.model,
+        "config": config,
+        "settings": {
+            "prompts": args.prompts,
+            "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": args.max_tokens,
+            "batch": args.batch,
+            "seed": args.seed,
+        },
         "engine": {"dtype": str(llm.engine.runner.dtype) if hasattr(llm.engine, "runner") else None},
-        "load_s": round(load_s, 1), "run_s": round(run_s, 1),
+        "load_s": round(load_s, 1),
+        "run_s": round(run_s, 1),
         "variants_vs_miss": report,
         "tokens": {k: v for k, v in variants.items()},
     }
@@ -143,9 +181,19 @@ def main() -> None:
     out = run(args)
     path = write_json(RESULTS / f"determinism{'_' + args.tag if args.tag else ''}.json", out, indent=1)
     summary = {k: v["differing"] for k, v in out["variants_vs_miss"].items()}
-    print(json.dumps({"cpu": out["cpu"]["model"], "flags": out["cpu"]["flags_of_interest"], "config": out["config"],
-                      "prompt_tokens": out["settings"]["prompt_tokens"], "differing_vs_miss": summary,
-                      "run_s": out["run_s"]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "cpu": out["cpu"]["model"],
+                "flags": out["cpu"]["flags_of_interest"],
+                "config": out["config"],
+                "prompt_tokens": out["settings"]["prompt_tokens"],
+                "differing_vs_miss": summary,
+                "run_s": out["run_s"],
+            },
+            indent=1,
+        )
+    )
     print(f"-> {path}", file=sys.stderr)
 
 

@@ -61,8 +61,10 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     loaded = load_model("default", dtype="auto", device="auto", quantization="auto")
-    engines = {"default": LLM(loaded=loaded, kv_cache_memory_gib=0.5),
-               "deterministic": LLM(loaded=loaded, kv_cache_memory_gib=0.5, deterministic=True)}
+    engines = {
+        "default": LLM(loaded=loaded, kv_cache_memory_gib=0.5),
+        "deterministic": LLM(loaded=loaded, kv_cache_memory_gib=0.5, deterministic=True),
+    }
     first = engines["default"]
     cold, short = prompt_ids(first, args.prompt, 1), prompt_ids(first, 16, 2)
     long_ctx = prompt_ids(first, args.context, 3)
@@ -76,18 +78,31 @@ def main() -> None:
         arms[f"{name}/decode_ctx_tok_s"] = lambda llm=llm: decode(llm, long_ctx, 32)
     samples = interleave(arms, args.reps)
     medians = {k: round(median(v), 4) for k, v in samples.items()}
-    ratios = {m: round(medians[f"deterministic/{m}"] / medians[f"default/{m}"], 3)
-              for m in ("ttft_s", "decode_tok_s", "decode_ctx_tok_s")}
-    doc = {"settings": vars(args), "model": "default", "dtype": str(loaded.model.dtype),
-           "quantization": str(getattr(loaded, "quantization", None)), "medians": medians,
-           "deterministic_over_default": ratios, "samples": samples}
+    ratios = {
+        m: round(medians[f"deterministic/{m}"] / medians[f"default/{m}"], 3)
+        for m in ("ttft_s", "decode_tok_s", "decode_ctx_tok_s")
+    }
+    doc = {
+        "settings": vars(args),
+        "model": "default",
+        "dtype": str(loaded.model.dtype),
+        "quantization": str(getattr(loaded, "quantization", None)),
+        "medians": medians,
+        "deterministic_over_default": ratios,
+        "samples": samples,
+    }
     out = write_json(RESULTS / f"determinism_cost{'_' + args.tag if args.tag else ''}.json", doc)
     print({"medians": medians, "deterministic_over_default": ratios})
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    for ax, (metric, label) in zip(axes, [("ttft_s", f"cold TTFT, {args.prompt} tokens (s)"),
-                                         ("decode_tok_s", "decode batch 1 (tok/s)"),
-                                         ("decode_ctx_tok_s", f"decode after {args.context} cached (tok/s)")]):
+    for ax, (metric, label) in zip(
+        axes,
+        [
+            ("ttft_s", f"cold TTFT, {args.prompt} tokens (s)"),
+            ("decode_tok_s", "decode batch 1 (tok/s)"),
+            ("decode_ctx_tok_s", f"decode after {args.context} cached (tok/s)"),
+        ],
+    ):
         vals = [medians[f"{e}/{metric}"] for e in engines]
         ax.bar(list(engines), vals, color=["tab:blue", "tab:orange"])
         ax.set_title(label, fontsize=9)

@@ -59,8 +59,9 @@ from tests.serve_client import metric
 FAULT, SFAULT = "campaign-fault-", "campaign-sfault-"
 FAULT_ARGS = ("--debug-step-fault", f"forward:{FAULT}@6", "--debug-step-fault", f"sample:{SFAULT}@3")
 PROGRESS_DEADLINE_S = 10.0  # kvreuse route's default --upstream-progress-timeout
-BOB_PROMPTS = [f"Bob's stream {i} describes the {['harbour', 'orchard', 'mill', 'quarry'][i]} in detail."
-               for i in range(4)]
+BOB_PROMPTS = [
+    f"Bob's stream {i} describes the {['harbour', 'orchard', 'mill', 'quarry'][i]} in detail." for i in range(4)
+]
 
 # finding 1: edge values of the sampling fields (raw JSON: NaN and Infinity literals too)
 EDGES: list[tuple[str, dict]] = [
@@ -105,12 +106,12 @@ def stream(url: str, key: str, path: str, body: dict, seen: Callable[[str | None
 
 
 def completion_body(prompt: str, max_tokens: int, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            **extra}
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True, **extra}
 
 
-def bob_streams(url: str, max_tokens: int,
-                during: Callable[[], tuple[object, float]] | None = None) -> tuple[list[tuple], object]:
+def bob_streams(
+    url: str, max_tokens: int, during: Callable[[], tuple[object, float]] | None = None
+) -> tuple[list[tuple], object]:
     """Bob's 4 greedy streams through ``url`` at once; ``during()`` runs once each has its
     first chunks and returns ``(value, mark)``, a ``time.perf_counter()`` of interest.
     Returns ``([(kind, text, still running at mark)] in order, value)``."""
@@ -120,8 +121,10 @@ def bob_streams(url: str, max_tokens: int,
         return lambda _, n: started[i].set() if n >= 2 else None
 
     with ThreadPoolExecutor(len(BOB_PROMPTS)) as pool:
-        futures = [pool.submit(stream, url, BOB, "/v1/completions", completion_body(p, max_tokens), seen(i))
-                   for i, p in enumerate(BOB_PROMPTS)]
+        futures = [
+            pool.submit(stream, url, BOB, "/v1/completions", completion_body(p, max_tokens), seen(i))
+            for i, p in enumerate(BOB_PROMPTS)
+        ]
         for e in started:
             e.wait(120)
         result, mark = during() if during is not None else (None, time.perf_counter())
@@ -133,10 +136,22 @@ def bobs_rows(finding: str, disturbed: list[tuple], reference: list[tuple], what
     """Bob's streams beside ``what``: identical to undisturbed, and still running when it was answered."""
     same = sum(1 for (k, t, _), (k0, t0, _) in zip(disturbed, reference) if k == k0 == "whole" and t == t0)
     running = sum(1 for *_, on in disturbed if on)
-    return [row(finding, f"bob's 4 greedy streams beside {what}: whole and identical to undisturbed", f"{same}/4",
-                "4/4", same == 4),
-            row(finding, f"control: bob's streams still running when {what} was answered", f"{running}/4", "> 0",
-                running > 0)]
+    return [
+        row(
+            finding,
+            f"bob's 4 greedy streams beside {what}: whole and identical to undisturbed",
+            f"{same}/4",
+            "4/4",
+            same == 4,
+        ),
+        row(
+            finding,
+            f"control: bob's streams still running when {what} was answered",
+            f"{running}/4",
+            "> 0",
+            running > 0,
+        ),
+    ]
 
 
 def idle_blocks(urls: list[str], timeout: float = 30) -> float:
@@ -159,16 +174,24 @@ def edge_values(c: Cluster, max_tokens: int = 400) -> list[dict]:
         for name, extra in EDGES:
             for target, url in targets.items():
                 body = {"prompt": "Alice asks about the weather.", "max_tokens": 4, **extra}
-                r = httpx.post(f"{url}/v1/completions", content=json.dumps(body), timeout=120,
-                               headers={**auth(ALICE), "Content-Type": "application/json"})
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    content=json.dumps(body),
+                    timeout=120,
+                    headers={**auth(ALICE), "Content-Type": "application/json"},
+                )
                 try:
                     doc = r.json()
                 except ValueError:
                     doc = {}
                 finished = r.status_code == 200 and all(
-                    ch.get("finish_reason") in ("stop", "length") for ch in doc.get("choices") or [{}])
-                detail = (doc.get("error") or {}).get("message", "")[:70] if r.status_code != 200 else \
-                    f"finish_reason {[ch.get('finish_reason') for ch in doc.get('choices', [])]}"
+                    ch.get("finish_reason") in ("stop", "length") for ch in doc.get("choices") or [{}]
+                )
+                detail = (
+                    (doc.get("error") or {}).get("message", "")[:70]
+                    if r.status_code != 200
+                    else f"finish_reason {[ch.get('finish_reason') for ch in doc.get('choices', [])]}"
+                )
                 answers.append((name, target, r.status_code, detail if r.status_code == 400 or finished else "?"))
             first_done = first_done or time.perf_counter()  # the finding's value, answered by all three
         return answers, first_done
@@ -191,13 +214,33 @@ def step_failure(c: Cluster, max_tokens: int = 400) -> list[dict]:
 
     def faults() -> tuple[dict, float]:
         with ThreadPoolExecutor(3) as pool:
-            routed = pool.submit(stream, c.url, ALICE, "/v1/completions",
-                                 completion_body("Alice's doomed stream.", 40, request_id=f"{FAULT}1"))
-            direct = pool.submit(stream, c.executor_url(0), ALICE, "/v1/completions",
-                                 completion_body("Alice's other doomed stream.", 40, request_id=f"{SFAULT}1"))
-            whole = pool.submit(httpx.post, f"{c.url}/v1/completions", headers=auth(ALICE), timeout=120,
-                                json={"prompt": "Alice's doomed reply.", "max_tokens": 40, "temperature": 0,
-                                      "ignore_eos": True, "request_id": f"{FAULT}2"})
+            routed = pool.submit(
+                stream,
+                c.url,
+                ALICE,
+                "/v1/completions",
+                completion_body("Alice's doomed stream.", 40, request_id=f"{FAULT}1"),
+            )
+            direct = pool.submit(
+                stream,
+                c.executor_url(0),
+                ALICE,
+                "/v1/completions",
+                completion_body("Alice's other doomed stream.", 40, request_id=f"{SFAULT}1"),
+            )
+            whole = pool.submit(
+                httpx.post,
+                f"{c.url}/v1/completions",
+                headers=auth(ALICE),
+                timeout=120,
+                json={
+                    "prompt": "Alice's doomed reply.",
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "request_id": f"{FAULT}2",
+                },
+            )
             got = {"routed": routed.result(), "direct": direct.result(), "whole": whole.result()}
             return got, time.perf_counter()
 
@@ -208,16 +251,30 @@ def step_failure(c: Cluster, max_tokens: int = 400) -> list[dict]:
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         texts = sum(1 for e in events if isinstance(e, dict) and e.get("choices"))
         code = errors[0].get("code") if errors else None
-        rows.append(row("1b", f"alice's {name} stream ({'forward' if name == 'routed' else 'sampling'} fault): "
-                              "chunks before, then the error event's code", f"{texts} chunks, {code}",
-                        "> 0 chunks, request_failed", texts > 0 and code == "request_failed"))
+        rows.append(
+            row(
+                "1b",
+                f"alice's {name} stream ({'forward' if name == 'routed' else 'sampling'} fault): "
+                "chunks before, then the error event's code",
+                f"{texts} chunks, {code}",
+                "> 0 chunks, request_failed",
+                texts > 0 and code == "request_failed",
+            )
+        )
     whole = got["whole"]
-    rows.append(row("1b", "alice's whole reply (forward fault): status, code",
-                    f"{whole.status_code}, {(whole.json().get('error') or {}).get('code')}", "500, request_failed",
-                    whole.status_code == 500 and whole.json()["error"]["code"] == "request_failed"))
+    rows.append(
+        row(
+            "1b",
+            "alice's whole reply (forward fault): status, code",
+            f"{whole.status_code}, {(whole.json().get('error') or {}).get('code')}",
+            "500, request_failed",
+            whole.status_code == 500 and whole.json()["error"]["code"] == "request_failed",
+        )
+    )
     migrated = metric(c.url, "kvreuse:router_migrations_total") - migrations_before
-    rows.append(row("1b", "the router's migrations of those (the request's own fault)", int(migrated), "0",
-                    migrated == 0))
+    rows.append(
+        row("1b", "the router's migrations of those (the request's own fault)", int(migrated), "0", migrated == 0)
+    )
     rows += bobs_rows("1b", disturbed, reference, "alice's failures")
     used = idle_blocks([c.executor_url(0), c.executor_url(1)])
     rows.append(row("1b", "blocks in use on the executors once idle", int(used), "0", used == 0))
@@ -240,6 +297,7 @@ def hung_executor(c: Cluster, streams: int, max_tokens: int, stop_s: float, out:
                 progress[i] = (served_by, n)
                 if len(progress) == streams and all(k >= 3 for _, k in progress.values()):
                     ready.set()
+
         return seen
 
     by_url = {c.executor_url(i): e for i, e in enumerate(c.execs)}
@@ -265,13 +323,30 @@ def hung_executor(c: Cluster, streams: int, max_tokens: int, stop_s: float, out:
     differing = sum(t != ref for _, t, ref in whole)
     worst = max(gaps_on + gaps_off, default=0.0)
     wait_healthy(c.url, [c.router, *c.execs], all_of=2)  # the stopped one is back before anything else runs
-    return [row("2", f"SIGSTOP of 1 of 2 executors under {streams} streams: streams on it", len(on), "> 0", on),
-            row("2", "longest wait of any stream for its next event (s)", worst,
-                f"<= {PROGRESS_DEADLINE_S:g} (the progress deadline)", worst <= PROGRESS_DEADLINE_S),
-            row("2", "silent cuts / error events / whole", f"{cuts} / {sum(k == 'error_event' for k, _ in kinds)} / "
-                f"{len(whole)}", "0 / - / -", cuts == 0),
-            row("2", f"whole greedy streams differing from undisturbed (of {len(whole)})", differing, "0",
-                differing == 0 and whole)]
+    return [
+        row("2", f"SIGSTOP of 1 of 2 executors under {streams} streams: streams on it", len(on), "> 0", on),
+        row(
+            "2",
+            "longest wait of any stream for its next event (s)",
+            worst,
+            f"<= {PROGRESS_DEADLINE_S:g} (the progress deadline)",
+            worst <= PROGRESS_DEADLINE_S,
+        ),
+        row(
+            "2",
+            "silent cuts / error events / whole",
+            f"{cuts} / {sum(k == 'error_event' for k, _ in kinds)} / {len(whole)}",
+            "0 / - / -",
+            cuts == 0,
+        ),
+        row(
+            "2",
+            f"whole greedy streams differing from undisturbed (of {len(whole)})",
+            differing,
+            "0",
+            differing == 0 and whole,
+        ),
+    ]
 
 
 # ------------------------------------------------------------------------------ d: determinism over tiers
@@ -286,28 +361,46 @@ def determinism(args: argparse.Namespace, logs: str, out: dict) -> list[dict]:
         disk = tempfile.mkdtemp(prefix=f"det-disk-{mode}-", dir=logs)
         # the device pool holds about 1.5 prompts, so each next prompt pushes the one before to the host
         token_gib = 23040 / 2**30  # SmolLM2-135M's KV per token in bf16 (30 layers x 2 x 3 heads x 64 x 2 bytes)
-        llm = LLM(args.det_model, kv_cache_memory_gib=args.prompt_tokens * 1.5 * token_gib,
-                  host_cache_memory_gib=args.prompts * args.prompt_tokens * 1.3 * token_gib + 0.01,
-                  disk_cache_dir=disk, deterministic=mode == "deterministic")
+        llm = LLM(
+            args.det_model,
+            kv_cache_memory_gib=args.prompt_tokens * 1.5 * token_gib,
+            host_cache_memory_gib=args.prompts * args.prompt_tokens * 1.3 * token_gib + 0.01,
+            disk_cache_dir=disk,
+            deterministic=mode == "deterministic",
+        )
         if prompts is None:
             prompts = make_prompts(llm, args.prompts, args.prompt_tokens, seed=0)
         tokens, tiers, seconds = _tier_answers(llm, prompts, params)
         del llm
         gc.collect()
-        differing = {v: sum(first_diff(a, b) is not None for a, b in zip(tokens["miss"], tokens[v]))
-                     for v in ("hit", "host", "disk")}
+        differing = {
+            v: sum(first_diff(a, b) is not None for a, b in zip(tokens["miss"], tokens[v]))
+            for v in ("hit", "host", "disk")
+        }
         report[mode] = {"differing_vs_miss": differing, "cached_tokens_by_tier": tiers, "seconds": round(seconds, 1)}
-        for variant, label in (("hit", "device hit"), ("host", "hit from the host tier"),
-                               ("disk", "hit from the disk tier")):
+        for variant, label in (
+            ("hit", "device hit"),
+            ("host", "hit from the host tier"),
+            ("disk", "hit from the disk tier"),
+        ):
             cached = sum(t.get({"hit": "GPU", "host": "CPU", "disk": "DISK"}[variant], 0) for t in tiers[variant])
             n = differing[variant]
-            rows.append(row("3", f"{mode}: {label} vs miss, prompts differing (of {len(prompts)}; "
-                                 f"{cached} tokens from that tier)", n,
-                            "0" if mode == "deterministic" else "(the finding)",
-                            n == 0 if mode == "deterministic" else True))
+            rows.append(
+                row(
+                    "3",
+                    f"{mode}: {label} vs miss, prompts differing (of {len(prompts)}; {cached} tokens from that tier)",
+                    n,
+                    "0" if mode == "deterministic" else "(the finding)",
+                    n == 0 if mode == "deterministic" else True,
+                )
+            )
         rows.append(row("3", f"{mode}: seconds for the {4 * len(prompts)} requests", round(seconds, 1), "-", True))
-    out["determinism"] = {"model": args.det_model, "prompt_tokens": [len(p) for p in prompts or []],
-                          "max_tokens": args.max_tokens, **report}
+    out["determinism"] = {
+        "model": args.det_model,
+        "prompt_tokens": [len(p) for p in prompts or []],
+        "max_tokens": args.max_tokens,
+        **report,
+    }
     return rows
 
 
@@ -350,14 +443,42 @@ def sealed_events(model: str, logs: str) -> list[dict]:
     zmq.auth.create_certificates(str(keys), "server")
     zmq.auth.create_certificates(str(keys), "router")
     (allowed / "router.key").write_bytes((keys / "router.key").read_bytes())
-    base = ["serve", "--model", model, "--device", "cpu", "--kv-cache-memory", "0.002", "--max-model-len", "512",
-            "--api-key", ADMIN, "--api-key", f"{ALICE}:alice", "--log-level", "warning"]
+    base = [
+        "serve",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "0.002",
+        "--max-model-len",
+        "512",
+        "--api-key",
+        ADMIN,
+        "--api-key",
+        f"{ALICE}:alice",
+        "--log-level",
+        "warning",
+    ]
     pubs, ports = [free_port(), free_port()], [free_port(), free_port()]
-    sealed = Proc([*base, "--port", str(ports[0]), "--kv-events-endpoint", f"tcp://*:{pubs[0]}",
-                   "--kv-events-curve-secret-key", str(keys / "server.key_secret"),
-                   "--kv-events-curve-clients-dir", str(allowed)], f"{logs}/sealed.log")
-    plain = Proc([*base, "--port", str(ports[1]), "--kv-events-endpoint", f"tcp://*:{pubs[1]}",
-                  "--tenant-max-in-flight", "8"], f"{logs}/plain.log")  # limits: tenant series on /metrics
+    sealed = Proc(
+        [
+            *base,
+            "--port",
+            str(ports[0]),
+            "--kv-events-endpoint",
+            f"tcp://*:{pubs[0]}",
+            "--kv-events-curve-secret-key",
+            str(keys / "server.key_secret"),
+            "--kv-events-curve-clients-dir",
+            str(allowed),
+        ],
+        f"{logs}/sealed.log",
+    )
+    plain = Proc(
+        [*base, "--port", str(ports[1]), "--kv-events-endpoint", f"tcp://*:{pubs[1]}", "--tenant-max-in-flight", "8"],
+        f"{logs}/plain.log",
+    )  # limits: tenant series on /metrics
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     ctx = zmq.Context()
     try:
@@ -367,8 +488,9 @@ def sealed_events(model: str, logs: str) -> list[dict]:
             wait_healthy(u, [sealed, plain], timeout=300)
         server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
         socks = {name: ctx.socket(zmq.SUB) for name in ("no key", "allowed key", "plain server")}
-        socks["allowed key"].curve_publickey, socks["allowed key"].curve_secretkey = \
-            zmq.auth.load_certificate(str(keys / "router.key_secret"))
+        socks["allowed key"].curve_publickey, socks["allowed key"].curve_secretkey = zmq.auth.load_certificate(
+            str(keys / "router.key_secret")
+        )
         socks["allowed key"].curve_serverkey = server_public
         for name, sock in socks.items():
             sock.linger = 0
@@ -381,26 +503,51 @@ def sealed_events(model: str, logs: str) -> list[dict]:
             prompt = [(len(prompts) * 97 + i * 13) % 1500 + 100 for i in range(48)]  # alice's, as token ids
             prompts.append(prompt)
             for u in urls:
-                httpx.post(f"{u}/v1/completions", headers=auth(ALICE), timeout=60,
-                           json={"prompt": prompt, "max_tokens": 1}).raise_for_status()
+                httpx.post(
+                    f"{u}/v1/completions", headers=auth(ALICE), timeout=60, json={"prompt": prompt, "max_tokens": 1}
+                ).raise_for_status()
             time.sleep(0.5)
             for name, sock in socks.items():
                 while sock.poll(0):
                     _, _, payload = sock.recv_multipart()
-                    heard[name] += [t for e in decode_batch(payload).events if isinstance(e, BlockStored)
-                                    for t in e.token_ids]
+                    heard[name] += [
+                        t for e in decode_batch(payload).events if isinstance(e, BlockStored) for t in e.token_ids
+                    ]
         secret = {t for p in prompts for t in p}
-        named = {key: 'tenant="alice"' in httpx.get(f"{urls[1]}/metrics", headers=auth(key) if key else {}).text
-                 for key in (None, ALICE, ADMIN)}
-        return [row("4", "CURVE + API keys: token ids a subscriber without credentials received",
-                    len(heard["no key"]), "0", not heard["no key"]),
-                row("4", "control: the allowed key decodes alice's token ids", len(heard["allowed key"]), "> 0",
-                    heard["allowed key"] and set(heard["allowed key"]) <= secret),
-                row("4", "no CURVE (loopback, documented): a plain subscriber reads alice's token ids",
-                    len(heard["plain server"]), "> 0 (why CURVE)", True),
-                row("4", "executor /metrics names tenant alice: no key / alice's key / admin key",
-                    f"{named[None]} / {named[ALICE]} / {named[ADMIN]}", "False / False / True",
-                    (named[None], named[ALICE], named[ADMIN]) == (False, False, True))]
+        named = {
+            key: 'tenant="alice"' in httpx.get(f"{urls[1]}/metrics", headers=auth(key) if key else {}).text
+            for key in (None, ALICE, ADMIN)
+        }
+        return [
+            row(
+                "4",
+                "CURVE + API keys: token ids a subscriber without credentials received",
+                len(heard["no key"]),
+                "0",
+                not heard["no key"],
+            ),
+            row(
+                "4",
+                "control: the allowed key decodes alice's token ids",
+                len(heard["allowed key"]),
+                "> 0",
+                heard["allowed key"] and set(heard["allowed key"]) <= secret,
+            ),
+            row(
+                "4",
+                "no CURVE (loopback, documented): a plain subscriber reads alice's token ids",
+                len(heard["plain server"]),
+                "> 0 (why CURVE)",
+                True,
+            ),
+            row(
+                "4",
+                "executor /metrics names tenant alice: no key / alice's key / admin key",
+                f"{named[None]} / {named[ALICE]} / {named[ADMIN]}",
+                "False / False / True",
+                (named[None], named[ALICE], named[ADMIN]) == (False, False, True),
+            ),
+        ]
     finally:
         ctx.destroy(linger=0)
         sealed.stop()
@@ -413,8 +560,10 @@ def plot(out: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     hung = out.get("hung")
     if hung:
-        left.boxplot([hung["gaps_on_stopped_s"] or [0.0], hung["gaps_elsewhere_s"] or [0.0]],
-                     tick_labels=["streams on the\nstopped executor", "other streams"])
+        left.boxplot(
+            [hung["gaps_on_stopped_s"] or [0.0], hung["gaps_elsewhere_s"] or [0.0]],
+            tick_labels=["streams on the\nstopped executor", "other streams"],
+        )
         left.axhline(PROGRESS_DEADLINE_S, color="tab:red", linestyle="--", linewidth=1, label="progress deadline")
         left.set_ylabel("longest wait for the next event (s)")
         left.set_title(f"2: SIGSTOP under {hung['streams']} streams")

@@ -35,7 +35,33 @@ from bench.common import RESULTS, pyplot, save_png, write_json
 
 NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS = 16, 500, 32
 SIZES = (2, 8, 16)  # documents selected: ~1k, 4k, 8k tokens
-WORDS = ["amber", "basalt", "cedar", "delta", "ember", "fjord", "glacier", "harbor", "island", "juniper", "kestrel", "lagoon", "meadow", "nectar", "orchard", "prairie", "quartz", "river", "summit", "tundra", "upland", "valley", "willow", "yarrow", "zephyr"]
+WORDS = [
+    "amber",
+    "basalt",
+    "cedar",
+    "delta",
+    "ember",
+    "fjord",
+    "glacier",
+    "harbor",
+    "island",
+    "juniper",
+    "kestrel",
+    "lagoon",
+    "meadow",
+    "nectar",
+    "orchard",
+    "prairie",
+    "quartz",
+    "river",
+    "summit",
+    "tundra",
+    "upland",
+    "valley",
+    "willow",
+    "yarrow",
+    "zephyr",
+]
 
 
 def doc_text(tokenizer, i: int, n_tokens: int) -> str:
@@ -58,16 +84,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--pml-per-run", type=int, default=3,
-                    help="PML samples per run (cheap; steadies the median on a noisy machine)")
+    ap.add_argument(
+        "--pml-per-run", type=int, default=3, help="PML samples per run (cheap; steadies the median on a noisy machine)"
+    )
     ap.add_argument("--kv-cache-memory", type=float, default=4.0)
     args = ap.parse_args()
-    llm = LLM(args.model, dtype="float32", quantization="none", kv_cache_memory_gib=args.kv_cache_memory, max_model_len=NUM_DOCS * DOC_TOKENS + 512,
-              max_num_batched_tokens=16384)
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory_gib=args.kv_cache_memory,
+        max_model_len=NUM_DOCS * DOC_TOKENS + 512,
+        max_num_batched_tokens=16384,
+    )
     tok = llm.tokenizer
     docs = [doc_text(tok, i, DOC_TOKENS - 8) for i in range(NUM_DOCS)]
-    schema = '<schema name="ttft"><system>Answer from the documents.</system>' + "".join(
-        f'<module name="d{i}">{d}</module>' for i, d in enumerate(docs)) + "</schema>"
+    schema = (
+        '<schema name="ttft"><system>Answer from the documents.</system>'
+        + "".join(f'<module name="d{i}">{d}</module>' for i, d in enumerate(docs))
+        + "</schema>"
+    )
     start = time.perf_counter()
     info = llm.register_schema(schema)
     precompute_s = time.perf_counter() - start
@@ -100,7 +136,7 @@ def main() -> None:
         prefix_s = []
 
         def rotation(r: int) -> list[int]:  # run r starts with document r % k
-            order = doc_ids[r % k:] + doc_ids[: r % k]
+            order = doc_ids[r % k :] + doc_ids[: r % k]
             return system + [t for d in order for t in d] + q_ids
 
         for r in range(args.runs + 1):
@@ -115,8 +151,11 @@ def main() -> None:
             if r:  # the first run only warms the cache
                 prefix_s.append(t)
         row = {
-            "documents": k, "module_tokens": module_tokens, "plain_prompt_tokens": len(plain),
-            "pml_s": statistics.median(pml_s), "full_prefill_s": statistics.median(full_s),
+            "documents": k,
+            "module_tokens": module_tokens,
+            "plain_prompt_tokens": len(plain),
+            "pml_s": statistics.median(pml_s),
+            "full_prefill_s": statistics.median(full_s),
             "prefix_cache_reordered_s": statistics.median(prefix_s),
             "runs": {"pml": pml_s, "full": full_s, "prefix": prefix_s},
         }
@@ -124,10 +163,17 @@ def main() -> None:
         row["speedup_vs_prefix_cache"] = row["prefix_cache_reordered_s"] / row["pml_s"]
         rows.append(row)
         print(json.dumps({k2: v for k2, v in row.items() if k2 != "runs"}), flush=True)
-    out = {"model": llm.engine.model_id, "dtype": "float32", "device": str(llm.engine.runner.device),
-           "precompute_s": precompute_s, "schema_stored_tokens": info.stored_tokens, "runs": args.runs,
-           "pml_samples_per_run": args.pml_per_run,
-           "statistic": "median", "rows": rows}
+    out = {
+        "model": llm.engine.model_id,
+        "dtype": "float32",
+        "device": str(llm.engine.runner.device),
+        "precompute_s": precompute_s,
+        "schema_stored_tokens": info.stored_tokens,
+        "runs": args.runs,
+        "pml_samples_per_run": args.pml_per_run,
+        "statistic": "median",
+        "rows": rows,
+    }
     write_json(RESULTS / "pml_ttft.json", out)
     plot(out, RESULTS / "pml_ttft.png")
 
@@ -140,14 +186,24 @@ def plot(out: dict, path: Path) -> None:
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     w = 0.27
-    for j, (key, name) in enumerate([("full_prefill_s", "full prefill"), ("prefix_cache_reordered_s",
-                                     "prefix cache, reordered docs"), ("pml_s", "PML modules")]):
+    for j, (key, name) in enumerate(
+        [
+            ("full_prefill_s", "full prefill"),
+            ("prefix_cache_reordered_s", "prefix cache, reordered docs"),
+            ("pml_s", "PML modules"),
+        ]
+    ):
         vals = [r[key] for r in rows]
         bars = ax.bar([i + (j - 1) * w for i in x], vals, w, label=name)
         if key == "pml_s":
             for b, r in zip(bars, rows):
-                ax.annotate(f"{r['speedup_vs_full']:.0f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{r['speedup_vs_full']:.0f}x",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_yscale("log")
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("tokens assembled from modules (+ 32-token question)")

@@ -41,8 +41,10 @@ def union_schema(name: str, members: int) -> str:
         f'    <module name="f{i}">Fact {i}: the keeper of lighthouse {i} logs every ship at dusk.</module>'
         for i in range(members)
     )
-    return (f'<schema name="{name}">\n  <system>Answer from the facts given.</system>\n'
-            f"  <union>\n{rows}\n  </union>\n</schema>")
+    return (
+        f'<schema name="{name}">\n  <system>Answer from the facts given.</system>\n'
+        f"  <union>\n{rows}\n  </union>\n</schema>"
+    )
 
 
 class Stream:
@@ -52,8 +54,7 @@ class Stream:
         self.times: list[float] = []
         self.stop = threading.Event()
         self.error: str | None = None
-        body = {"prompt": STREAM_PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {"prompt": STREAM_PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
         self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
         self.thread.start()
 
@@ -72,8 +73,10 @@ class Stream:
 def run_once(src: str, label: str, args: argparse.Namespace, run: int) -> dict:
     port = free_port()
     serve = ["--model", args.model, "--log-level", "warning", *args.serve_arg]
-    with tempfile.TemporaryDirectory() as tmp, \
-            running_server(port, serve, Path(tmp) / "serve.log", env_path=src) as url:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_server(port, serve, Path(tmp) / "serve.log", env_path=src) as url,
+    ):
         httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=120)  # warm up
         stream = Stream(url, args.stream_tokens)
         while len(stream.times) < args.lead_tokens and stream.error is None:
@@ -103,12 +106,18 @@ def run_once(src: str, label: str, args: argparse.Namespace, run: int) -> dict:
         before = [b - a for a, b in zip(times, times[1:]) if b <= t0]
         info = r.json() if r.status_code == 200 else {"error": r.text}
     return {
-        "variant": label, "run": run, "status": r.status_code, "post_bytes": len(text.encode()),
-        "register_s": t1 - t0, "max_gap_during_s": max(during) if during else t1 - t0,
+        "variant": label,
+        "run": run,
+        "status": r.status_code,
+        "post_bytes": len(text.encode()),
+        "register_s": t1 - t0,
+        "max_gap_during_s": max(during) if during else t1 - t0,
         "median_gap_before_s": statistics.median(before) if before else None,
         "tokens_during": sum(1 for t in times if t0 < t <= t1),
-        "probe_s": probe.get("seconds"), "probe_status": probe.get("status"),
-        "computed": info.get("computed"), "stored_tokens": info.get("stored_tokens"),
+        "probe_s": probe.get("seconds"),
+        "probe_status": probe.get("status"),
+        "computed": info.get("computed"),
+        "stored_tokens": info.get("stored_tokens"),
         "stream_error": stream.error,
     }
 
@@ -117,8 +126,14 @@ def summary(rows: list[dict]) -> dict:
     out = {}
     for label in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == label and r["status"] == 200]
-        out[label] = {k: statistics.median(r[k] for r in mine) for k in
-                      ("register_s", "max_gap_during_s", "median_gap_before_s", "probe_s")} if mine else {}
+        out[label] = (
+            {
+                k: statistics.median(r[k] for r in mine)
+                for k in ("register_s", "max_gap_during_s", "median_gap_before_s", "probe_s")
+            }
+            if mine
+            else {}
+        )
         out[label]["runs"] = len(mine)
     return out
 
@@ -127,8 +142,11 @@ def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
 
     labels = list(dict.fromkeys(r["variant"] for r in rows))
-    keys = [("max_gap_during_s", "max inter-token gap\nwhile registering (s)"),
-            ("probe_s", "1-token completion\nsent mid-registration (s)"), ("register_s", "POST /v1/schemas (s)")]
+    keys = [
+        ("max_gap_during_s", "max inter-token gap\nwhile registering (s)"),
+        ("probe_s", "1-token completion\nsent mid-registration (s)"),
+        ("register_s", "POST /v1/schemas (s)"),
+    ]
     fig, axes = plt.subplots(1, len(keys), figsize=(11, 3.6))
     for ax, (key, title) in zip(axes, keys):
         for i, label in enumerate(labels):
@@ -142,8 +160,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlim(-0.6, len(labels) - 0.2)
         ax.set_title(title, fontsize=9)
         ax.set_yscale("log")
-    fig.suptitle(f"{rows[0]['post_bytes'] // 1000} KB union schema registered while a client streams "
-                 f"(medians of {max(summary(rows)[label]['runs'] for label in labels)} runs)", fontsize=10)
+    fig.suptitle(
+        f"{rows[0]['post_bytes'] // 1000} KB union schema registered while a client streams "
+        f"(medians of {max(summary(rows)[label]['runs'] for label in labels)} runs)",
+        fontsize=10,
+    )
     fig.tight_layout()
     save_png(fig, path, dpi=110)
 
@@ -160,8 +181,9 @@ def main() -> None:
     p.add_argument("--serve-arg", action="append", default=[], help="extra kvreuse serve argument (repeat)")
     p.add_argument("--out", default=str(RESULTS / "schema_register.json"))
     args = p.parse_args()
-    variants = ([("before", str(Path(args.before_src).resolve()))] if args.before_src else []) + \
-        [("after", str(ROOT / "src"))]
+    variants = ([("before", str(Path(args.before_src).resolve()))] if args.before_src else []) + [
+        ("after", str(ROOT / "src"))
+    ]
     rows: list[dict] = []
     out = Path(args.out)
     for run in range(args.runs):
@@ -169,8 +191,14 @@ def main() -> None:
             row = run_once(src, label, args, run)
             print(json.dumps(row), flush=True)
             rows.append(row)
-            result = {"model": args.model, "members": args.members, "runs": args.runs, "serve_args": args.serve_arg,
-                      "summary": summary(rows), "rows": rows}
+            result = {
+                "model": args.model,
+                "members": args.members,
+                "runs": args.runs,
+                "serve_args": args.serve_arg,
+                "summary": summary(rows),
+                "rows": rows,
+            }
             write_json(out, result, indent=1)  # after every run: a stopped bench keeps what it measured
     plot(rows, out.with_suffix(".png"))
     print(json.dumps(result["summary"], indent=1))

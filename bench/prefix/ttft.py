@@ -40,20 +40,32 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 4096, 8192])
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", help="float32 (the issue's setting), bfloat16 or auto (CPUs with native bf16: AMX or avx512_bf16)")
-    ap.add_argument("--quantization", default="none",
-                    help="none (the issue's setting) or auto|int8|int4; "
-                         "--dtype auto --quantization auto is kvreuse serve's default")
-    ap.add_argument("--cached-per-rep", type=int, default=3,
-                    help="cached requests per repetition, each with a new suffix (cheap; steadies the median)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (the issue's setting), bfloat16 or auto (CPUs with native bf16: AMX or avx512_bf16)",
+    )
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="none (the issue's setting) or auto|int8|int4; "
+        "--dtype auto --quantization auto is kvreuse serve's default",
+    )
+    ap.add_argument(
+        "--cached-per-rep",
+        type=int,
+        default=3,
+        help="cached requests per repetition, each with a new suffix (cheap; steadies the median)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))
     args = ap.parse_args()
 
     loaded = load_model(args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     # The baseline gets its own copy with transformers' own SDPA attention: nothing kvreuse
     # registers or changes on its model can touch "plain".
-    plain_model = load_model(args.model, dtype=args.dtype, device="cpu", attn_implementation="sdpa",
-                             quantization=args.quantization).model
+    plain_model = load_model(
+        args.model, dtype=args.dtype, device="cpu", attn_implementation="sdpa", quantization=args.quantization
+    ).model
     vocab = loaded.shape.vocab_size
     max_len = max(args.sizes) + args.suffix + 16
     gib = 2 * max_len * loaded.kv_bytes_per_token() / 2**30 + 0.05
@@ -65,7 +77,9 @@ def main() -> None:
     for prefix in prefixes.values():  # warm the cache: one request per prefix
         cached.generate(prefix + random_tokens(rng, args.suffix, vocab), ONE_TOKEN)
 
-    rows: dict[int, dict[str, list[float]]] = {n: {"cached": [], "uncached": [], "plain": [], "hit": []} for n in args.sizes}
+    rows: dict[int, dict[str, list[float]]] = {
+        n: {"cached": [], "uncached": [], "plain": [], "hit": []} for n in args.sizes
+    }
     for rep in range(args.reps):
         for n in args.sizes:
             prompt = prefixes[n] + random_tokens(rng, args.suffix, vocab)
@@ -118,7 +132,8 @@ def main() -> None:
     doc = {
         "model": loaded.name,
         "model_id": loaded.model_id,
-        "dtype": args.dtype, "quantization": args.quantization,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
         "device": "cpu",
         "torch_threads": torch.get_num_threads(),
         "suffix_tokens": args.suffix,
@@ -146,7 +161,9 @@ def plot(summary: list[dict], path: Path, model_name: str, dtype: str = "float32
     x = range(len(sizes))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     w = 0.27
-    ax.bar([i - w for i in x], [s["plain_transformers_prefill_s"] for s in summary], w, label="plain transformers prefill")
+    ax.bar(
+        [i - w for i in x], [s["plain_transformers_prefill_s"] for s in summary], w, label="plain transformers prefill"
+    )
     ax.bar(list(x), [s["ttft_uncached_s"] for s in summary], w, label="kvreuse uncached")
     ax.bar([i + w for i in x], [s["ttft_cached_s"] for s in summary], w, label="kvreuse cached prefix")
     for i, s in zip(x, summary):

@@ -50,14 +50,26 @@ PAIR_LAST = ["Ivers", "Kent", "Lund", "Marsh", "Noble"]  # with pml_quality's 5:
 CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"]
 # (first_tokens, ratio[, deviation_layer[, last_tokens]]); documents here are ~8 tokens, so first_tokens 4 is
 # half of each
-SETTINGS = [(0, 0.0), (0, 0.05), (0, 0.1), (0, 0.15), (0, 0.3), (0, 1.0), (1, 0.0), (1, 0.1), (2, 0.0), (2, 0.1), (4, 0.1)]
+SETTINGS = [
+    (0, 0.0),
+    (0, 0.05),
+    (0, 0.1),
+    (0, 0.15),
+    (0, 0.3),
+    (0, 1.0),
+    (1, 0.0),
+    (1, 0.1),
+    (2, 0.0),
+    (2, 0.1),
+    (4, 0.1),
+]
 
 
 def setting_key(setting: tuple) -> tuple[int, float, int, int]:
     """``(first_tokens, ratio, deviation_layer, last_tokens)`` of a SETTINGS entry, the order of
     Blend's fields (the missing ones take Blend's defaults)."""
     default = Blend()
-    k, r, layer, last = (*setting, *(default.deviation_layer, default.last_tokens)[len(setting) - 2:])
+    k, r, layer, last = (*setting, *(default.deviation_layer, default.last_tokens)[len(setting) - 2 :])
     return int(k), float(r), int(layer), int(last)
 
 
@@ -69,7 +81,9 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
     people = [f"{f} {last}" for last in LAST + PAIR_LAST for f in FIRST]  # 2 per question
     if len(people) < 2 * num_questions:
         raise SystemExit(f"--questions {num_questions}: the pair set has names for at most {len(people) // 2}")
-    people += [f"{f} {m}. {last}" for m in "ABCDEFGH" for last in LAST for f in FIRST][: max(0, 2 * num_questions - len(people))]
+    people += [f"{f} {m}. {last}" for m in "ABCDEFGH" for last in LAST for f in FIRST][
+        : max(0, 2 * num_questions - len(people))
+    ]
     rng.shuffle(people)
     pairs = [(people[2 * i], people[2 * i + 1], rng.choice(CITIES)) for i in range(num_questions)]
     docs = []
@@ -78,7 +92,8 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
         docs.append(f"{b} lives in {city}.\n")
     unions = "".join(
         "<union>" + "".join(f'<module name="s{k}d{i:03d}">{d}</module>' for i, d in enumerate(docs)) + "</union>"
-        for k in range(slots))
+        for k in range(slots)
+    )
     schema = '<schema name="pairs">Documents:\n' + unions + "</schema>"
     items = []
     for q, (a, _b, city) in enumerate(pairs):
@@ -86,13 +101,17 @@ def make_pair_dataset(num_questions: int, slots: int, seed: int) -> tuple[str, l
         d1, d2 = rng.sample(others, 2)
         refs = [2 * q, 2 * q + 1, 2 * d1, 2 * d2 + 1][:slots]
         rng.shuffle(refs)
-        prompt = ('<prompt schema="pairs">' + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
-                  + f"Question: Where does {a}'s sister live?\nAnswer: {a}'s sister lives in</prompt>")
+        prompt = (
+            '<prompt schema="pairs">'
+            + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
+            + f"Question: Where does {a}'s sister live?\nAnswer: {a}'s sister lives in</prompt>"
+        )
         # the other visible city (the distractor "lives in" document's) and which comes last:
         # with two cities in view, accuracy alone cannot tell linking from a position preference
         last = city if refs.index(2 * q + 1) > refs.index(2 * d2 + 1) else pairs[d2][2]
-        items.append({"doc": q, "refs": refs, "prompt": prompt, "answer": city, "distractor": pairs[d2][2],
-                      "last_city": last})
+        items.append(
+            {"doc": q, "refs": refs, "prompt": prompt, "answer": city, "distractor": pairs[d2][2], "last_city": last}
+        )
     return schema, items
 
 
@@ -137,10 +156,11 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     rows_ttft = {}
     # TTFT interleaved: for each timed question, full prefill then every setting, one at a time
     for i in timed:
-        rows_ttft.setdefault("full", []).append(llm.generate(plain[i], first, cache_salt=f"cold-{i}-{time.time()}")[0].ttft_s)
+        rows_ttft.setdefault("full", []).append(
+            llm.generate(plain[i], first, cache_salt=f"cold-{i}-{time.time()}")[0].ttft_s
+        )
         for setting in map(setting_key, SETTINGS):
-            rows_ttft.setdefault(setting, []).append(
-                llm.generate(prompts[i], first, blend=Blend(*setting))[0].ttft_s)
+            rows_ttft.setdefault(setting, []).append(llm.generate(prompts[i], first, blend=Blend(*setting))[0].ttft_s)
     out["full"]["ttft_median_s"] = statistics.median(rows_ttft["full"]) if timed else None
     answers = {}
     for setting in map(setting_key, SETTINGS):
@@ -153,12 +173,17 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
         agree = [normalise(m.text) == normalise(f.text) for m, f in zip(mod, full)]
         ttft = rows_ttft.get(setting, [])
         row = {
-            "first_tokens": k, "ratio": r, "deviation_layer": layer, "last_tokens": last,
+            "first_tokens": k,
+            "ratio": r,
+            "deviation_layer": layer,
+            "last_tokens": last,
             "answer_agreement": sum(agree) / len(items),
             "token_agreement": sum(m.token_ids == f.token_ids for m, f in zip(mod, full)) / len(items),
-            "accuracy": _acc(items, mod), "chose": _choices(items, mod),
+            "accuracy": _acc(items, mod),
+            "chose": _choices(items, mod),
             "recomputed_fraction": sum(m.num_recomputed_tokens for m in mod) / sum(module_tokens),
-            "ttft_median_s": statistics.median(ttft) if ttft else None, "batch_wall_s": wall,
+            "ttft_median_s": statistics.median(ttft) if ttft else None,
+            "batch_wall_s": wall,
             "disagreements": [i for i, a in enumerate(agree) if not a],
         }
         print(name, json.dumps({k2: v for k2, v in row.items() if k2 != "disagreements"}), flush=True)
@@ -166,8 +191,9 @@ def run_set(llm: LLM, name: str, schema: str, items: list[dict], args) -> dict:
     everything = answers.get(setting_key((0, 1.0)))  # ratio 1.0: full prefill at the context's own positions
     for row in out["settings"] if everything is not None else ():
         mod = answers[(row["first_tokens"], row["ratio"], row["deviation_layer"], row["last_tokens"])]
-        row["agreement_with_full_repair"] = sum(normalise(m.text) == normalise(e.text)
-                                                for m, e in zip(mod, everything)) / len(items)
+        row["agreement_with_full_repair"] = sum(
+            normalise(m.text) == normalise(e.text) for m, e in zip(mod, everything)
+        ) / len(items)
     out["questions"] = len(items)
     out["mean_module_tokens"] = sum(module_tokens) / len(items)
     out["mean_prompt_tokens"] = sum(len(p) for p in plain) / len(items)
@@ -180,8 +206,10 @@ def _choices(items: list[dict], outs) -> dict | None:
     if not items or "distractor" not in items[0]:
         return None
     said = [o.text.lower() for o in outs]
-    return {"distractor": sum(it["distractor"].lower() in t for it, t in zip(items, said)) / len(items),
-            "last_city": sum(it["last_city"].lower() in t for it, t in zip(items, said)) / len(items)}
+    return {
+        "distractor": sum(it["distractor"].lower() in t for it, t in zip(items, said)) / len(items),
+        "last_city": sum(it["last_city"].lower() in t for it, t in zip(items, said)) / len(items),
+    }
 
 
 def _acc(items: list[dict], outs) -> float:
@@ -192,35 +220,58 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quantization", default="none",
-                    help="weights: none (the exact reference, as every figure in docs/benchmarks.md) | auto | int8 | int4")
-    ap.add_argument("--mode", default="pml", choices=["pml", "documents"],
-                    help="pml: union-slot modules; documents: the same tokens as schema-free documents")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="weights: none (the exact reference, as every figure in docs/benchmarks.md) | auto | int8 | int4",
+    )
+    ap.add_argument(
+        "--mode",
+        default="pml",
+        choices=["pml", "documents"],
+        help="pml: union-slot modules; documents: the same tokens as schema-free documents",
+    )
     ap.add_argument("--questions", type=int, default=100, help="per set")
     ap.add_argument("--ttft-questions", type=int, default=10)
     ap.add_argument("--slots", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--settings", default=None,
-                    help="first_tokens:ratio[:deviation_layer[:last_tokens]],... instead of the default grid")
+    ap.add_argument(
+        "--settings",
+        default=None,
+        help="first_tokens:ratio[:deviation_layer[:last_tokens]],... instead of the default grid",
+    )
     ap.add_argument("--sets", default="single,pair")
-    ap.add_argument("--bos", default="auto", choices=["auto", "off"],
-                    help="documents mode: put the tokenizer's BOS (if it adds one: Gemma 3) before the prompt")
+    ap.add_argument(
+        "--bos",
+        default="auto",
+        choices=["auto", "off"],
+        help="documents mode: put the tokenizer's BOS (if it adds one: Gemma 3) before the prompt",
+    )
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     if args.settings:
         SETTINGS[:] = [setting_key(tuple(x.split(":"))) for x in args.settings.split(",")]
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory_gib=2.0)
-    result = {"model": llm.engine.model_id, "dtype": args.dtype, "quantization": args.quantization,
-              "mode": args.mode, "sets": {}}
-    sets = {"single": lambda: make_dataset(args.questions, args.slots, args.seed),
-            "pair": lambda: make_pair_dataset(args.questions, 4, args.seed)}
+    result = {
+        "model": llm.engine.model_id,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "mode": args.mode,
+        "sets": {},
+    }
+    sets = {
+        "single": lambda: make_dataset(args.questions, args.slots, args.seed),
+        "pair": lambda: make_pair_dataset(args.questions, 4, args.seed),
+    }
     for name in args.sets.split(","):
         schema, items = sets[name]()
         result["sets"][name] = run_set(llm, name, schema, items, args)
         llm.engine.check_integrity()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q") + args.tag
+    stem = (
+        f"blend_quality_{args.mode}_{args.dtype}" + ("" if args.questions == 100 else f"_{args.questions}q") + args.tag
+    )
     write_json(RESULTS / f"{stem}.json", result)
     plot(result, RESULTS / f"{stem}.png")
 
@@ -233,25 +284,42 @@ def plot(result: dict, path: Path) -> None:
     sets = result["sets"]
     fig, axes = plt.subplots(2, len(sets), figsize=(6 * len(sets), 8), squeeze=False)
     for col, (name, s) in enumerate(sets.items()):
-        for row, (key, scale, label) in enumerate((("recomputed_fraction", 100, "recomputed share of document tokens (%)"),
-                                                   ("ttft_median_s", 1000, "median TTFT (ms)"))):
+        for row, (key, scale, label) in enumerate(
+            (
+                ("recomputed_fraction", 100, "recomputed share of document tokens (%)"),
+                ("ttft_median_s", 1000, "median TTFT (ms)"),
+            )
+        ):
             ax = axes[row][col]
+
             def series_of(r):
                 return r["first_tokens"], r.get("deviation_layer", 1), r.get("last_tokens", 0)
 
             for k, layer, last in sorted({series_of(r) for r in s["settings"]}):
-                rows = sorted((r for r in s["settings"] if series_of(r) == (k, layer, last) and r[key] is not None),
-                              key=lambda r: r["ratio"])
+                rows = sorted(
+                    (r for r in s["settings"] if series_of(r) == (k, layer, last) and r[key] is not None),
+                    key=lambda r: r["ratio"],
+                )
                 if not rows:
                     continue
                 marker = {0: "o", 1: "s", 2: "^", 4: "D"}.get(k, "x")
-                ax.plot([scale * r[key] for r in rows], [100 * r["answer_agreement"] for r in rows], marker=marker,
-                        ls="-" if (layer, last) == (1, 0) else "--",
-                        label=f"first_tokens={k}" + ("" if layer == 1 else f", deviation at layer {layer}")
-                        + ("" if not last else f", last_tokens={last}"))
+                ax.plot(
+                    [scale * r[key] for r in rows],
+                    [100 * r["answer_agreement"] for r in rows],
+                    marker=marker,
+                    ls="-" if (layer, last) == (1, 0) else "--",
+                    label=f"first_tokens={k}"
+                    + ("" if layer == 1 else f", deviation at layer {layer}")
+                    + ("" if not last else f", last_tokens={last}"),
+                )
                 for r in rows:
-                    ax.annotate(f"{r['ratio']:g}", (scale * r[key], 100 * r["answer_agreement"]),
-                                fontsize=7, xytext=(3, 3), textcoords="offset points")
+                    ax.annotate(
+                        f"{r['ratio']:g}",
+                        (scale * r[key], 100 * r["answer_agreement"]),
+                        fontsize=7,
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                    )
             if key == "ttft_median_s" and s["full"]["ttft_median_s"] is not None:
                 ax.axvline(1000 * s["full"]["ttft_median_s"], ls="--", c="gray", lw=1, label="full prefill TTFT")
             ax.set_xlabel(label)

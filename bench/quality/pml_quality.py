@@ -36,20 +36,61 @@ from kvreuse.pml import compile_prompt, parse_prompt
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.common
 from bench.common import RESULTS, pyplot, save_png, write_json
 
-FIRST = ["Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Ines", "Jonas", "Karla", "Leon", "Mira", "Nils", "Olga", "Paul", "Rosa", "Sven", "Tara", "Victor"]
+FIRST = [
+    "Anna",
+    "Boris",
+    "Clara",
+    "David",
+    "Elena",
+    "Felix",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Karla",
+    "Leon",
+    "Mira",
+    "Nils",
+    "Olga",
+    "Paul",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Victor",
+]
 LAST = ["Berg", "Costa", "Dahl", "Ford", "Hale"]
 # kind -> (document, question, answer lead-in, values): every document states one fact of one kind
 KINDS = {
-    "city": ("{p} lives in {a}.", "Where does {p} live?", "{p} lives in",
-             ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"]),
-    "pet": ("{p} keeps a pet {a}.", "What pet does {p} keep?", "{p} keeps a pet",
-            ["otter", "falcon", "badger", "heron", "lynx", "beaver", "raven", "ferret"]),
-    "instrument": ("{p} plays the {a}.", "What does {p} play?", "{p} plays the",
-                   ["violin", "trumpet", "cello", "flute", "harp", "drums", "piano", "guitar"]),
-    "color": ("{p} paints every wall {a}.", "What color does {p} paint walls?", "{p} paints every wall",
-              ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]),
-    "food": ("{p} eats only {a}.", "What does {p} eat?", "{p} eats only",
-             ["rice", "bread", "apples", "cheese", "soup", "noodles", "beans", "fish"]),
+    "city": (
+        "{p} lives in {a}.",
+        "Where does {p} live?",
+        "{p} lives in",
+        ["Oslo", "Lima", "Cairo", "Quito", "Dakar", "Riga", "Perth", "Hanoi", "Tunis", "Bern"],
+    ),
+    "pet": (
+        "{p} keeps a pet {a}.",
+        "What pet does {p} keep?",
+        "{p} keeps a pet",
+        ["otter", "falcon", "badger", "heron", "lynx", "beaver", "raven", "ferret"],
+    ),
+    "instrument": (
+        "{p} plays the {a}.",
+        "What does {p} play?",
+        "{p} plays the",
+        ["violin", "trumpet", "cello", "flute", "harp", "drums", "piano", "guitar"],
+    ),
+    "color": (
+        "{p} paints every wall {a}.",
+        "What color does {p} paint walls?",
+        "{p} paints every wall",
+        ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"],
+    ),
+    "food": (
+        "{p} eats only {a}.",
+        "What does {p} eat?",
+        "{p} eats only",
+        ["rice", "bread", "apples", "cheese", "soup", "noodles", "beans", "fish"],
+    ),
 }
 
 
@@ -67,7 +108,8 @@ def make_dataset(num_docs: int, slots: int, seed: int) -> tuple[str, list[dict]]
     docs = [KINDS[f["kind"]][0].format(p=f["person"], a=f["value"]) + "\n" for f in facts]
     unions = "".join(
         "<union>" + "".join(f'<module name="s{k}d{i:03d}">{d}</module>' for i, d in enumerate(docs)) + "</union>"
-        for k in range(slots))
+        for k in range(slots)
+    )
     schema = '<schema name="facts">Documents:\n' + unions + "</schema>"
     items = []
     for i, f in enumerate(facts):
@@ -80,8 +122,11 @@ def make_dataset(num_docs: int, slots: int, seed: int) -> tuple[str, list[dict]]
         rng.shuffle(refs)
         _, question, lead, _ = KINDS[f["kind"]]
         who = f["person"]
-        prompt = ('<prompt schema="facts">' + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
-                  + f"Question: {question.format(p=who)}\nAnswer: {lead.format(p=who)}</prompt>")
+        prompt = (
+            '<prompt schema="facts">'
+            + "".join(f"<s{k}d{j:03d}/>" for k, j in enumerate(refs))
+            + f"Question: {question.format(p=who)}\nAnswer: {lead.format(p=who)}</prompt>"
+        )
         items.append({"doc": i, "refs": refs, "prompt": prompt, "answer": f["value"]})
     return schema, items
 
@@ -120,17 +165,30 @@ def main() -> None:
     full = llm.generate(plain_ids, params)
     rows = []
     for it, m, f, ids in zip(items, modular, full, plain_ids):
-        rows.append({
-            "doc": it["doc"], "refs": it["refs"], "answer": it["answer"], "prompt_tokens": len(ids),
-            "cached_tokens": m.num_cached_tokens, "modular": m.text, "full": f.text,
-            "tokens_agree": m.token_ids == f.token_ids, "answer_agree": normalise(m.text) == normalise(f.text),
-            "modular_correct": it["answer"].lower() in m.text.lower(),
-            "full_correct": it["answer"].lower() in f.text.lower(),
-        })
+        rows.append(
+            {
+                "doc": it["doc"],
+                "refs": it["refs"],
+                "answer": it["answer"],
+                "prompt_tokens": len(ids),
+                "cached_tokens": m.num_cached_tokens,
+                "modular": m.text,
+                "full": f.text,
+                "tokens_agree": m.token_ids == f.token_ids,
+                "answer_agree": normalise(m.text) == normalise(f.text),
+                "modular_correct": it["answer"].lower() in m.text.lower(),
+                "full_correct": it["answer"].lower() in f.text.lower(),
+            }
+        )
     n = len(rows)
     summary = {
-        "model": llm.engine.model_id, "dtype": "float32", "documents": args.docs, "questions": n,
-        "schema_length": info.length, "slots": args.slots, "greedy_max_tokens": args.max_tokens,
+        "model": llm.engine.model_id,
+        "dtype": "float32",
+        "documents": args.docs,
+        "questions": n,
+        "schema_length": info.length,
+        "slots": args.slots,
+        "greedy_max_tokens": args.max_tokens,
         "token_agreement": sum(r["tokens_agree"] for r in rows) / n,
         "answer_agreement": sum(r["answer_agree"] for r in rows) / n,
         "accuracy_modular": sum(r["modular_correct"] for r in rows) / n,
@@ -148,8 +206,12 @@ def plot(s: dict, path: Path) -> None:
     plt = pyplot()
 
     labels = ["token agreement", "answer agreement", "accuracy (full)", "accuracy (modular)"]
-    vals = [100 * s["token_agreement"], 100 * s["answer_agreement"], 100 * s["accuracy_full"],
-            100 * s["accuracy_modular"]]
+    vals = [
+        100 * s["token_agreement"],
+        100 * s["answer_agreement"],
+        100 * s["accuracy_full"],
+        100 * s["accuracy_modular"],
+    ]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bars = ax.bar(labels, vals, color=["#4c72b0", "#4c72b0", "#55a868", "#c44e52"])
     for b, v in zip(bars, vals):

@@ -53,13 +53,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     layers = [Int4Linear(torch.randn(n, k, generator=gen), None, act) for n, k in SHAPES]
-    result = {"threads": args.threads, "reps": args.reps, "act": args.act, "cpu_has_fast_bf16": fast_bf16_cpu(),
-              "dense_from_rows": next(r for r in range(1, 1 << 16) if dense_dtype(r, act) is not None), "rows": {}}
+    result = {
+        "threads": args.threads,
+        "reps": args.reps,
+        "act": args.act,
+        "cpu_has_fast_bf16": fast_bf16_cpu(),
+        "dense_from_rows": next(r for r in range(1, 1 << 16) if dense_dtype(r, act) is not None),
+        "rows": {},
+    }
     with torch.inference_mode():
         for rows in ROWS:
             xs = [torch.randn(rows, k, generator=gen).to(act) for _, k in SHAPES]
+
             def kernel(xs=xs):
-                return [torch._weight_int4pack_mm_for_cpu(x, m.qweight, m.group, m.scale_zero) for m, x in zip(layers, xs)]
+                return [
+                    torch._weight_int4pack_mm_for_cpu(x, m.qweight, m.group, m.scale_zero) for m, x in zip(layers, xs)
+                ]
 
             def dense(xs=xs):
                 return [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16)) for m, x in zip(layers, xs)]
@@ -76,19 +85,24 @@ def main() -> None:
                 samples["dense_fp32_ms"].append(_ms(dense32, calls))
             med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
             result["rows"][rows] = {**med, "runs_dense_in": str(dense_dtype(rows, act)), "samples": samples}
-            print(f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms"
-                  f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms"
-                  " (one decoder layer's four matmuls;"
-                  f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})", flush=True)
+            print(
+                f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms"
+                f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms"
+                " (one decoder layer's four matmuls;"
+                f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})",
+                flush=True,
+            )
     out = RESULTS / f"int4_rows{args.tag}.json"
     write_json(out, result)
 
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label in (("kernel_ms", "int4 kernel (_weight_int4pack_mm_for_cpu)"),
-                       ("dense_ms", "dequantized bf16 copy + dense bf16 GEMM"),
-                       ("dense_fp32_ms", "dequantized fp32 copy + dense fp32 GEMM")):
+    for key, label in (
+        ("kernel_ms", "int4 kernel (_weight_int4pack_mm_for_cpu)"),
+        ("dense_ms", "dequantized bf16 copy + dense bf16 GEMM"),
+        ("dense_fp32_ms", "dequantized fp32 copy + dense fp32 GEMM"),
+    ):
         ax.plot(ROWS, [result["rows"][r][key] for r in ROWS], marker="o", label=label)
     switch = result["dense_from_rows"]  # where kvreuse goes dense
     ax.axvline(switch, color="#999", linestyle="--", linewidth=1)
@@ -98,8 +112,10 @@ def main() -> None:
     ax.set_xlabel("rows (tokens in the call)")
     ax.set_ylabel("ms for one decoder layer's 4 matmuls (log)")
     cpu = "native bf16" if result["cpu_has_fast_bf16"] else "no native bf16"
-    ax.set_title(f"SmolLM2-135M shapes, int4 g32, {args.act} activations,\n{cpu}, {args.threads} threads,"
-                 f" median of {args.reps}", fontsize=9)
+    ax.set_title(
+        f"SmolLM2-135M shapes, int4 g32, {args.act} activations,\n{cpu}, {args.threads} threads, median of {args.reps}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_png(fig, out.with_suffix(".png"))

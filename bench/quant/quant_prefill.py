@@ -45,8 +45,13 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     rules = {"new": quant.dense_dtype, "old": old_rule}
-    result = {"model": args.model, "cpu_has_fast_bf16": quant.fast_bf16_cpu(), "threads": torch.get_num_threads(),
-              "reps": args.reps, "configs": {}}
+    result = {
+        "model": args.model,
+        "cpu_has_fast_bf16": quant.fast_bf16_cpu(),
+        "threads": torch.get_num_threads(),
+        "reps": args.reps,
+        "configs": {},
+    }
     for config in args.configs.split(","):
         dtype, tokens = config.split(":")
         llm = LLM(args.model, dtype=dtype, quantization=args.quantization, kv_cache_memory_gib=1.0)
@@ -63,18 +68,26 @@ def main() -> None:
                     out = llm.generate(prompt, SamplingParams(max_tokens=1), cache_salt=f"{name}-{rep}-{time.time()}")
                     samples[name]["ttft_s"].append(out[0].ttft_s)
                     t0 = time.perf_counter()
-                    out = llm.generate(short, SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
-                                       cache_salt=f"d-{name}-{rep}-{time.time()}")
+                    out = llm.generate(
+                        short,
+                        SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
+                        cache_salt=f"d-{name}-{rep}-{time.time()}",
+                    )
                     steps = len(out[0].token_ids) - 1
                     samples[name]["decode_tok_s"].append(steps / (time.perf_counter() - t0 - out[0].ttft_s))
                 finally:
                     dense_rule.dense_dtype = rules["new"]
             print(config, rep, {n: {k: round(v[-1], 3) for k, v in s.items()} for n, s in samples.items()}, flush=True)
         med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
-        result["configs"][config] = {"dtype": dtype, "prompt_tokens": int(tokens), "model_id": llm.engine.model_id,
-                                     "quantization": quantized,
-                                     "median": med, "samples": samples,
-                                     "ttft_old_over_new": med["old"]["ttft_s"] / med["new"]["ttft_s"]}
+        result["configs"][config] = {
+            "dtype": dtype,
+            "prompt_tokens": int(tokens),
+            "model_id": llm.engine.model_id,
+            "quantization": quantized,
+            "median": med,
+            "samples": samples,
+            "ttft_old_over_new": med["old"]["ttft_s"] / med["new"]["ttft_s"],
+        }
         print(config, json.dumps(result["configs"][config]["median"]), flush=True)
         llm.engine.close()
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -33,14 +33,22 @@ TOPICS = ["astronomy", "botany", "chemistry", "databases", "economics", "finance
 
 
 def system_prompt(topic: str) -> str:
-    rules = " ".join(f"Rule {i} for the {topic} assistant: answer precisely, cite the {topic} handbook section {i}, "
-                     f"and never speculate beyond it." for i in range(RULES))
+    rules = " ".join(
+        f"Rule {i} for the {topic} assistant: answer precisely, cite the {topic} handbook section {i}, "
+        f"and never speculate beyond it."
+        for i in range(RULES)
+    )
     return f"You are an expert {topic} assistant. {rules}"
 
 
 def ttft(url: str, messages: list[dict]) -> tuple[float, int, str]:
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first = None
     cached = 0
@@ -61,8 +69,9 @@ def ttft(url: str, messages: list[dict]) -> tuple[float, int, str]:
 def run_policy(policy: str, args, workload, logs: str) -> dict:
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = [executor(p, logs, args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=2048).start()
-             for p in ports]
+    procs = [
+        executor(p, logs, args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=2048).start() for p in ports
+    ]
     rport = free_port()
     rt = router(rport, urls, logs, "--routing-policy", policy, "--seed", "0").start()
     url = f"http://127.0.0.1:{rport}"
@@ -74,11 +83,16 @@ def run_policy(policy: str, args, workload, logs: str) -> dict:
         for p in [rt, *procs]:
             p.stop()
     times = [r[0] for r in results]
-    return {"policy": policy, "requests": len(results), "ttft_median_s": statistics.median(times),
-            "ttft_p90_s": sorted(times)[int(0.9 * (len(times) - 1))], "ttft_mean_s": statistics.mean(times),
-            "hit_requests": sum(1 for r in results if r[1] > 0),
-            "cached_tokens_mean": statistics.mean(r[1] for r in results),
-            "requests_per_executor": {u: sum(1 for r in results if r[2] == u) for u in urls}}
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "ttft_median_s": statistics.median(times),
+        "ttft_p90_s": sorted(times)[int(0.9 * (len(times) - 1))],
+        "ttft_mean_s": statistics.mean(times),
+        "hit_requests": sum(1 for r in results if r[1] > 0),
+        "cached_tokens_mean": statistics.mean(r[1] for r in results),
+        "requests_per_executor": {u: sum(1 for r in results if r[2] == u) for u in urls},
+    }
 
 
 def main() -> None:
@@ -90,16 +104,29 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/router.json")
     args = ap.parse_args()
     rng = random.Random(0)
-    workload = [[{"role": "system", "content": system_prompt(t)}, {"role": "user", "content": f"User {u}: question {u} on {t}?"}]
-                for t in TOPICS for u in range(args.users)]
+    workload = [
+        [
+            {"role": "system", "content": system_prompt(t)},
+            {"role": "user", "content": f"User {u}: question {u} on {t}?"},
+        ]
+        for t in TOPICS
+        for u in range(args.users)
+    ]
     rng.shuffle(workload)
     logs = tempfile.mkdtemp(prefix="router-bench-")
     results = [run_policy(p, args, workload, logs) for p in ("kv", "round_robin")]
     kv, rr = results
-    doc = {"model": args.model, "system_prompts": len(TOPICS), "users": args.users, "concurrency": args.concurrency,
-           "kv_cache_memory_gib": args.kv_cache_memory, "results": results,
-           "speedup_median_ttft": rr["ttft_median_s"] / kv["ttft_median_s"],
-           "command": "python bench/router/router.py " + " ".join(sys.argv[1:]), "logs": logs}
+    doc = {
+        "model": args.model,
+        "system_prompts": len(TOPICS),
+        "users": args.users,
+        "concurrency": args.concurrency,
+        "kv_cache_memory_gib": args.kv_cache_memory,
+        "results": results,
+        "speedup_median_ttft": rr["ttft_median_s"] / kv["ttft_median_s"],
+        "command": "python bench/router/router.py " + " ".join(sys.argv[1:]),
+        "logs": logs,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(Path(args.out), doc)
     plot(doc, Path(args.out).with_suffix(".png"))
@@ -118,8 +145,10 @@ def plot(doc: dict, path: Path) -> None:
     ax.bar([i + 0.2 for i in x], p90, width=0.4, label="p90")
     ax.set_xticks(list(x), names)
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"{doc['model']}: 2 executors, {doc['system_prompts']} system prompts x {doc['users']} users\n"
-                 f"median TTFT {doc['speedup_median_ttft']:.1f}x lower with kv routing")
+    ax.set_title(
+        f"{doc['model']}: 2 executors, {doc['system_prompts']} system prompts x {doc['users']} users\n"
+        f"median TTFT {doc['speedup_median_ttft']:.1f}x lower with kv routing"
+    )
     ax.legend()
     fig.tight_layout()
     save_png(fig, path, dpi=110)

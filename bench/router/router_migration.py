@@ -44,8 +44,13 @@ EXECUTOR_HEADER = "x-kvreuse-executor"
 
 def request(i: int, max_tokens: int) -> tuple[str, dict]:
     prompt = " ".join(f"request {i} clause {j} of a prompt streamed under fire;" for j in range(10))
-    body = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if i % 2:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
     return "/v1/completions", {**body, "prompt": prompt}
@@ -78,8 +83,12 @@ def outcome(result: dict, chat: bool) -> tuple[str, str]:
     events = result["events"]
     if events and isinstance(events[0], dict) and "status" in events[0]:
         return "refused", ""
-    text = "".join(((c.get("delta") or {}).get("content") or "") if chat else c.get("text", "")
-                   for e in events if isinstance(e, dict) for c in e.get("choices") or [])
+    text = "".join(
+        ((c.get("delta") or {}).get("content") or "") if chat else c.get("text", "")
+        for e in events
+        if isinstance(e, dict)
+        for c in e.get("choices") or []
+    )
     if any(isinstance(e, dict) and "error" in e for e in events):
         return "error_event", text
     if events and events[-1] == "[DONE]":
@@ -98,6 +107,7 @@ def one_run(url: str, requests: list[tuple[str, dict]], kill) -> tuple[list[dict
                 progress[i] = (served_by, n)
                 if len(progress) == len(requests) and all(k >= 3 for _, k in progress.values()):
                     ready.set()
+
         return seen
 
     with ThreadPoolExecutor(len(requests)) as pool:
@@ -124,9 +134,13 @@ def plot(summary: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     configs = list(summary["configs"])
-    kinds = [("whole_identical", "whole, identical", "tab:green"), ("whole_differing", "whole, differing", "tab:olive"),
-             ("error_event", "ended with error event", "tab:orange"), ("silent_cut", "silent cut", "tab:red"),
-             ("refused", "refused before the first byte", "tab:gray")]
+    kinds = [
+        ("whole_identical", "whole, identical", "tab:green"),
+        ("whole_differing", "whole, differing", "tab:olive"),
+        ("error_event", "ended with error event", "tab:orange"),
+        ("silent_cut", "silent cut", "tab:red"),
+        ("refused", "refused before the first byte", "tab:gray"),
+    ]
     bottom = [0.0] * len(configs)
     for key, label, color in kinds:
         values = [summary["configs"][c]["median_streams"][key] for c in configs]
@@ -136,9 +150,10 @@ def plot(summary: dict, path: Path) -> None:
     left.set_title("SIGKILL of 1 of 2 executors mid-stream")
     left.legend(fontsize=8, loc="lower right")
     migrated = summary["configs"]["limit 3"]
-    right.boxplot([migrated["stalls_on_victim_s"], migrated["stalls_elsewhere_s"], migrated["median_gap_all_s"]],
-                  tick_labels=["longest gap,\nstreams on the victim", "longest gap,\nother streams",
-                               "median gap,\nper run"])
+    right.boxplot(
+        [migrated["stalls_on_victim_s"], migrated["stalls_elsewhere_s"], migrated["median_gap_all_s"]],
+        tick_labels=["longest gap,\nstreams on the victim", "longest gap,\nother streams", "median gap,\nper run"],
+    )
     right.set_ylabel("seconds")
     right.set_title("migration (limit 3): what a stream waits")
     fig.tight_layout()
@@ -161,15 +176,35 @@ def main() -> None:
     def start(url: str):
         # room for every stream on one executor: a continuation is admitted at once, so its stall is
         # the migration's (break seen, prefill of prompt + ids sent), not a wait for a free slot
-        return Proc(["serve", "--model", args.model, "--port", str(port_of[url]), "--device", "cpu",
-                     "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "1024",
-                     "--max-num-seqs", str(args.streams + 4), "--event-buffer-max-size", "10000",
-                     "--log-level", "warning"], f"{logs}/executor-{port_of[url]}.log").start()
+        return Proc(
+            [
+                "serve",
+                "--model",
+                args.model,
+                "--port",
+                str(port_of[url]),
+                "--device",
+                "cpu",
+                "--kv-cache-memory",
+                str(args.kv_cache_memory),
+                "--max-model-len",
+                "1024",
+                "--max-num-seqs",
+                str(args.streams + 4),
+                "--event-buffer-max-size",
+                "10000",
+                "--log-level",
+                "warning",
+            ],
+            f"{logs}/executor-{port_of[url]}.log",
+        ).start()
 
     execs = {url: start(url) for url in urls}
     rports = {"limit 3": free_port(), "limit 0": free_port()}
-    routers = {name: router(p, urls, logs, "--routing-policy", "round_robin", "--migration-limit", name.split()[1])
-               for name, p in rports.items()}
+    routers = {
+        name: router(p, urls, logs, "--routing-policy", "round_robin", "--migration-limit", name.split()[1])
+        for name, p in rports.items()
+    }
     rurl = {name: f"http://127.0.0.1:{p}" for name, p in rports.items()}
     requests = [request(i, args.max_tokens) for i in range(args.streams)]
     chat = [path.endswith("chat/completions") for path, _ in requests]
@@ -194,24 +229,37 @@ def main() -> None:
 
         for run in range(args.runs):
             for name in routers:
-                before = {o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o)
-                          for o in ("continued", "limit", "no_executor", "unsupported", "failed", "finished")}
+                before = {
+                    o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o)
+                    for o in ("continued", "limit", "no_executor", "unsupported", "failed", "finished")
+                }
                 results, victim = one_run(rurl[name], requests, kill)
                 counts = {"whole_identical": 0, "whole_differing": 0, "error_event": 0, "silent_cut": 0, "refused": 0}
                 for r, c, ref in zip(results, chat, ref_text):
                     kind, text = outcome(r, c)
                     counts[("whole_identical" if text == ref else "whole_differing") if kind == "whole" else kind] += 1
                 on_victim = [r for r in results if r["executor"] == victim]
-                gaps = [statistics.median([b - a for a, b in zip(r["times"], r["times"][1:])]) for r in results
-                        if len(r["times"]) > 2]
-                runs.append({
-                    "config": name, "run": run, "victim": victim, "streams_on_victim": len(on_victim), **counts,
-                    "migrations": {o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o)
-                                   - before[o] for o in before},
-                    "stalls_on_victim_s": [round(stall(r), 4) for r in on_victim],
-                    "stalls_elsewhere_s": [round(stall(r), 4) for r in results if r["executor"] != victim],
-                    "median_gap_all_s": round(statistics.median(gaps), 4),
-                })
+                gaps = [
+                    statistics.median([b - a for a, b in zip(r["times"], r["times"][1:])])
+                    for r in results
+                    if len(r["times"]) > 2
+                ]
+                runs.append(
+                    {
+                        "config": name,
+                        "run": run,
+                        "victim": victim,
+                        "streams_on_victim": len(on_victim),
+                        **counts,
+                        "migrations": {
+                            o: metric(rurl[name], "kvreuse:router_migrations_total", outcome=o) - before[o]
+                            for o in before
+                        },
+                        "stalls_on_victim_s": [round(stall(r), 4) for r in on_victim],
+                        "stalls_elsewhere_s": [round(stall(r), 4) for r in results if r["executor"] != victim],
+                        "median_gap_all_s": round(statistics.median(gaps), 4),
+                    }
+                )
                 print(json.dumps({k: v for k, v in runs[-1].items() if not k.startswith("stalls")}), flush=True)
                 execs[victim] = start(victim)
                 wait_healthy(victim, list(execs.values()), timeout=600)
@@ -222,14 +270,31 @@ def main() -> None:
         for p in [*routers.values(), *execs.values()]:
             p.stop()
 
-    summary: dict = {"model": args.model, "streams": args.streams, "max_tokens": args.max_tokens, "runs": args.runs,
-                     "executors": 2, "max_num_seqs": args.streams + 4, "kv_cache_memory_gib": args.kv_cache_memory, "configs": {}, "runs_detail": runs}
+    summary: dict = {
+        "model": args.model,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "runs": args.runs,
+        "executors": 2,
+        "max_num_seqs": args.streams + 4,
+        "kv_cache_memory_gib": args.kv_cache_memory,
+        "configs": {},
+        "runs_detail": runs,
+    }
     for name in routers:
         mine = [r for r in runs if r["config"] == name]
         summary["configs"][name] = {
-            "median_streams": {k: statistics.median(r[k] for r in mine)
-                               for k in ("whole_identical", "whole_differing", "error_event", "silent_cut",
-                                         "refused", "streams_on_victim")},
+            "median_streams": {
+                k: statistics.median(r[k] for r in mine)
+                for k in (
+                    "whole_identical",
+                    "whole_differing",
+                    "error_event",
+                    "silent_cut",
+                    "refused",
+                    "streams_on_victim",
+                )
+            },
             "total_refused": sum(r["refused"] for r in mine),
             "total_silent_cuts": sum(r["silent_cut"] for r in mine),
             "total_differing": sum(r["whole_differing"] for r in mine),
@@ -242,13 +307,17 @@ def main() -> None:
     out = RESULTS
     write_json(out / "router_migration.json", summary)
     plot(summary, out / "router_migration.png")
-    print(f"{'config':>8} {'whole=':>7} {'whole!=':>8} {'error':>6} {'silent':>7} {'on victim':>10} "
-          f"{'stall victim':>13} {'stall others':>13}")
+    print(
+        f"{'config':>8} {'whole=':>7} {'whole!=':>8} {'error':>6} {'silent':>7} {'on victim':>10} "
+        f"{'stall victim':>13} {'stall others':>13}"
+    )
     for name, c in summary["configs"].items():
         m = c["median_streams"]
-        print(f"{name:>8} {m['whole_identical']:>7} {m['whole_differing']:>8} {m['error_event']:>6} "
-              f"{m['silent_cut']:>7} {m['streams_on_victim']:>10} {c['median_stall_on_victim_s']:>13.3f} "
-              f"{c['median_stall_elsewhere_s']:>13.3f}")
+        print(
+            f"{name:>8} {m['whole_identical']:>7} {m['whole_differing']:>8} {m['error_event']:>6} "
+            f"{m['silent_cut']:>7} {m['streams_on_victim']:>10} {c['median_stall_on_victim_s']:>13.3f} "
+            f"{c['median_stall_elsewhere_s']:>13.3f}"
+        )
 
 
 if __name__ == "__main__":

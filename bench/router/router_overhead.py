@@ -65,8 +65,12 @@ def main() -> None:
     assert decision().choice == names[0]
     cold = PromptHasher(None, settings, memo_blocks=0)
     result = {
-        "index_blocks": index.num_keys, "executors": args.executors, "prompt_tokens": args.prompt_tokens,
-        "prompt_blocks": len(keys), "block_size": settings.block_size, "hash": settings.hash_algorithm,
+        "index_blocks": index.num_keys,
+        "executors": args.executors,
+        "prompt_tokens": args.prompt_tokens,
+        "prompt_blocks": len(keys),
+        "block_size": settings.block_size,
+        "hash": settings.hash_algorithm,
         "repeats": args.repeats,
         "decision_ms_median": median_ms(decision, args.repeats),
         "keys_memo_warm_ms_median": median_ms(lambda: hasher.keys(tokens), args.repeats),

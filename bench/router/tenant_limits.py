@@ -62,8 +62,9 @@ def _alice(url: str, stop: threading.Event, counts: dict[str, int], lock: thread
     body = {"prompt": _prompt(seed), "max_tokens": 32, "ignore_eos": True, "stream": True, "temperature": 0}
     with httpx.Client(timeout=120) as http:
         while not stop.is_set():
-            with http.stream("POST", f"{url}/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {ALICE}"}) as r:
+            with http.stream(
+                "POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {ALICE}"}
+            ) as r:
                 kind = "served" if r.status_code == 200 else "refused" if r.status_code == 429 else "other"
                 wait_s = int(r.headers.get("retry-after-ms", "50")) / 1000
                 for _ in r.iter_lines():
@@ -79,8 +80,11 @@ def _bob(url: str, n: int) -> list[float]:
     with httpx.Client(timeout=120) as http:
         for i in range(n):
             t = time.perf_counter()
-            r = http.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {BOB}"},
-                          json={"prompt": _prompt(1000 + i), "max_tokens": 16, "ignore_eos": True, "temperature": 0})
+            r = http.post(
+                f"{url}/v1/completions",
+                headers={"Authorization": f"Bearer {BOB}"},
+                json={"prompt": _prompt(1000 + i), "max_tokens": 16, "ignore_eos": True, "temperature": 0},
+            )
             r.raise_for_status()
             out.append(time.perf_counter() - t)
     return out
@@ -98,9 +102,13 @@ def one_run(mode: str, limited: str, unlimited: str, bob_requests: int) -> dict:
     stop.set()
     for t in threads if mode != "alone" else ():
         t.join()
-    return {"mode": mode, "bob_latency_s": latencies, "bob_median_s": statistics.median(latencies),
-            "alice": dict(counts),
-            "alice_in_flight_after": metric(limited, "kvreuse:router_tenant_requests_in_flight", tenant="alice")}
+    return {
+        "mode": mode,
+        "bob_latency_s": latencies,
+        "bob_median_s": statistics.median(latencies),
+        "alice": dict(counts),
+        "alice_in_flight_after": metric(limited, "kvreuse:router_tenant_requests_in_flight", tenant="alice"),
+    }
 
 
 def main() -> None:
@@ -131,11 +139,14 @@ def main() -> None:
             p.stop()
     result["runs"] = runs
     result["summary"] = {
-        mode: {"bob_median_s": statistics.median(r["bob_median_s"] for r in runs if r["mode"] == mode),
-               "alice_served_per_run": statistics.median(r["alice"]["served"] for r in runs if r["mode"] == mode),
-               "alice_refused_per_run": statistics.median(r["alice"]["refused"] for r in runs if r["mode"] == mode),
-               "alice_in_flight_after_max": max(r["alice_in_flight_after"] for r in runs if r["mode"] == mode)}
-        for mode in MODES}
+        mode: {
+            "bob_median_s": statistics.median(r["bob_median_s"] for r in runs if r["mode"] == mode),
+            "alice_served_per_run": statistics.median(r["alice"]["served"] for r in runs if r["mode"] == mode),
+            "alice_refused_per_run": statistics.median(r["alice"]["refused"] for r in runs if r["mode"] == mode),
+            "alice_in_flight_after_max": max(r["alice_in_flight_after"] for r in runs if r["mode"] == mode),
+        }
+        for mode in MODES
+    }
     out = ROOT / "bench" / "results" / "tenant_limits.json"
     write_json(out, result)
     print(json.dumps({"policy_us_per_request": result["policy_us_per_request"], **result["summary"]}, indent=2))

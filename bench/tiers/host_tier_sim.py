@@ -35,19 +35,33 @@ def main() -> None:
     infinite = replay(trace, make_policy("lru", num_blocks=trace.num_kv_blocks), trace.num_kv_blocks).hit_rate
     rows = []
     for host in args.host:
-        tiered = replay(trace, make_policy("lru", num_blocks=args.device), args.device, host_blocks=host,
-                        host_policy=make_policy("lru", num_blocks=max(host, 1)) if host else None)
+        tiered = replay(
+            trace,
+            make_policy("lru", num_blocks=args.device),
+            args.device,
+            host_blocks=host,
+            host_policy=make_policy("lru", num_blocks=max(host, 1)) if host else None,
+        )
         single = replay(trace, make_policy("lru", num_blocks=args.device + host), args.device + host)
-        row = {"host_blocks": host, "tiered_hit_rate": round(tiered.hit_rate, 4),
-               "host_share_of_prompt_tokens": round(tiered.host_cached_tokens / tiered.prompt_tokens, 4),
-               "single_pool_hit_rate": round(single.hit_rate, 4),
-               "vs_single_pool": round(tiered.hit_rate / single.hit_rate, 4) if single.hit_rate else None,
-               "vs_infinite": round(tiered.hit_rate / infinite, 4), "offloaded_blocks": tiered.offloaded_blocks}
+        row = {
+            "host_blocks": host,
+            "tiered_hit_rate": round(tiered.hit_rate, 4),
+            "host_share_of_prompt_tokens": round(tiered.host_cached_tokens / tiered.prompt_tokens, 4),
+            "single_pool_hit_rate": round(single.hit_rate, 4),
+            "vs_single_pool": round(tiered.hit_rate / single.hit_rate, 4) if single.hit_rate else None,
+            "vs_infinite": round(tiered.hit_rate / infinite, 4),
+            "offloaded_blocks": tiered.offloaded_blocks,
+        }
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    doc = {"trace": Path(args.trace).name, "block_tokens": 512, "device_blocks": args.device,
-           "infinite_cache_hit_rate": round(infinite, 4), "rows": rows,
-           "command": "python bench/tiers/host_tier_sim.py " + " ".join(sys.argv[1:])}
+    doc = {
+        "trace": Path(args.trace).name,
+        "block_tokens": 512,
+        "device_blocks": args.device,
+        "infinite_cache_hit_rate": round(infinite, 4),
+        "rows": rows,
+        "command": "python bench/tiers/host_tier_sim.py " + " ".join(sys.argv[1:]),
+    }
     out = Path(args.out)
     write_json(out, doc)
     print(json.dumps(doc, indent=2))
@@ -56,10 +70,16 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     hosts = [r["host_blocks"] for r in rows]
-    ax.plot(hosts, [100 * r["tiered_hit_rate"] for r in rows], marker="o",
-            label=f"{args.device} device blocks + host tier")
-    ax.plot(hosts, [100 * r["single_pool_hit_rate"] for r in rows], "--", marker="s",
-            label=f"one pool of {args.device} + host blocks")
+    ax.plot(
+        hosts, [100 * r["tiered_hit_rate"] for r in rows], marker="o", label=f"{args.device} device blocks + host tier"
+    )
+    ax.plot(
+        hosts,
+        [100 * r["single_pool_hit_rate"] for r in rows],
+        "--",
+        marker="s",
+        label=f"one pool of {args.device} + host blocks",
+    )
     ax.axhline(100 * infinite, color="gray", linestyle=":", label=f"infinite cache ({100 * infinite:.1f}%)")
     ax.set_xlabel("host-tier blocks (512 tokens each)")
     ax.set_ylabel("token hit rate (%)")

@@ -41,8 +41,12 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, reps: int, sync) -> list[fl
 
 def _summary(nbytes: int, seconds: list[float]) -> dict:
     rates = sorted(nbytes / s / 1e9 for s in seconds)
-    return {"median_gb_s": round(statistics.median(rates), 3), "min_gb_s": round(rates[0], 3),
-            "max_gb_s": round(rates[-1], 3), "median_s": round(statistics.median(seconds), 6)}
+    return {
+        "median_gb_s": round(statistics.median(rates), 3),
+        "min_gb_s": round(rates[0], 3),
+        "max_gb_s": round(rates[-1], 3),
+        "median_s": round(statistics.median(seconds), 6),
+    }
 
 
 def measure(mib: int, reps: int) -> dict[str, dict]:
@@ -76,8 +80,12 @@ def main() -> None:
     results = measure(args.mib, args.reps)
     report = {
         "what": "torch dst.copy_(src) of one contiguous uint8 tensor; GB/s = 1e9 bytes/s; median of reps",
-        "mib": args.mib, "reps": args.reps, "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "mib": args.mib,
+        "reps": args.reps,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "results": results,
     }

@@ -100,8 +100,13 @@ def main() -> None:
             llm.generate(prefix + suffix(), ONE_TOKEN)
             if llm.engine.host is not None and llm.engine.host.below is not None:
                 assert llm.engine.host.below.flush(120)
-        prepare = {"device": lambda llm: None, "host": push_device_to_host, "disk": empty_device_and_host,
-                   "redis": empty_device_and_host, "none": lambda llm: None}
+        prepare = {
+            "device": lambda llm: None,
+            "host": push_device_to_host,
+            "disk": empty_device_and_host,
+            "redis": empty_device_and_host,
+            "none": lambda llm: None,
+        }
         ttft: dict[str, list[float]] = {t: [] for t in TIERS}
         cached: dict[str, list[dict]] = {t: [] for t in TIERS}
         for rep in range(-1, args.reps):  # rep -1: an untimed warm-up round (first-call costs)
@@ -114,8 +119,9 @@ def main() -> None:
                     continue
                 ttft[name].append(time.perf_counter() - started)
                 cached[name].append(out.cached_tokens_by_tier or {"GPU": out.num_cached_tokens})
-                print(f"rep {rep} {name:>6}: {ttft[name][-1] * 1e3:8.1f} ms  cached {cached[name][-1]}",
-                      file=sys.stderr)
+                print(
+                    f"rep {rep} {name:>6}: {ttft[name][-1] * 1e3:8.1f} ms  cached {cached[name][-1]}", file=sys.stderr
+                )
         bandwidth = memcpy_bw.measure(256, 5)["host_to_host"]
     finally:
         redis.stop()
@@ -128,13 +134,19 @@ def main() -> None:
             assert split.get(LEVEL[name], 0) >= moved // per_token, (name, split)
     med = {t: statistics.median(v) for t, v in ttft.items()}
     result = {
-        "model": loaded.name, "dtype": args.dtype, "prefix_tokens": args.prefix, "suffix_tokens": args.suffix,
-        "reps": args.reps, "median_ttft_s": {t: round(v, 4) for t, v in med.items()},
+        "model": loaded.name,
+        "dtype": args.dtype,
+        "prefix_tokens": args.prefix,
+        "suffix_tokens": args.suffix,
+        "reps": args.reps,
+        "median_ttft_s": {t: round(v, 4) for t, v in med.items()},
         "ttft_s": {t: [round(x, 4) for x in v] for t, v in ttft.items()},
         "vs_device_hit": {t: round(med[t] / med["device"], 2) for t in TIERS},
         "bytes_onboarded_per_request": moved,
         "extra_seconds_vs_device": {t: round(med[t] - med["device"], 4) for t in ("host", "disk", "redis")},
-        "bandwidth_gb_s": {t: round(moved / max(med[t] - med["device"], 1e-9) / 1e9, 2) for t in ("host", "disk", "redis")},
+        "bandwidth_gb_s": {
+            t: round(moved / max(med[t] - med["device"], 1e-9) / 1e9, 2) for t in ("host", "disk", "redis")
+        },
         "memcpy_host_to_host_gb_s": bandwidth["median_gb_s"],
         "cached_tokens_by_tier": {t: cached[t][-1] for t in TIERS},
         "command": "python bench/tiers/tiers.py " + " ".join(sys.argv[1:]),
@@ -154,11 +166,19 @@ def plot(result: dict, path: Path) -> None:
     bars = ax.bar(names, values, color=["#2b7", "#49c", "#a7c", "#c55", "#999"])
     ax.set_yscale("log")
     for bar, t in zip(bars, names):
-        ax.annotate(f"{result['median_ttft_s'][t] * 1e3:.0f} ms\n{result['vs_device_hit'][t]}x",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{result['median_ttft_s'][t] * 1e3:.0f} ms\n{result['vs_device_hit'][t]}x",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("TTFT (ms, log scale)")
-    ax.set_title(f"{result['model']}: {result['prefix_tokens']}-token prefix + {result['suffix_tokens']} new, "
-                 f"served from each tier (median of {result['reps']})", fontsize=9)
+    ax.set_title(
+        f"{result['model']}: {result['prefix_tokens']}-token prefix + {result['suffix_tokens']} new, "
+        f"served from each tier (median of {result['reps']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     save_png(fig, path)
 

@@ -70,8 +70,12 @@ def log(msg: str) -> None:
 
 
 def outcome(c) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens, "by_tier": c.by_tier,
-            "seconds": round(c.seconds, 3)}
+    return {
+        "prompt_tokens": c.prompt_tokens,
+        "cached_tokens": c.cached_tokens,
+        "by_tier": c.by_tier,
+        "seconds": round(c.seconds, 3),
+    }
 
 
 def run_load(a: str, b: str, redis: RedisServer, n: int, seed: int) -> dict:
@@ -97,15 +101,21 @@ def run_load(a: str, b: str, redis: RedisServer, n: int, seed: int) -> dict:
         url = a if server == "A" else b
         row = {"k": k, "server": server, "prompt": label, "start_s": round(time.monotonic() - start, 3)}
         try:
-            r = httpx.post(f"{url}/v1/completions", timeout=600, json={"prompt": prompt, "max_tokens": 8,
-                                                                        "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=600,
+                json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             row["status"] = r.status_code
             if r.status_code == 200:
                 doc = r.json()
                 details = doc["usage"]["prompt_tokens_details"]
-                row |= {"cached": details["cached_tokens"], "by_tier": details["cached_tokens_by_tier"],
-                        "completion_tokens": doc["usage"]["completion_tokens"],
-                        "finish_reason": doc["choices"][0]["finish_reason"]}
+                row |= {
+                    "cached": details["cached_tokens"],
+                    "by_tier": details["cached_tokens_by_tier"],
+                    "completion_tokens": doc["usage"]["completion_tokens"],
+                    "finish_reason": doc["choices"][0]["finish_reason"],
+                }
             else:
                 row["error"] = r.text[:300]
         except httpx.HTTPError as exc:
@@ -121,15 +131,24 @@ def run_load(a: str, b: str, redis: RedisServer, n: int, seed: int) -> dict:
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(one, range(n)))
-    ok = [r for r in rows if r.get("status") == 200 and r.get("finish_reason") == "length"
-          and r.get("completion_tokens") == 8]
+    ok = [
+        r
+        for r in rows
+        if r.get("status") == 200 and r.get("finish_reason") == "length" and r.get("completion_tokens") == 8
+    ]
     before = [r for r in rows if r["end_s"] <= killed_at[0]]
     after = [r for r in rows if r["start_s"] > killed_at[0]]
-    return {"requests": n, "in_flight": 4, "failed": n - len(ok), "killed_at_s": round(killed_at[0], 3),
-            "killed_after_completed": n // 2,
-            "remote_hit_tokens_before_kill": sum(r.get("by_tier", {}).get("remote", 0) for r in before),
-            "remote_hit_tokens_started_after_kill": sum(r.get("by_tier", {}).get("remote", 0) for r in after),
-            "requests_started_after_kill": len(after), "rows": rows}
+    return {
+        "requests": n,
+        "in_flight": 4,
+        "failed": n - len(ok),
+        "killed_at_s": round(killed_at[0], 3),
+        "killed_after_completed": n // 2,
+        "remote_hit_tokens_before_kill": sum(r.get("by_tier", {}).get("remote", 0) for r in before),
+        "remote_hit_tokens_started_after_kill": sum(r.get("by_tier", {}).get("remote", 0) for r in after),
+        "requests_started_after_kill": len(after),
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -148,16 +167,33 @@ def main() -> None:
         raise SystemExit("bench/tiers/tiers_cluster.py needs redis-server (apt-get install redis-server)")
     redis.start()
     disk = workdir / "disk-a"
-    common = ["--model", args.model, "--kv-cache-memory", args.kv_cache_memory, "--host-cache-memory",
-              args.host_cache_memory, "--remote-cache", redis.url, "--log-level", "info"]
+    common = [
+        "--model",
+        args.model,
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--host-cache-memory",
+        args.host_cache_memory,
+        "--remote-cache",
+        redis.url,
+        "--log-level",
+        "info",
+    ]
     a_args, b_args = [*common, "--disk-cache-dir", str(disk)], common
     p = tokens(args.prompt, args.seed)
     blocks = args.prompt // BLOCK  # written through per computation of p (NEW completes no block)
-    result: dict = {"model": args.model, "prompt_tokens": args.prompt, "block_size": BLOCK,
-                    "load_average_start": round(os.getloadavg()[0], 2)}
+    result: dict = {
+        "model": args.model,
+        "prompt_tokens": args.prompt,
+        "block_size": BLOCK,
+        "load_average_start": round(os.getloadavg()[0], 2),
+    }
     started = time.monotonic()
     try:
-        with running_servers([(free_port(), a_args, workdir / "a.log"), (free_port(), b_args, workdir / "b.log")]) as (a, b):
+        with running_servers([(free_port(), a_args, workdir / "a.log"), (free_port(), b_args, workdir / "b.log")]) as (
+            a,
+            b,
+        ):
             log(f"A {a}, B {b}, redis {redis.url}")
             # 1. sharing and isolation
             on_a = complete(a, p, max_tokens=NEW)
@@ -169,17 +205,23 @@ def main() -> None:
             a_salted = complete(a, p, max_tokens=NEW, salt="tenant-b")
             keys_in_redis = redis_client.Redis.from_url(redis.url).dbsize()
             result["sharing"] = {
-                "computed_on_a": outcome(on_a), "b_computes_it_salted": outcome(b_own), "b_after_a": outcome(b_shared),
+                "computed_on_a": outcome(on_a),
+                "b_computes_it_salted": outcome(b_own),
+                "b_after_a": outcome(b_shared),
                 "same_greedy_text": b_shared.text == b_own.text == on_a.text,
-                "pass": b_shared.cached_tokens >= args.prompt - BLOCK and b_shared.by_tier["remote"] == b_shared.cached_tokens
+                "pass": b_shared.cached_tokens >= args.prompt - BLOCK
+                and b_shared.by_tier["remote"] == b_shared.cached_tokens
                 and b_shared.text == b_own.text == on_a.text,
             }
             result["isolation"] = {
                 "b_salted_while_redis_held_a_unsalted_chain": outcome(b_own),
                 "a_under_b_salt": outcome(a_salted),
-                "redis_keys": keys_in_redis, "expected_keys": 2 * blocks,
-                "pass": b_own.cached_tokens == 0 and a_salted.by_tier["device"] == a_salted.by_tier["disk"] == 0
-                and a_salted.cached_tokens == reusable(args.prompt) and keys_in_redis == 2 * blocks,
+                "redis_keys": keys_in_redis,
+                "expected_keys": 2 * blocks,
+                "pass": b_own.cached_tokens == 0
+                and a_salted.by_tier["device"] == a_salted.by_tier["disk"] == 0
+                and a_salted.cached_tokens == reusable(args.prompt)
+                and keys_in_redis == 2 * blocks,
             }
             log(f"sharing: {result['sharing']['pass']}, isolation: {result['isolation']['pass']}")
             # 2. Redis killed under load, then back
@@ -194,10 +236,14 @@ def main() -> None:
             complete(a, q)
             wait_for_puts(a, "remote", before + 512 // BLOCK, timeout_s=60)
             resumed = complete(b, q)
-            load["after_restart"] = {"b_asks_what_a_computed": outcome(resumed),
-                                     "seconds_after_redis_restart": round(time.monotonic() - restarted, 2),
-                                     "breaker_open": {"A": metric(a, "kvreuse:remote_tier_breaker_open"),
-                                                      "B": metric(b, "kvreuse:remote_tier_breaker_open")}}
+            load["after_restart"] = {
+                "b_asks_what_a_computed": outcome(resumed),
+                "seconds_after_redis_restart": round(time.monotonic() - restarted, 2),
+                "breaker_open": {
+                    "A": metric(a, "kvreuse:remote_tier_breaker_open"),
+                    "B": metric(b, "kvreuse:remote_tier_breaker_open"),
+                },
+            }
             load["pass"] = load["failed"] == 0 and resumed.by_tier["remote"] == reusable(512)
             result["redis_kill"] = load
             log(f"redis kill: {load['pass']}")
@@ -207,9 +253,12 @@ def main() -> None:
             startup = time.monotonic() - t
             again = complete(a, p, max_tokens=NEW)
             keys = block_keys(a, p)
-        result["restart"] = {"first_repeat": outcome(again), "startup_s": round(startup, 1),
-                             "same_greedy_text": again.text == on_a.text,
-                             "pass": again.by_tier["disk"] >= args.prompt - BLOCK and again.text == on_a.text}
+        result["restart"] = {
+            "first_repeat": outcome(again),
+            "startup_s": round(startup, 1),
+            "same_greedy_text": again.text == on_a.text,
+            "pass": again.by_tier["disk"] >= args.prompt - BLOCK and again.text == on_a.text,
+        }
         log(f"restart: {result['restart']['pass']}")
         # 4. a corrupted block file
         victim_index = blocks // 2
@@ -220,9 +269,14 @@ def main() -> None:
             corrupt = metric(a, "kvreuse:disk_tier_events_total", event="corrupt")
         lines = [line for line in (workdir / "a3.log").read_text().splitlines() if "refused corrupt block file" in line]
         result["corruption"] = {
-            "corrupted_block": victim_index, "answer": outcome(damaged), "same_greedy_text": damaged.text == on_a.text,
-            "corrupt_counter": corrupt, "log_line": lines[0].replace(str(workdir), "<tmp>") if lines else None,
-            "pass": corrupt == 1 and bool(lines) and damaged.text == on_a.text
+            "corrupted_block": victim_index,
+            "answer": outcome(damaged),
+            "same_greedy_text": damaged.text == on_a.text,
+            "corrupt_counter": corrupt,
+            "log_line": lines[0].replace(str(workdir), "<tmp>") if lines else None,
+            "pass": corrupt == 1
+            and bool(lines)
+            and damaged.text == on_a.text
             and damaged.by_tier["disk"] == victim_index * BLOCK,
         }
         log(f"corruption: {result['corruption']['pass']}")
@@ -234,8 +288,10 @@ def main() -> None:
     result["command"] = "python bench/tiers/tiers_cluster.py " + " ".join(sys.argv[1:])
     out = Path(args.out)
     write_json(out, result, indent=1)
-    summary = {k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "rows"})
-               for k, v in result.items()}
+    summary = {
+        k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "rows"})
+        for k, v in result.items()
+    }
     print(json.dumps(summary, indent=2))
     plot(result, out.with_suffix(".png"))
 
@@ -247,17 +303,33 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for server, colour in (("A", "#49c"), ("B", "#c55")):
         rows = [r for r in load["rows"] if r["server"] == server]
-        ax.scatter([r["end_s"] for r in rows], [r["end_s"] - r["start_s"] for r in rows], color=colour, s=18,
-                   label=f"executor {server}: latency (s)", zorder=3)
+        ax.scatter(
+            [r["end_s"] for r in rows],
+            [r["end_s"] - r["start_s"] for r in rows],
+            color=colour,
+            s=18,
+            label=f"executor {server}: latency (s)",
+            zorder=3,
+        )
     remote = [r for r in load["rows"] if r.get("by_tier", {}).get("remote")]
-    ax.scatter([r["end_s"] for r in remote], [r["end_s"] - r["start_s"] for r in remote], facecolors="none",
-               edgecolors="black", s=60, label="served partly from Redis", zorder=4)
+    ax.scatter(
+        [r["end_s"] for r in remote],
+        [r["end_s"] - r["start_s"] for r in remote],
+        facecolors="none",
+        edgecolors="black",
+        s=60,
+        label="served partly from Redis",
+        zorder=4,
+    )
     ax.axvline(load["killed_at_s"], color="black", linestyle="--")
     ax.annotate("redis-server killed", (load["killed_at_s"], ax.get_ylim()[1] * 0.95), fontsize=8, ha="left")
     ax.set_xlabel("seconds since the load started (request completion)")
     ax.set_ylabel("request latency (s)")
-    ax.set_title(f"{result['model']}: {load['requests']} requests, 4 in flight, Redis killed after "
-                 f"{load['killed_after_completed']}: {load['failed']} failed", fontsize=9)
+    ax.set_title(
+        f"{result['model']}: {load['requests']} requests, 4 in flight, Redis killed after "
+        f"{load['killed_after_completed']}: {load['failed']} failed",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

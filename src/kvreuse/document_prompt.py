@@ -35,7 +35,6 @@ class Segment:
     context_start: int | None = None
 
 
-
 @dataclass(frozen=True)
 class DocumentLayout:
     """Where a document prompt's tokens go. Everything up to the end of the last document is
@@ -104,8 +103,15 @@ class DocumentPrompt:
             context += len(ids)
         own = tuple(t for ids, _ in self.parts[last + 1 :] for t in ids)
         segments.append(Segment(pos, len(own), SegmentKind.TEXT, pos))
-        return DocumentLayout(after, own, tuple(range(pos, pos + len(own))), tuple(pieces), tuple(positions),
-                              tuple(encoded_after), tuple(segments))
+        return DocumentLayout(
+            after,
+            own,
+            tuple(range(pos, pos + len(own))),
+            tuple(pieces),
+            tuple(positions),
+            tuple(encoded_after),
+            tuple(segments),
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,9 @@
 """The offline Python API, in vLLM's shape::
 
-    from kvreuse import LLM, SamplingParams
-    llm = LLM(model="default")
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
-    outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].ttft_s
+from kvreuse import LLM, SamplingParams
+llm = LLM(model="default")
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].ttft_s
 """
 
 from __future__ import annotations
@@ -64,8 +64,10 @@ class LLM:
         prompts = cast("Seq[PromptType]", prompts)  # the checks above: a sequence of prompts by now
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
-                                 "give one, or one per prompt")
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
             per_prompt = list(sampling_params)
         else:
             per_prompt = [sampling_params or SamplingParams()] * len(prompts)
@@ -101,6 +103,7 @@ class LLM:
         from tqdm import tqdm
 
         with tqdm(desc="precomputing modules", unit="module") as bar:
+
             def progress(done: int, total: int, name: str) -> None:
                 bar.total = total
                 bar.set_postfix_str(name or "<root>")

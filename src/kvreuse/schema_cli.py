@@ -34,16 +34,28 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--url", default=None, help="precompute on a running server instead (POST /v1/schemas)")
     pre.add_argument("--model", default=C.model)
     pre.add_argument("--dtype", default=C.dtype, help="as the server's --dtype (module files are keyed to it)")
-    pre.add_argument("--quantization", default=C.quantization, choices=["auto", "none", "int8", "int4"],
-                     help="as the server's --quantization (module files are keyed to it)")
+    pre.add_argument(
+        "--quantization",
+        default=C.quantization,
+        choices=["auto", "none", "int8", "int4"],
+        help="as the server's --quantization (module files are keyed to it)",
+    )
     pre.add_argument("--device", default=C.device)
     pre.add_argument("--kv-cache-memory", type=float, default=C.kv_cache_memory_gib, metavar="GIB")
     pre.add_argument("--block-size", type=int, default=C.block_size)
     pre.add_argument("--max-model-len", type=int, default=C.max_model_len)
-    pre.add_argument("--schema-max-tokens", type=int, default=C.schema_max_tokens,
-                     help=f"as the server's (default: {C.schema_max_tokens})")
-    pre.add_argument("--schema-max-bytes", type=int, default=C.schema_max_bytes,
-                     help=f"as the server's (default: {C.schema_max_bytes})")
+    pre.add_argument(
+        "--schema-max-tokens",
+        type=int,
+        default=C.schema_max_tokens,
+        help=f"as the server's (default: {C.schema_max_tokens})",
+    )
+    pre.add_argument(
+        "--schema-max-bytes",
+        type=int,
+        default=C.schema_max_bytes,
+        help=f"as the server's (default: {C.schema_max_bytes})",
+    )
     for name in ("list", "delete"):
         q = sub.add_parser(name, help=f"{name} schemas on a running server")
         if name == "delete":
@@ -75,10 +87,18 @@ def _http(method: str, url: str, api_key: str | None, body: dict | None = None) 
 def _engine_config(args: argparse.Namespace):
     from kvreuse.engine.config import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                        kv_cache_memory_gib=args.kv_cache_memory, block_size=args.block_size,
-                        max_model_len=args.max_model_len, schema_dir=args.schema_dir,
-                        schema_max_tokens=args.schema_max_tokens, schema_max_bytes=args.schema_max_bytes)
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        schema_dir=args.schema_dir,
+        schema_max_tokens=args.schema_max_tokens,
+        schema_max_bytes=args.schema_max_bytes,
+    )
 
 
 def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict:
@@ -90,6 +110,7 @@ def _precompute_local(args: argparse.Namespace, text: str, src_dir: str) -> dict
     config = _engine_config(args)
     engine = LLMEngine(config, _load_model(args.model, config.dtype, config.device, config.quantization))
     with tqdm(desc="precomputing modules", unit="module", file=sys.stderr) as bar:
+
         def progress(done: int, total: int, name: str) -> None:
             bar.total = total
             bar.set_postfix_str(name or "<root>")
@@ -110,8 +131,9 @@ def schema_main(argv: Sequence[str]) -> int:
                 out = _http("POST", args.url.rstrip("/") + "/v1/schemas", args.api_key, {"schema": text})
             else:
                 if args.schema_dir is None:
-                    print("kvreuse schema: no --schema-dir: the KV is computed and dropped (a dry run)",
-                          file=sys.stderr)
+                    print(
+                        "kvreuse schema: no --schema-dir: the KV is computed and dropped (a dry run)", file=sys.stderr
+                    )
                 out = _precompute_local(args, text, src_dir)
             out["seconds"] = round(time.perf_counter() - start, 3)
         elif args.action == "list":

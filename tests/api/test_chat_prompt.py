@@ -10,8 +10,21 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvreuse.api import chat_prompt
 from kvreuse.api.chat_prompt import message_boundaries
 
-BODIES = st.sampled_from(["", " ", "x", "héllo  wörld\n\n", "aaaa", "<|im_end|>", "  trailing ", "1234 5678",
-                          "line\nline\n", "\t\tTabs", "emoji 🙂 and more"])
+BODIES = st.sampled_from(
+    [
+        "",
+        " ",
+        "x",
+        "héllo  wörld\n\n",
+        "aaaa",
+        "<|im_end|>",
+        "  trailing ",
+        "1234 5678",
+        "line\nline\n",
+        "\t\tTabs",
+        "emoji 🙂 and more",
+    ]
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -19,7 +32,8 @@ BODIES = st.sampled_from(["", " ", "x", "héllo  wörld\n\n", "aaaa", "<|im_end|
 def test_offsets_give_the_boundaries_tokenizing_every_prefix_gives(tiny_llama, bodies, system):
     tok = tiny_llama.tokenizer
     msgs = ([{"role": "system", "content": "Be brief."}] if system else []) + [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": b} for i, b in enumerate(bodies)]
+        {"role": "user" if i % 2 == 0 else "assistant", "content": b} for i, b in enumerate(bodies)
+    ]
     text = chat_prompt._render_text(tok, msgs, add_generation_prompt=True, template_kwargs={})
     n = len(tok.encode(text, add_special_tokens=False))
     assert chat_prompt._token_spans(tok, text) is not None  # the offsets path is the one under test
@@ -46,10 +60,14 @@ def test_a_template_with_plain_text_after_a_message_gives_the_per_prefix_boundar
     (review: "Sure. " then "\n\n### Instruction" differed by a token)."""
     tok = tiny_llama.tokenizer
     template = tok.chat_template
-    tok.chat_template = ("{% for m in messages %}{% if m['role']=='user' %}### Instruction:\n{{ m['content'] }}\n\n"
-                         "### Response:\n{% else %}{{ m['content'] }}\n\n{% endif %}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role']=='user' %}### Instruction:\n{{ m['content'] }}\n\n"
+        "### Response:\n{% else %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+    )
     try:
-        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": b} for i, b in enumerate(bodies + ["Sure. "])]
+        msgs = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": b} for i, b in enumerate(bodies + ["Sure. "])
+        ]
         text = chat_prompt._render_text(tok, msgs, add_generation_prompt=True, template_kwargs={})
         n = len(tok.encode(text, add_special_tokens=False))
         assert message_boundaries(tok, msgs, n, {}, text) == message_boundaries(tok, msgs, n, {})

@@ -28,9 +28,15 @@ def test_in_flight_slots_are_per_tenant_and_freed_once():
     first, second = limiter.open("acme"), limiter.open("acme")
     refused = _refusal(lambda: limiter.open("acme"))
     assert (refused.reason, refused.type, refused.code, refused.param, refused.tenant) == (
-        "max_in_flight", "requests", "rate_limit_exceeded", None, "acme")
-    assert refused.message == ("Too many requests in flight for tenant acme: 2 running, its max_in_flight limit is 2; "
-                               "retry when one finishes")
+        "max_in_flight",
+        "requests",
+        "rate_limit_exceeded",
+        None,
+        "acme",
+    )
+    assert refused.message == (
+        "Too many requests in flight for tenant acme: 2 running, its max_in_flight limit is 2; retry when one finishes"
+    )
     assert refused.headers() == {"retry-after": "1", "retry-after-ms": "1000"}
     other = limiter.open("globex")  # acme at its limit costs globex nothing
     admins = [limiter.open(None) for _ in range(50)]  # admin keys: unlimited unless [admin] says so
@@ -67,8 +73,10 @@ def test_tokens_are_reserved_at_admission_and_settled_to_the_usage_at_close():
     b = limiter.open("acme")
     refused = _refusal(lambda: b.reserve(100, 400))  # 500 > 480: 20 tokens short = 2 s of refill
     assert (refused.reason, refused.type, refused.retry_after_s) == ("tokens_per_minute", "tokens", 2.0)
-    assert refused.message == ("Rate limit reached for tenant acme on tokens per minute: limit 600, available 480, "
-                               "requested 500 (prompt 100 + up to 400 completion tokens); retry in 2.0s")
+    assert refused.message == (
+        "Rate limit reached for tenant acme on tokens per minute: limit 600, available 480, "
+        "requested 500 (prompt 100 + up to 400 completion tokens); retry in 2.0s"
+    )
     assert refused.headers() == {"retry-after": "2", "retry-after-ms": "2000"}
     assert limiter.tokens_available("globex") == 600.0  # another tenant's bucket is its own
     clock.t += 1.5  # +15 tokens
@@ -110,10 +118,16 @@ def test_a_request_larger_than_the_limit_is_refused_for_good():
     lease = limiter.open("acme")
     refused = _refusal(lambda: lease.reserve(60, 41))
     assert (refused.reason, refused.type, refused.param, refused.retry_after_s) == (
-        "request_too_large", "tokens", "max_tokens", None)
-    assert refused.message == ("Request too large for tenant acme on tokens per minute: limit 100, requested 101 "
-                               "(prompt 60 + up to 41 completion tokens); lower max_tokens (or n, or the prompt), or "
-                               "raise its tokens_per_minute")
+        "request_too_large",
+        "tokens",
+        "max_tokens",
+        None,
+    )
+    assert refused.message == (
+        "Request too large for tenant acme on tokens per minute: limit 100, requested 101 "
+        "(prompt 60 + up to 41 completion tokens); lower max_tokens (or n, or the prompt), or "
+        "raise its tokens_per_minute"
+    )
     assert refused.headers() == {"x-should-retry": "false"}  # the official client does not retry it
     assert limiter.tokens_available("acme") == 100.0
     lease.reserve(60, 40)  # exactly the limit fits

@@ -65,16 +65,17 @@ def test_out_of_range_numbers_fail_validation_naming_the_field(text, field, kind
     [
         ('"top_p": 5e-324', "top_p must be in [1e-37, 1] (smaller rounds to 0 in float32), got 5e-324"),
         ('"top_p": 1e-46', "top_p must be in [1e-37, 1] (smaller rounds to 0 in float32), got 1e-46"),
-        ('"repetition_penalty": 1.2',
-         "repetition_penalty: penalties are not supported; leave repetition_penalty out or 1"),
+        (
+            '"repetition_penalty": 1.2',
+            "repetition_penalty: penalties are not supported; leave repetition_penalty out or 1",
+        ),
         ('"min_p": 0.05', "min_p: not supported; leave min_p out or 0"),
         ('"presence_penalty": 0.5', "presence_penalty: penalties are not supported; leave presence_penalty out or 0"),
         ('"logit_bias": {"abc": 1}', "logit_bias: keys must be token ids (non-negative integers), got 'abc'"),
         ('"logit_bias": {"-1": 1}', "logit_bias: keys must be token ids (non-negative integers), got '-1'"),
         ('"logit_bias": {"5": 101}', "logit_bias: the bias of token 5 must be a number in [-100, 100], got 101"),
         ('"logit_bias": {"5": NaN}', "logit_bias: the bias of token 5 must be a number in [-100, 100], got nan"),
-        ('"logit_bias": {"5": -Infinity}',
-         "logit_bias: the bias of token 5 must be a number in [-100, 100], got -inf"),
+        ('"logit_bias": {"5": -Infinity}', "logit_bias: the bias of token 5 must be a number in [-100, 100], got -inf"),
         ('"logit_bias": {"5": true}', "logit_bias: the bias of token 5 must be a number in [-100, 100], got True"),
         ('"logit_bias": {"5": 100}', "logit_bias: not supported; leave logit_bias out or empty"),
         ('"stop": ""', "stop must be a string or a list of non-empty strings"),
@@ -90,9 +91,17 @@ def test_values_the_sampler_cannot_honour_are_refused_with_a_reason(text, messag
 @pytest.mark.parametrize(
     "text",
     [
-        f'"top_p": {MIN_TOP_P}', '"temperature": 1e-300', '"temperature": 0', '"top_k": -1',
-        '"top_k": 100000000000000000000000', '"repetition_penalty": 1.0', '"min_p": 0', '"presence_penalty": 0',
-        '"logit_bias": {}', '"stop": ["' + "x" * 1024 + '"]', '"seed": -9223372036854775808',
+        f'"top_p": {MIN_TOP_P}',
+        '"temperature": 1e-300',
+        '"temperature": 0',
+        '"top_k": -1',
+        '"top_k": 100000000000000000000000',
+        '"repetition_penalty": 1.0',
+        '"min_p": 0',
+        '"presence_penalty": 0',
+        '"logit_bias": {}',
+        '"stop": ["' + "x" * 1024 + '"]',
+        '"seed": -9223372036854775808',
     ],
 )
 def test_edge_values_the_sampler_can_honour_are_accepted(text):

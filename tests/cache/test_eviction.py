@@ -41,7 +41,7 @@ def test_make_policy_by_name():
 @pytest.mark.parametrize("policy, victim", [("lru", 0), ("priority", 1)])
 def test_lru_ignores_priority_priority_does_not(policy, victim):
     pool = BlockPool(2, BS, policy=make_policy(policy))
-    run(pool, list(range(4)), priority=90)         # block 0: older, high priority
+    run(pool, list(range(4)), priority=90)  # block 0: older, high priority
     run(pool, list(range(100, 104)), priority=10)  # block 1: newer, low priority
     ids, _ = run(pool, list(range(200, 204)))
     assert ids == [victim]
@@ -50,23 +50,23 @@ def test_lru_ignores_priority_priority_does_not(policy, victim):
 
 def test_2q_protects_a_reused_block_over_newer_single_use_blocks():
     pool = BlockPool(3, BS, policy=make_policy("2q", num_blocks=3))
-    run(pool, list(range(4)))                     # A: block 0
-    assert run(pool, list(range(4))) == ([0], 1)   # A hit: used twice -> protected
-    run(pool, list(range(100, 104)))              # B: block 1
-    run(pool, list(range(200, 204)))              # C: block 2
-    ids, _ = run(pool, list(range(300, 304)))     # D evicts the oldest single-use block: B
+    run(pool, list(range(4)))  # A: block 0
+    assert run(pool, list(range(4))) == ([0], 1)  # A hit: used twice -> protected
+    run(pool, list(range(100, 104)))  # B: block 1
+    run(pool, list(range(200, 204)))  # C: block 2
+    ids, _ = run(pool, list(range(300, 304)))  # D evicts the oldest single-use block: B
     assert ids == [1]
-    ids, _ = run(pool, list(range(400, 404)))     # E evicts C, not the older but protected A
+    ids, _ = run(pool, list(range(400, 404)))  # E evicts C, not the older but protected A
     assert ids == [2]
-    assert run(pool, list(range(4)))[1] == 1      # A is still there
+    assert run(pool, list(range(4)))[1] == 1  # A is still there
 
 
 def test_2q_ghost_history_protects_the_second_residency():
     pool = BlockPool(2, BS, policy=make_policy("2q", num_blocks=2))
-    run(pool, list(range(4)))                     # A: block 0
-    run(pool, list(range(100, 104)))              # B: block 1
-    assert run(pool, list(range(200, 204)))[0] == [0]   # C evicts A (ghost: A used once)
-    assert run(pool, list(range(4))) == ([1], 0)        # A misses, recomputed into block 1 (B evicted)
+    run(pool, list(range(4)))  # A: block 0
+    run(pool, list(range(100, 104)))  # B: block 1
+    assert run(pool, list(range(200, 204)))[0] == [0]  # C evicts A (ghost: A used once)
+    assert run(pool, list(range(4))) == ([1], 0)  # A misses, recomputed into block 1 (B evicted)
     # A's key has now been used twice (ghost + this residency): C, not A, goes next.
     assert run(pool, list(range(300, 304)))[0] == [0]
     assert run(pool, list(range(4)))[1] == 1
@@ -75,8 +75,8 @@ def test_2q_ghost_history_protects_the_second_residency():
 def test_2q_protected_blocks_still_age_out():
     pool = BlockPool(2, BS, policy=TwoQueuePolicy(num_blocks=1))  # protection worth 16 ticks
     run(pool, list(range(4)))
-    run(pool, list(range(4)))                     # A protected at tick ~4
-    for i in range(10):                           # 20+ ticks of single-use traffic
+    run(pool, list(range(4)))  # A protected at tick ~4
+    for i in range(10):  # 20+ ticks of single-use traffic
         run(pool, [1000 + i] * 4)
     ids, _ = run(pool, list(range(500, 504)))
     assert pool.match_prefix(hash_token_blocks(list(range(4)), BS, model_id="m"), [list(range(4))]) == []
@@ -86,16 +86,16 @@ def test_2q_protected_blocks_still_age_out():
 def test_logfreq_more_uses_outlast_fewer_uses_and_single_use_goes_first():
     pool = BlockPool(3, BS, policy=LogFrequencyPolicy(num_blocks=3, protect_ticks=11))
     for _ in range(4):
-        run(pool, list(range(4)))                  # A: block 0, 4 uses, last tick 8 -> key 8 + 2 * 11 = 30
+        run(pool, list(range(4)))  # A: block 0, 4 uses, last tick 8 -> key 8 + 2 * 11 = 30
     for _ in range(2):
-        run(pool, list(range(100, 104)))           # B: block 1, 2 uses, last tick 12 -> key 12 + 11 = 23
-    run(pool, list(range(200, 204)))               # C: block 2, once, key 14
+        run(pool, list(range(100, 104)))  # B: block 1, 2 uses, last tick 12 -> key 12 + 11 = 23
+    run(pool, list(range(200, 204)))  # C: block 2, once, key 14
     # Single-use requests D..H (keys 16, 18, 20, 22, 24) each take the previous one's block:
     # every one of them ranks below B's 23 when it is evicted.
     for i in range(5):
         assert run(pool, [300 + i] * 4) == ([2], 0)
-    assert run(pool, [400] * 4) == ([1], 0)        # I: now B (23) is the smallest, not H (24)
-    assert run(pool, list(range(4)))[1] == 1       # A, the oldest but used 4 times, is still there
+    assert run(pool, [400] * 4) == ([1], 0)  # I: now B (23) is the smallest, not H (24)
+    assert run(pool, list(range(4)))[1] == 1  # A, the oldest but used 4 times, is still there
     # Under LRU the same requests evict A (block 0) first.
     lru = BlockPool(3, BS, policy=make_policy("lru"))
     for _ in range(4):
@@ -110,18 +110,18 @@ def test_logfreq_more_uses_outlast_fewer_uses_and_single_use_goes_first():
 def test_logfreq_bonus_is_capped_at_max_uses(max_uses, victim):
     pool = BlockPool(2, BS, policy=LogFrequencyPolicy(num_blocks=2, protect_ticks=10, max_uses=max_uses))
     for _ in range(4):
-        run(pool, list(range(4)))                  # A: block 0, 4 uses, tick 8: key 18 (capped) or 28
+        run(pool, list(range(4)))  # A: block 0, 4 uses, tick 8: key 18 (capped) or 28
     for _ in range(2):
-        run(pool, list(range(100, 104)))           # B: block 1, 2 uses, tick 12: key 22
+        run(pool, list(range(100, 104)))  # B: block 1, 2 uses, tick 12: key 22
     assert run(pool, [500] * 4) == ([victim], 0)
 
 
 def test_logfreq_ghost_history_counts_earlier_residencies():
     pool = BlockPool(2, BS, policy=LogFrequencyPolicy(num_blocks=2, protect_ticks=100))
-    run(pool, list(range(4)))                     # A: block 0
-    run(pool, list(range(100, 104)))              # B: block 1
-    assert run(pool, list(range(200, 204)))[0] == [0]   # C evicts A (ghost: A used once)
-    assert run(pool, list(range(4))) == ([1], 0)        # A misses, recomputed into block 1 (B evicted)
+    run(pool, list(range(4)))  # A: block 0
+    run(pool, list(range(100, 104)))  # B: block 1
+    assert run(pool, list(range(200, 204)))[0] == [0]  # C evicts A (ghost: A used once)
+    assert run(pool, list(range(4))) == ([1], 0)  # A misses, recomputed into block 1 (B evicted)
     # A's key has now been used twice (ghost + this residency): C, not A, goes next.
     assert run(pool, list(range(300, 304)))[0] == [0]
     assert run(pool, list(range(4)))[1] == 1

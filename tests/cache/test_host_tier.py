@@ -38,8 +38,14 @@ def run(kv, tokens, *, priority=None):
     pieces = [tokens[i : i + BS] for i in range(0, len(tokens), BS)]
     adm = kv.admit_blocks(keys, pieces, num_blocks=len(pieces))
     blocks = list(adm.blocks)
-    kv.register_blocks(blocks, keys, pieces, adm.num_hits, len(keys),
-                       retention=(lambda j: (priority, None)) if priority is not None else (lambda j: None))
+    kv.register_blocks(
+        blocks,
+        keys,
+        pieces,
+        adm.num_hits,
+        len(keys),
+        retention=(lambda j: (priority, None)) if priority is not None else (lambda j: None),
+    )
     kv.pool.release(reversed(blocks))
     return adm, blocks
 

@@ -47,7 +47,12 @@ def test_open_range_durations_and_decode_blocks():
     config = C((T(0, 32, 90, 30000), T(32, None, 50)), decode_retention_priority=10, decode_duration_ms=5000)
     # 100 prompt tokens + 60 generated, blocks of 32: first tokens 0, 32, 64, 96 (prompt), 128 (generated)
     assert block_priorities(config, 160, 32, num_prompt_tokens=100) == [
-        (90, 30.0), (50, None), (50, None), (50, None), (10, 5.0)]
+        (90, 30.0),
+        (50, None),
+        (50, None),
+        (50, None),
+        (10, 5.0),
+    ]
     assert decode_retention_priority(config) == 10 and decode_duration_ms(config) == 5000
     assert decode_retention_priority(None) == DEFAULT_PRIORITY and decode_duration_ms(None) is None
     assert block_priorities(None, 33, 32) == [(35, None), (35, None)]
@@ -59,13 +64,16 @@ def test_requested_retention_leaves_unranged_blocks_unset():
     assert requested_retention(None, 64, 32) == [(None, None), (None, None)]
 
 
-@pytest.mark.parametrize("config", [
-    None,
-    C((T(32, 64, 80, 1000),)),
-    C((T(0, 63, 80), T(63, 127, 30))),
-    C((T(0, 32, 90, 30000), T(32, None, 50)), decode_retention_priority=10, decode_duration_ms=5000),
-    C((T(5, 9, 70), T(40, 41, 20), T(100, None, 60, 7))),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        C((T(32, 64, 80, 1000),)),
+        C((T(0, 63, 80), T(63, 127, 30))),
+        C((T(0, 32, 90, 30000), T(32, None, 50)), decode_retention_priority=10, decode_duration_ms=5000),
+        C((T(5, 9, 70), T(40, 41, 20), T(100, None, 60, 7))),
+    ],
+)
 def test_per_block_lookup_equals_the_whole_list(config):
     """``requested_block_retention`` is one entry of ``requested_retention``, for every
     block, prompt length and block size."""
@@ -78,40 +86,77 @@ def test_per_block_lookup_equals_the_whole_list(config):
 
 # ---------------------------------------------------------------------- validation
 def test_from_dict_accepts_the_spec_example():
-    config = C.from_dict({
-        "token_range_retention_configs": [
-            {"token_start": 0, "token_end": 1000, "priority": 100, "duration_ms": 30000},
-            {"token_start": 1000, "token_end": None, "priority": 50, "duration_ms": 10000}],
-        "decode_retention_priority": 30, "decode_duration_ms": 5000})
+    config = C.from_dict(
+        {
+            "token_range_retention_configs": [
+                {"token_start": 0, "token_end": 1000, "priority": 100, "duration_ms": 30000},
+                {"token_start": 1000, "token_end": None, "priority": 50, "duration_ms": 10000},
+            ],
+            "decode_retention_priority": 30,
+            "decode_duration_ms": 5000,
+        }
+    )
     assert config == C((T(0, 1000, 100, 30000), T(1000, None, 50, 10000)), 30, 5000)
 
 
-@pytest.mark.parametrize("bad, path", [
-    ({"token_range_retention_configs": [{"token_start": 0, "token_end": 10, "priority": 1},
-                                        {"token_start": 5, "token_end": 20, "priority": 1}]},
-     "kv_cache_retention_config.token_range_retention_configs[1].token_start"),
-    ({"token_range_retention_configs": [{"token_start": 0, "token_end": None, "priority": 1},
-                                        {"token_start": 5, "token_end": 20, "priority": 1}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].token_end"),
-    ({"token_range_retention_configs": [{"token_start": -1, "token_end": 10, "priority": 1}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].token_start"),
-    ({"token_range_retention_configs": [{"token_start": 4, "token_end": 4, "priority": 1}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].token_end"),
-    ({"token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": 101}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].priority"),
-    ({"token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": True}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].priority"),
-    ({"token_range_retention_configs": [{"token_start": 0, "token_end": 4}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].priority"),
-    ({"token_range_retention_configs": [{"token_start": 0, "priority": 5, "duration_ms": -3}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].duration_ms"),
-    ({"token_range_retention_configs": [{"token_start": 0, "priority": 5, "colour": 1}]},
-     "kv_cache_retention_config.token_range_retention_configs[0].colour"),
-    ({"token_range_retention_configs": {"token_start": 0}}, "kv_cache_retention_config.token_range_retention_configs"),
-    ({"decode_retention_priority": -1}, "kv_cache_retention_config.decode_retention_priority"),
-    ({"decode_duration_ms": "5s"}, "kv_cache_retention_config.decode_duration_ms"),
-    ([1, 2], "kv_cache_retention_config"),
-])
+@pytest.mark.parametrize(
+    "bad, path",
+    [
+        (
+            {
+                "token_range_retention_configs": [
+                    {"token_start": 0, "token_end": 10, "priority": 1},
+                    {"token_start": 5, "token_end": 20, "priority": 1},
+                ]
+            },
+            "kv_cache_retention_config.token_range_retention_configs[1].token_start",
+        ),
+        (
+            {
+                "token_range_retention_configs": [
+                    {"token_start": 0, "token_end": None, "priority": 1},
+                    {"token_start": 5, "token_end": 20, "priority": 1},
+                ]
+            },
+            "kv_cache_retention_config.token_range_retention_configs[0].token_end",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": -1, "token_end": 10, "priority": 1}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].token_start",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 4, "token_end": 4, "priority": 1}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].token_end",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": 101}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].priority",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": True}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].priority",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 0, "token_end": 4}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].priority",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 0, "priority": 5, "duration_ms": -3}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].duration_ms",
+        ),
+        (
+            {"token_range_retention_configs": [{"token_start": 0, "priority": 5, "colour": 1}]},
+            "kv_cache_retention_config.token_range_retention_configs[0].colour",
+        ),
+        (
+            {"token_range_retention_configs": {"token_start": 0}},
+            "kv_cache_retention_config.token_range_retention_configs",
+        ),
+        ({"decode_retention_priority": -1}, "kv_cache_retention_config.decode_retention_priority"),
+        ({"decode_duration_ms": "5s"}, "kv_cache_retention_config.decode_duration_ms"),
+        ([1, 2], "kv_cache_retention_config"),
+    ],
+)
 def test_from_dict_errors_name_the_field(bad, path):
     with pytest.raises(ValueError) as e:
         C.from_dict(bad)
@@ -121,7 +166,8 @@ def test_from_dict_errors_name_the_field(bad, path):
 def test_message_boundaries_become_ranges():
     config = ranges_from_message_boundaries(
         [(0, 40), (40, 40), (40, 90), (90, 120)],
-        [{"priority": 90, "duration_ms": 30000}, {"priority": 5}, None, {"priority": 60}])
+        [{"priority": 90, "duration_ms": 30000}, {"priority": 5}, None, {"priority": 60}],
+    )
     assert config == C((T(0, 40, 90, 30000), T(90, 120, 60)))
     assert ranges_from_message_boundaries([(0, 10)], [None]) is None
     with pytest.raises(ValueError, match=r"^messages\[1\]\.retention\.priority:"):
@@ -156,9 +202,16 @@ def run(pool, tokens, config=None):
         pool.check_integrity()
     blocks = hits + pool.allocate(len(chunks) - len(hits))
     pool.check_integrity()
-    for i, (priority, duration) in list(enumerate(block_priorities(config, len(tokens), BS)))[len(hits):len(hashes)]:
-        pool.register(blocks[i], hashes[i], hashes[i - 1] if i else None, chunks[i], depth=i,
-                      priority=priority, duration_s=duration)
+    for i, (priority, duration) in list(enumerate(block_priorities(config, len(tokens), BS)))[len(hits) : len(hashes)]:
+        pool.register(
+            blocks[i],
+            hashes[i],
+            hashes[i - 1] if i else None,
+            chunks[i],
+            depth=i,
+            priority=priority,
+            duration_s=duration,
+        )
         pool.check_integrity()
     return blocks, len(hits)
 
@@ -175,11 +228,11 @@ def ids(blocks):
 def test_lowest_priority_first_then_lru_and_only_leaves():
     pool = BlockPool(6, BS, policy=PriorityPolicy())
     hi = C((T(0, None, 80),))
-    a, _ = run(pool, list(range(8)), hi)           # blocks 0,1 at 80
+    a, _ = run(pool, list(range(8)), hi)  # blocks 0,1 at 80
     done(pool, a)
-    b, _ = run(pool, list(range(100, 108)))        # blocks 2,3 at 35
+    b, _ = run(pool, list(range(100, 108)))  # blocks 2,3 at 35
     done(pool, b)
-    c, _ = run(pool, list(range(200, 208)))        # blocks 4,5 at 35, newer than b
+    c, _ = run(pool, list(range(200, 208)))  # blocks 4,5 at 35, newer than b
     done(pool, c)
     assert pool.blocks_by_priority() == {35: 4, 80: 2}
     # Need 3 blocks: the 35s go first, oldest chain first, tail before parent: 3, 2, 5.
@@ -200,7 +253,7 @@ def test_high_priority_leaf_protects_its_low_priority_parent():
     b, _ = run(pool, list(range(100, 104)), C((T(0, None, 50),)))  # block 2 at 50
     done(pool, b)
     c, _ = run(pool, list(range(200, 204)))
-    assert ids(c) == [2]                            # 50 < 90, and block 0 (10) is no leaf
+    assert ids(c) == [2]  # 50 < 90, and block 0 (10) is no leaf
     done(pool, c)
     assert ids(run(pool, list(range(300, 308)))[0]) == [2, 1]  # 2 (35) first, then leaf 1 (90)
 
@@ -209,16 +262,16 @@ def test_duration_starts_at_release_and_expiry_falls_back_to_default():
     clock = FakeClock()
     events = []
     pool = BlockPool(4, BS, policy=PriorityPolicy(), clock=clock, events=events)
-    sys_prompt = C((T(0, None, 90, 10_000),))      # 10 s at 90
-    a, _ = run(pool, list(range(8)), sys_prompt)     # blocks 0,1
-    clock.now = 50.0                                 # in use: the duration does not run
+    sys_prompt = C((T(0, None, 90, 10_000),))  # 10 s at 90
+    a, _ = run(pool, list(range(8)), sys_prompt)  # blocks 0,1
+    clock.now = 50.0  # in use: the duration does not run
     pool.expire()
     assert [b.priority for b in a] == [90, 90] and a[0].expires_at is None
-    done(pool, a)                                    # released at t=50: expires at 60
+    done(pool, a)  # released at t=50: expires at 60
     assert a[0].expires_at == 60.0
     clock.now = 59.9
     assert pool.expire() == 0
-    b, _ = run(pool, list(range(100, 108)))          # blocks 2,3 at 35
+    b, _ = run(pool, list(range(100, 108)))  # blocks 2,3 at 35
     done(pool, b)
     clock.now = 60.0
     assert pool.expire() == 2
@@ -235,9 +288,9 @@ def test_allocate_applies_expiry_before_it_evicts():
     pool = BlockPool(2, BS, policy=PriorityPolicy(), clock=clock)
     a, _ = run(pool, list(range(4)), C((T(0, None, 90, 1000),)))  # block 0 at 90 for 1 s
     done(pool, a)
-    b, _ = run(pool, list(range(100, 104)))                         # block 1 at 35, newer
+    b, _ = run(pool, list(range(100, 104)))  # block 1 at 35, newer
     done(pool, b)
-    clock.now = 2.0                                                 # a expired: both 35, a older
+    clock.now = 2.0  # a expired: both 35, a older
     c, _ = run(pool, list(range(200, 204)))
     assert ids(c) == [0]
 
@@ -289,13 +342,19 @@ def test_checked_retention_passes_a_config_or_none_and_refuses_the_rest():
     assert checked_retention(None) is None
     with pytest.raises(ValueError) as info:
         checked_retention({"decode_retention_priority": 10})  # type: ignore[arg-type]
-    assert str(info.value) == ("kv_cache_retention_config: expected a KvCacheRetentionConfig, got dict "
-                               "(convert the JSON form with kvreuse.cache.retention.as_retention)")
+    assert str(info.value) == (
+        "kv_cache_retention_config: expected a KvCacheRetentionConfig, got dict "
+        "(convert the JSON form with kvreuse.cache.retention.as_retention)"
+    )
 
 
 def test_as_retention_converts_the_json_form_once():
-    config = as_retention({"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
-                           "decode_retention_priority": 10})
+    config = as_retention(
+        {
+            "token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
+            "decode_retention_priority": 10,
+        }
+    )
     assert config == KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 8, 80)], 10)
     assert as_retention(config) is config and as_retention(None) is None
 
@@ -304,12 +363,16 @@ def test_the_engine_refuses_the_json_form_before_queueing(tiny_llama):
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
     engine = llm.engine
     with pytest.raises(ValueError, match="^kv_cache_retention_config: expected a KvCacheRetentionConfig, got dict"):
-        engine.add_request("json", list(range(1, 13)), SamplingParams(max_tokens=1),
-                           retention={"decode_retention_priority": 10})  # type: ignore[arg-type]
+        engine.add_request(
+            "json", list(range(1, 13)), SamplingParams(max_tokens=1), retention={"decode_retention_priority": 10}
+        )  # type: ignore[arg-type]
     assert not engine.has_unfinished_requests()
     engine.pool.check_integrity()
     assert engine.pool.num_used_blocks == 0
     # the same mapping through the edge (LLM.generate) is converted and applied
-    llm.generate([list(range(1, 13))], SamplingParams(max_tokens=1, temperature=0),
-                 retention={"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}]})
+    llm.generate(
+        [list(range(1, 13))],
+        SamplingParams(max_tokens=1, temperature=0),
+        retention={"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}]},
+    )
     assert engine.pool.blocks_by_priority() == {80: 2, 35: 1}

@@ -15,7 +15,7 @@ K = hash_token_blocks(TOKENS, BS, model_id="m")  # a chain of 4 keys
 
 
 def held(i, level=DISK_LEVEL):
-    return StoreChange(level, K[i], True, K[i - 1] if i else None, tuple(TOKENS[i * BS:(i + 1) * BS]), i)
+    return StoreChange(level, K[i], True, K[i - 1] if i else None, tuple(TOKENS[i * BS : (i + 1) * BS]), i)
 
 
 def gone(i, level=DISK_LEVEL):
@@ -23,7 +23,9 @@ def gone(i, level=DISK_LEVEL):
 
 
 def stored_event(i, level=DISK_LEVEL):
-    return BlocksStored(K[i - 1] if i else None, (StoredBlock(K[i], tuple(TOKENS[i * BS:(i + 1) * BS]), 35, level),), BS)
+    return BlocksStored(
+        K[i - 1] if i else None, (StoredBlock(K[i], tuple(TOKENS[i * BS : (i + 1) * BS]), 35, level),), BS
+    )
 
 
 def test_changes_become_stored_and_removed_events_in_order():
@@ -36,7 +38,10 @@ def test_changes_become_stored_and_removed_events_in_order():
     ledger.apply([gone(1), gone(2), held(1), gone(0)])  # a run of removals is one event; a re-store splits runs
     ledger.check_integrity()
     assert [e.data for e in buffer.get_events(after_id=2)] == [
-        BlocksRemoved((K[1], K[2]), DISK_LEVEL), stored_event(1), BlocksRemoved((K[0],), DISK_LEVEL)]
+        BlocksRemoved((K[1], K[2]), DISK_LEVEL),
+        stored_event(1),
+        BlocksRemoved((K[0],), DISK_LEVEL),
+    ]
     assert [b.block_hash for b in ledger.cached_hashes()] == [K[1]]
     assert (ledger.num_stored, ledger.num_removed) == (4, 3)
 
@@ -46,7 +51,7 @@ def test_snapshot_lists_each_level_and_a_key_held_at_two_levels_twice():
     pool = BlockPool(4, BS, events=buffer)
     blocks = pool.allocate(2)
     for i, block in enumerate(blocks):
-        pool.register(block, K[i], K[i - 1] if i else None, TOKENS[i * BS:(i + 1) * BS], depth=i)
+        pool.register(block, K[i], K[i - 1] if i else None, TOKENS[i * BS : (i + 1) * BS], depth=i)
     pool.release(reversed(blocks))
     disk = StoreLedger(DISK_LEVEL, BS, events=buffer)
     remote = StoreLedger(REMOTE_LEVEL, BS, events=buffer)
@@ -54,8 +59,14 @@ def test_snapshot_lists_each_level_and_a_key_held_at_two_levels_twice():
     remote.apply([held(1, REMOTE_LEVEL)])
     snap = take_snapshot([pool, disk, remote], buffer.last_event_id)
     by_level = sorted((b.cache_level, K.index(b.block_hash), b.depth, b.priority, b.in_use) for b in snap.blocks)
-    assert by_level == [("DISK", 0, 0, 35, False), ("DISK", 1, 1, 35, False), ("DISK", 2, 2, 35, False),
-                        ("GPU", 0, 0, 35, False), ("GPU", 1, 1, 35, False), ("REMOTE", 1, 1, 35, False)]
+    assert by_level == [
+        ("DISK", 0, 0, 35, False),
+        ("DISK", 1, 1, 35, False),
+        ("DISK", 2, 2, 35, False),
+        ("GPU", 0, 0, 35, False),
+        ("GPU", 1, 1, 35, False),
+        ("REMOTE", 1, 1, 35, False),
+    ]
     assert [b.depth for b in snap.blocks] == sorted(b.depth for b in snap.blocks)  # parents first
     pool.check_integrity()
     disk.check_integrity()

@@ -21,8 +21,11 @@ def own_engine(tiny_llama):
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE,
-                                                max_model_len=MAX_MODEL_LEN), tiny_llama))
+    engine = AsyncEngine(
+        LLMEngine(
+            EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN), tiny_llama
+        )
+    )
     engine.start()
     yield engine
     engine.shutdown()
@@ -144,8 +147,7 @@ def test_idle_engine_applies_expired_durations_without_new_requests(own_engine):
     keep = KvCacheRetentionConfig([TokenRangeRetentionConfig(0, 32, 90, duration_ms=1000)])
 
     async def run():
-        outs = [o async for o in own_engine.generate(list(range(200, 240)), GREEDY, request_id="kept",
-                                                     retention=keep)]
+        outs = [o async for o in own_engine.generate(list(range(200, 240)), GREEDY, request_id="kept", retention=keep)]
         assert outs[-1].finished
         held = await own_engine.call(lambda e: e.pool.blocks_by_priority())
         clock.now += 60.0
@@ -167,7 +169,9 @@ def test_retention_duration_beyond_the_limit_is_refused_naming_the_field():
 
     with pytest.raises(ValueError, match=r"kv_cache_retention_config.decode_duration_ms: must be a positive integer"):
         KvCacheRetentionConfig.from_dict({"decode_duration_ms": 10**309})
-    assert KvCacheRetentionConfig.from_dict({"decode_duration_ms": MAX_DURATION_MS}).decode_duration_ms == MAX_DURATION_MS
+    assert (
+        KvCacheRetentionConfig.from_dict({"decode_duration_ms": MAX_DURATION_MS}).decode_duration_ms == MAX_DURATION_MS
+    )
 
 
 # AsyncEngine over a disk tier: ``stats()`` (what /metrics reads) shows the stores'
@@ -178,8 +182,13 @@ PROMPT = [(i * 37) % 4000 + 10 for i in range(61)]  # 15 full blocks of 4 + 1 to
 
 
 def engine_with_disk(loaded, tmp_path) -> AsyncEngine:
-    config = EngineConfig(kv_cache_memory_gib=0.001, block_size=4, max_model_len=256, host_cache_memory_gib=0.001,
-                          disk_cache_dir=str(tmp_path))
+    config = EngineConfig(
+        kv_cache_memory_gib=0.001,
+        block_size=4,
+        max_model_len=256,
+        host_cache_memory_gib=0.001,
+        disk_cache_dir=str(tmp_path),
+    )
     return AsyncEngine(LLMEngine(config, loaded))
 
 
@@ -245,9 +254,20 @@ def test_a_request_the_step_fails_alone_gets_engine_error_and_the_others_finish(
         await asyncio.wait(tasks.values())
         return {rid: task.exception() or [o.output_token_ids for o in task.result()][-1] for rid, task in tasks.items()}
 
-    engines = [AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.005, block_size=BLOCK_SIZE,
-                                                  max_model_len=MAX_MODEL_LEN, debug_step_faults=faults), tiny_llama))
-               for faults in ((), ("forward:bad-@3",))]
+    engines = [
+        AsyncEngine(
+            LLMEngine(
+                EngineConfig(
+                    kv_cache_memory_gib=0.005,
+                    block_size=BLOCK_SIZE,
+                    max_model_len=MAX_MODEL_LEN,
+                    debug_step_faults=faults,
+                ),
+                tiny_llama,
+            )
+        )
+        for faults in ((), ("forward:bad-@3",))
+    ]
     try:
         for engine in engines:
             engine.start()

@@ -52,8 +52,16 @@ def test_policy_first_tokens_and_ratio():
     assert Blend(0, 1.0).select(starts, 10, dev).tolist() == list(range(10))
 
 
-@pytest.mark.parametrize("bad, field", [({"ratio": 1.5}, "blend.ratio"), ({"first_tokens": -1}, "blend.first_tokens"),
-                                        ({"ratio": "x"}, "blend.ratio"), ({"k": 1}, "blend"), ([1], "blend")])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"ratio": 1.5}, "blend.ratio"),
+        ({"first_tokens": -1}, "blend.first_tokens"),
+        ({"ratio": "x"}, "blend.ratio"),
+        ({"k": 1}, "blend"),
+        ([1], "blend"),
+    ],
+)
 def test_policy_bad_values_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         Blend.from_json(bad, Blend())
@@ -135,7 +143,6 @@ def test_policy_huge_first_tokens_chooses_every_token():
     assert Blend(first_tokens=2**63).select(np.array([0, 3]), 5, None).tolist() == [0, 1, 2, 3, 4]
 
 
-
 def test_a_held_repaired_context_keeps_the_pool_free_count_true(tiny_llama):
     # Repair copies a module's first block; letting go of the shared one while the rest of
     # its chain is held counted it free although the pool could not evict it.
@@ -181,16 +188,18 @@ def test_a_repair_of_modules_over_half_the_pool_waits_and_runs(tiny_llama):
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=40 * per_block / 2**30, block_size=4)  # 40 blocks
     engine = llm.engine
     words = " ".join(f"w{i}" for i in range(20))
-    llm.register_schema(f'<schema name="big"><module name="a">{words}</module><module name="b">{words} again'
-                        "</module></schema>")
+    llm.register_schema(
+        f'<schema name="big"><module name="a">{words}</module><module name="b">{words} again</module></schema>'
+    )
     prompt = '<prompt schema="big"><a/><b/>Why?</prompt>'
     source = engine.modules.source(engine.prepare_prompt(prompt).plan)
     assert source.num_blocks > engine.pool.num_blocks // 2
     engine.add_request("busy", list(range(10, 10 + 4 * 30)), SamplingParams(max_tokens=8, temperature=0))
     engine.step()  # the busy request holds 31 blocks: the modules cannot be held now
     engine.check_integrity()
-    engine.add_prepared_request("r", engine.prepare_prompt(prompt), SamplingParams(max_tokens=2, temperature=0),
-                                blend={"first_tokens": 1})
+    engine.add_prepared_request(
+        "r", engine.prepare_prompt(prompt), SamplingParams(max_tokens=2, temperature=0), blend={"first_tokens": 1}
+    )
     engine.check_integrity()
     outs = step_to_end(engine)
     assert outs["r"].finished and outs["r"].num_recomputed_tokens == 2  # the two modules, one token each
@@ -253,8 +262,14 @@ def test_the_layer_does_not_change_what_first_tokens_choose():
     assert Blend(2, 0.0, 3).select(starts, 10, None).tolist() == Blend(2, 0.0).select(starts, 10, None).tolist()
 
 
-@pytest.mark.parametrize("blend, layer", [({"ratio": 0.5}, DEVIATION_LAYER), ({"ratio": 0.5, "deviation_layer": 3}, 3),
-                                          ({"ratio": 0.3, "first_tokens": 1, "deviation_layer": 2}, 2)])
+@pytest.mark.parametrize(
+    "blend, layer",
+    [
+        ({"ratio": 0.5}, DEVIATION_LAYER),
+        ({"ratio": 0.5, "deviation_layer": 3}, 3),
+        ({"ratio": 0.3, "first_tokens": 1, "deviation_layer": 2}, 2),
+    ],
+)
 def test_the_requested_layer_ranks_the_tokens(tiny_gemma3, monkeypatch, blend, layer):
     """The deviation pass runs at the request's layer, and the recomputed tokens are the ones
     its scores rank highest (plus first_tokens)."""
@@ -269,7 +284,7 @@ def test_the_requested_layer_ranks_the_tokens(tiny_gemma3, monkeypatch, blend, l
 
     monkeypatch.setattr(engine.blend_pass, "seam_deviation", spy)
     out = llm.generate(PROMPT, TWO_TOKENS, blend=blend)[0]
-    (got_layer, deviation), = calls
+    ((got_layer, deviation),) = calls
     assert got_layer == layer
     _, starts = engine.modules.source(engine.prepare_prompt(PROMPT).plan).assembled_tokens()
     want = Blend.from_json(blend, Blend()).select(starts, len(deviation), deviation)

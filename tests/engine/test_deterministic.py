@@ -19,8 +19,10 @@ TEXT = (Path(__file__).parent.parent / "data" / "perplexity_text.txt").read_text
 def _answers(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[tuple]]]:
     """Each prompt's greedy tokens and, per token, its top-5 log-probabilities (exact floats)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
-    return [(list(o.token_ids), [(lp.top_token_ids, lp.top_logprobs) for lp in o.logprobs])
-            for o in llm.generate(prompts, params)]
+    return [
+        (list(o.token_ids), [(lp.top_token_ids, lp.top_logprobs) for lp in o.logprobs])
+        for o in llm.generate(prompts, params)
+    ]
 
 
 def _miss_hit_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
@@ -61,8 +63,9 @@ def test_tiny_chunked_prefill_and_speculation_keep_the_answer(tiny_int4):
     whole = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True)
     ref = [list(o.token_ids) for o in whole.generate(prompts, params)]
     # prefill in chunks of 48 tokens (7 steps for a 300-token prompt), 4 prompts sharing steps
-    chunked = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True,
-                  max_num_batched_tokens=48)
+    chunked = LLM(
+        loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True, max_num_batched_tokens=48
+    )
     assert [list(o.token_ids) for o in chunked.generate(prompts, params)] == ref
     spec = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True, speculative_tokens=4)
     assert [list(o.token_ids) for o in spec.generate(prompts, params)] == ref

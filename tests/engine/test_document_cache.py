@@ -36,8 +36,11 @@ def make(loaded) -> LLM:
 def schema_for(order: list[int]) -> str:
     """A PML schema holding the documents in ``order``, no text around them: each module is
     encoded attending only to itself, as a document encoded after no text is."""
-    return f'<schema name="s{"".join(map(str, order))}">' + "".join(
-        f'<module name="d{i}">{DOCS[i]}</module>' for i in order) + "</schema>"
+    return (
+        f'<schema name="s{"".join(map(str, order))}">'
+        + "".join(f'<module name="d{i}">{DOCS[i]}</module>' for i in order)
+        + "</schema>"
+    )
 
 
 def pml_run(loaded, order: list[int]):
@@ -103,8 +106,12 @@ def test_salt_isolates_documents(tiny_llama):
     again = llm.generate(prompt, GREEDY, cache_salt="tenant-a")[0]
     other = llm.generate(prompt, GREEDY, cache_salt="tenant-b")[0]
     unsalted = llm.generate(prompt, GREEDY)[0]
-    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens,
-            unsalted.num_cached_tokens) == (0, n, 0, 0)
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens, unsalted.num_cached_tokens) == (
+        0,
+        n,
+        0,
+        0,
+    )
     assert first.token_ids == again.token_ids == other.token_ids == unsalted.token_ids
     cache = llm.engine.documents
     keys = {salt: cache.keys(docs[0], (), salt)[0] for salt in ("tenant-a", "tenant-b", None)}
@@ -150,7 +157,9 @@ def test_chat_marks_documents(tiny_llama):
     swapped = llm.chat([system, docs[1], docs[0], question], GREEDY)[0]
     # the context (system text, documents, the template text between them) was all seen before;
     # only the text after the last document (the question and the generation prompt) is computed
-    assert swapped.num_cached_tokens == swapped.num_prompt_tokens - len(own_ids(llm, [system, docs[1], docs[0], question]))
+    assert swapped.num_cached_tokens == swapped.num_prompt_tokens - len(
+        own_ids(llm, [system, docs[1], docs[0], question])
+    )
     assert 0 < len(own_ids(llm, [system, docs[1], docs[0], question])) < 20
     with pytest.raises(ValueError, match="kvreuse"):
         llm.chat([system, {**docs[0], "kvreuse": {"document": "yes"}}, question], GREEDY)
@@ -172,10 +181,10 @@ def test_documents_fully_repaired_equal_full_prefill(arch, request):
     head, question = tok.encode("System: answer briefly."), tok.encode(QUESTION)
     docs = [tok.encode(d) for d in DOCS]
     llm = make(loaded)
-    llm.generate(DocumentPrompt.of([(head, False), (docs[0], True), (docs[1], True), (docs[2], True),
-                                    (question, False)]), GREEDY)
-    shuffled = DocumentPrompt.of([(head, False), (docs[2], True), (docs[0], True), (docs[1], True),
-                                  (question, False)])
+    llm.generate(
+        DocumentPrompt.of([(head, False), (docs[0], True), (docs[1], True), (docs[2], True), (question, False)]), GREEDY
+    )
+    shuffled = DocumentPrompt.of([(head, False), (docs[2], True), (docs[0], True), (docs[1], True), (question, False)])
     kv_before = cached_kv(llm)
     spy = LogitsSpy(llm)
     out = llm.generate(shuffled, GREEDY, blend={"first_tokens": 10**6, "ratio": 1.0})[0]
@@ -248,8 +257,9 @@ def cached_kv(llm: LLM) -> torch.Tensor:
 def test_documents_evicted_to_the_host_tier_are_reused_from_it(tiny_llama):
     """A document's blocks are ordinary pool blocks: evicted, they go down to the host tier and
     come back on the next request that holds the document, as cached tokens, with the same logits."""
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001,
-              **NO_DEFAULT_REPAIR)
+    llm = LLM(
+        loaded=tiny_llama, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001, **NO_DEFAULT_REPAIR
+    )
     engine = llm.engine
     n = engine.pool.num_blocks
     doc = [(i * 37) % 4000 + 10 for i in range(4 * (n // 4))]  # whole blocks: every one can be cached
@@ -320,9 +330,14 @@ def test_in_place_documents_decode_alongside_others_as_alone(tiny_llama):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("blend", [{"first_tokens": 1, "ratio": 0.0, "last_tokens": 1},
-                                   {"first_tokens": 0, "ratio": 0.5, "last_tokens": 0},
-                                   {"first_tokens": 2, "ratio": 0.3, "last_tokens": 2}])
+@pytest.mark.parametrize(
+    "blend",
+    [
+        {"first_tokens": 1, "ratio": 0.0, "last_tokens": 1},
+        {"first_tokens": 0, "ratio": 0.5, "last_tokens": 0},
+        {"first_tokens": 2, "ratio": 0.3, "last_tokens": 2},
+    ],
+)
 def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, blend):
     """Seam repair over documents read in place (queries rotated per document, the recomputed
     tokens in private blocks, the deviation compared against keys rotated to their positions)
@@ -333,8 +348,11 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
     from kvreuse.engine.document_cache import DocumentCache
 
     tok = tiny_llama.tokenizer
-    prompt = DocumentPrompt.of([(tok.encode("System:"), False)] + [(tok.encode(DOCS[i]), True) for i in (2, 0, 1)]
-                               + [(tok.encode(QUESTION), False)])
+    prompt = DocumentPrompt.of(
+        [(tok.encode("System:"), False)]
+        + [(tok.encode(DOCS[i]), True) for i in (2, 0, 1)]
+        + [(tok.encode(QUESTION), False)]
+    )
     runs = {}
     for in_place in (True, False, "chunked"):
         llm = make(tiny_llama)
@@ -342,11 +360,15 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
             monkeypatch.setattr(blend_pass, "RECOMPUTE_CHUNK_TOKENS", 2)
         if not in_place:  # the sliding-window models' path: every document copied to its positions
             real = DocumentCache.source
-            monkeypatch.setattr(DocumentCache, "source", lambda self, layout, salt, in_place=True:
-                                real(self, layout, salt, in_place=False))
+            monkeypatch.setattr(
+                DocumentCache,
+                "source",
+                lambda self, layout, salt, in_place=True: real(self, layout, salt, in_place=False),
+            )
         for order in ((0, 1, 2), (2, 0, 1)):  # encode each document once, then reuse it shifted
-            llm.generate(DocumentPrompt.of([(tok.encode(DOCS[i]), True) for i in order] + [(tok.encode("?"), False)]),
-                         ONE)
+            llm.generate(
+                DocumentPrompt.of([(tok.encode(DOCS[i]), True) for i in order] + [(tok.encode("?"), False)]), ONE
+            )
         llm.engine.check_integrity()
         spy = LogitsSpy(llm)
         out = llm.generate(prompt, GREEDY, blend=blend)[0]
@@ -437,13 +459,20 @@ def test_a_decoding_request_moves_its_in_place_context_to_one_run(tiny_llama):
 # non-dict mark crashed LLM.chat; repair dropped the segments; a re-acquisition counted the
 # request's own documents as cached.
 
+
 def ids(rng, n):
     return [rng.randrange(3, 40000) for _ in range(n)]
 
 
 def ledger_prompt(tok):
-    return DocumentPrompt.of([(tok.encode("System: answer briefly."), False), (tok.encode(DOCS[0]), True),
-                              (tok.encode(DOCS[1]), True), (tok.encode(" Who keeps the ledger?"), False)])
+    return DocumentPrompt.of(
+        [
+            (tok.encode("System: answer briefly."), False),
+            (tok.encode(DOCS[0]), True),
+            (tok.encode(DOCS[1]), True),
+            (tok.encode(" Who keeps the ledger?"), False),
+        ]
+    )
 
 
 def test_an_unshiftable_rope_type_is_refused_before_any_work():
@@ -463,7 +492,9 @@ def test_the_capacity_check_does_not_depend_on_the_load_at_arrival(tiny_llama):
     params = SamplingParams(max_tokens=90, temperature=0)
     bpt = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4).engine.kv_bytes_per_token
     for busy in (False, True):
-        engine = LLM(loaded=tiny_llama, kv_cache_memory_gib=(4 * 120 * bpt) / 2**30, block_size=4, **NO_DEFAULT_REPAIR).engine
+        engine = LLM(
+            loaded=tiny_llama, kv_cache_memory_gib=(4 * 120 * bpt) / 2**30, block_size=4, **NO_DEFAULT_REPAIR
+        ).engine
         if busy:  # another request holds blocks when this one arrives: its context cannot be held now
             engine.add_request("other", ids(rng, 300), SamplingParams(max_tokens=5, temperature=0))
             engine.step()
@@ -489,10 +520,13 @@ def test_a_mark_that_is_not_an_object_is_a_value_error_in_llm_chat(tiny_llama):
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_DEFAULT_REPAIR)
     with pytest.raises(ValueError, match="kvreuse"):
         llm.chat([{"role": "user", "content": DOCS[0], "kvreuse": True}, {"role": "user", "content": "Q?"}], ONE)
-    out = llm.chat([{"role": "user", "content": DOCS[0], "kvreuse": {"document": False}},
-                    {"role": "user", "content": "Q?"}], ONE)[0]  # an explicit false: a plain chat
-    assert out.token_ids == llm.chat([{"role": "user", "content": DOCS[0]}, {"role": "user", "content": "Q?"}],
-                                     ONE)[0].token_ids
+    out = llm.chat(
+        [{"role": "user", "content": DOCS[0], "kvreuse": {"document": False}}, {"role": "user", "content": "Q?"}], ONE
+    )[0]  # an explicit false: a plain chat
+    assert (
+        out.token_ids
+        == llm.chat([{"role": "user", "content": DOCS[0]}, {"role": "user", "content": "Q?"}], ONE)[0].token_ids
+    )
 
 
 def test_repair_keeps_the_segments(tiny_llama):

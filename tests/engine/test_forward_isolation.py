@@ -38,8 +38,9 @@ def _run(engine: LLMEngine, *, with_bad: bool) -> dict:
     return outs | step_to_end(engine)
 
 
-@pytest.mark.parametrize(("stage", "speculative_tokens"),
-                         [("forward", 0), ("sample", 0), ("forward@4", 3), ("sample@2", 0)])
+@pytest.mark.parametrize(
+    ("stage", "speculative_tokens"), [("forward", 0), ("sample", 0), ("forward@4", 3), ("sample@2", 0)]
+)
 def test_the_failing_request_errors_alone_and_the_others_answer_as_without_it(tiny_llama, stage, speculative_tokens):
     """``@N``: the bad request fails once it has N tokens, in a decode batched with the others."""
     undisturbed = _run(_engine(tiny_llama, speculative_tokens=speculative_tokens), with_bad=False)
@@ -51,8 +52,9 @@ def test_the_failing_request_errors_alone_and_the_others_answer_as_without_it(ti
     bad = outs["bad-1"]
     assert (bad.finished, bad.finish_reason) == (True, "error")
     assert len(bad.output_token_ids) == int(after or 0)  # it failed on the step after its Nth token
-    assert bad.error == (f"InjectedFault: injected {'forward' if stage == 'forward' else 'post-processing'} "
-                         f"fault (request bad-1)")
+    assert bad.error == (
+        f"InjectedFault: injected {'forward' if stage == 'forward' else 'post-processing'} fault (request bad-1)"
+    )
     for request_id in PROMPTS:
         assert outs[request_id].error is None and outs[request_id].finish_reason == "length"
         assert outs[request_id].output_token_ids == undisturbed[request_id].output_token_ids
@@ -68,7 +70,10 @@ def test_a_request_alone_in_its_step_fails_alone_and_the_engine_serves_on(tiny_l
     engine.add_request("bad-1", BAD_PROMPT, GREEDY)
     [out] = engine.step()
     assert (out.request_id, out.finish_reason, out.error) == (
-        "bad-1", "error", "InjectedFault: injected forward fault (request bad-1)")
+        "bad-1",
+        "error",
+        "InjectedFault: injected forward fault (request bad-1)",
+    )
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
     assert engine.stats().num_used_blocks == 0

@@ -83,8 +83,7 @@ def test_host_settings_are_validated_naming_the_flag(tiny_llama):
 # skips it: already on the host) the router's KVIndex forgets a block the host still holds.
 def test_block_aligned_prompt_leaves_key_on_device_and_host(tiny_llama):
     buffer = EventBuffer(100000)
-    llm = LLM(loaded=tiny_llama, events=buffer, kv_cache_memory_gib=0.00025, block_size=4,
-              host_cache_memory_gib=0.001)
+    llm = LLM(loaded=tiny_llama, events=buffer, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001)
     engine = llm.engine
     n = 4 * (engine.pool.num_blocks - 2) + 1
     a = [(i * 37) % 4000 + 10 for i in range(n)]
@@ -118,8 +117,7 @@ def test_block_aligned_prompt_leaves_key_on_device_and_host(tiny_llama):
 # request's device blocks that the engine still holds and reports in its snapshot.
 def test_reset_with_running_request_keeps_consumer_equal_to_state(tiny_llama):
     buffer = EventBuffer(100000)
-    llm = LLM(loaded=tiny_llama, events=buffer, kv_cache_memory_gib=0.00025, block_size=4,
-              host_cache_memory_gib=0.001)
+    llm = LLM(loaded=tiny_llama, events=buffer, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001)
     engine = llm.engine
     n = 4 * (engine.pool.num_blocks - 2) + 1
     a = [(i * 37) % 4000 + 10 for i in range(n)]

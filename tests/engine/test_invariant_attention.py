@@ -40,6 +40,7 @@ def test_it_is_causal_attention():
     with torch.inference_mode():
         out = attend(q[-300:], k, v, 0.125)  # [300, heads, d]
         mask = torch.ones(300, LENGTH, dtype=torch.bool).tril_(LENGTH - 300)  # query i sees keys <= L - 300 + i
-        ref = F.scaled_dot_product_attention(q[-300:].transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                             scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(
+            q[-300:].transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=0.125, enable_gqa=True
+        )[0].transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

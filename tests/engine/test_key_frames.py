@@ -29,16 +29,20 @@ def test_runs_are_split_where_the_slot_or_the_shift_changes():
     own_starts, own_lengths = np.array([40], np.int64), np.array([2], np.int64)
     frames = KeyFrames.build(slots, shifts, own_starts, own_lengths, _rope(), "cpu")
     # shift 0 (the query as is): slot 5 and the own keys; shift 3: one run; shift 7: two runs
-    assert [(g.frame, g.runs) for g in frames.groups] == [(-1, ((5, 1), (40, 2))), (0, ((10, 2),)),
-                                                          (1, ((12, 2), (20, 2)))]
+    assert [(g.frame, g.runs) for g in frames.groups] == [
+        (-1, ((5, 1), (40, 2))),
+        (0, ((10, 2),)),
+        (1, ((12, 2), (20, 2))),
+    ]
     assert frames.cos.shape == (2, 2, HEAD_DIM)  # [layers, frames (3, 7), d]
 
 
 def test_a_group_in_many_runs_is_gathered(monkeypatch):
     monkeypatch.setattr(key_frames, "IN_PLACE_RUNS", 1)
     slots = np.array([30, 32, 34], np.int64)
-    frames = KeyFrames.build(slots, np.full(3, 5, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                             _rope(), "cpu")
+    frames = KeyFrames.build(
+        slots, np.full(3, 5, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), _rope(), "cpu"
+    )
     (group,) = frames.groups
     assert group.runs == () and group.slots.tolist() == [30, 32, 34]
 
@@ -77,8 +81,9 @@ def test_queries_rotated_per_frame_attend_like_moved_keys(num_new, in_place_runs
 
 def test_frames_refuse_a_sliding_window_layer():
     keys = KeyTable(np.array([0], np.int64), np.array([5], np.int64), 1, 1, np.array([3], np.int64))
-    frames = KeyFrames.build(keys.context_slots, keys.context_shifts, np.array([5], np.int64), np.array([1], np.int64),
-                             _rope(), "cpu")
+    frames = KeyFrames.build(
+        keys.context_slots, keys.context_shifts, np.array([5], np.int64), np.array([1], np.int64), _rope(), "cpu"
+    )
     item = PrefillItem(0, 1, keys, None, {}, (), frames=frames)
     ctx = ForwardContext(torch.zeros(2, 2, 2, 8, HEAD_DIM), torch.tensor([5]), [item], None)
     q, k, v = torch.zeros(1, 4, HEAD_DIM), torch.zeros(1, 2, HEAD_DIM), torch.zeros(1, 2, HEAD_DIM)

@@ -133,8 +133,10 @@ def test_retention_config_sets_block_priorities_and_reuse_overwrites(tiny_llama)
     pool = llm.engine.pool
     prompt = list(range(800, 818))  # 4 full blocks + 2 tokens; the 5th block holds generated tokens too
     cfg = KvCacheRetentionConfig.from_dict(
-        {"token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
-         "decode_retention_priority": 10}
+        {
+            "token_range_retention_configs": [{"token_start": 0, "token_end": 8, "priority": 80}],
+            "decode_retention_priority": 10,
+        }
     )
     out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), retention=cfg)[0]
     pool.check_integrity()
@@ -205,8 +207,10 @@ def test_duplicate_block_computed_in_one_step_is_shared(tiny_llama):
     assert out.num_cached_tokens == 4
 
 
-@pytest.mark.parametrize("stop, include", [(("op he",), False), (("op he",), True), (("o",), False),
-                                          (("zzz", "ld, st"), False), (("never",), False)])
+@pytest.mark.parametrize(
+    "stop, include",
+    [(("op he",), False), (("op he",), True), (("o",), False), (("zzz", "ld, st"), False), (("never",), False)],
+)
 def test_streamed_pieces_add_up_to_the_text_with_stop_strings(tiny_llama, stop, include):
     """A stop string spanning tokens: nothing streamed is taken back or sent twice."""
     from kvreuse.engine.sequence import Sequence
@@ -247,8 +251,12 @@ def test_request_filling_the_pool_exactly_runs(tiny_llama):
 
 
 def test_preempted_prefill_does_not_count_its_own_blocks_as_hits(tiny_llama):
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=8 * 2 * 2 * 2 * 16 * 4 * 4 / 2**30, block_size=4,
-              max_num_batched_tokens=5)
+    llm = LLM(
+        loaded=tiny_llama,
+        kv_cache_memory_gib=8 * 2 * 2 * 2 * 16 * 4 * 4 / 2**30,
+        block_size=4,
+        max_num_batched_tokens=5,
+    )
     prompts = [[5, 6, 7, 8, 9], list(range(100, 124))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     stats = llm.engine.stats()
@@ -285,13 +293,17 @@ def test_explicit_positions_without_context_respect_the_sliding_window(tiny_gemm
         llm = LLM(loaded=tiny_gemma3, kv_cache_memory_gib=0.01, block_size=4, max_num_batched_tokens=chunk)
         for positions in (contiguous, gapped):
             spy = LogitsSpy(llm)
-            llm.engine.add_request(f"p{positions[4]}", prompt, SamplingParams(max_tokens=1, temperature=0),
-                                   prompt_positions=positions)
+            llm.engine.add_request(
+                f"p{positions[4]}", prompt, SamplingParams(max_tokens=1, temperature=0), prompt_positions=positions
+            )
             run_steps(llm)
             last[chunk, positions[4]] = spy.rows[-1]
     with torch.inference_mode():
-        want = ref(input_ids=torch.tensor([prompt]), position_ids=torch.tensor([contiguous]),
-                   use_cache=False).logits[0, -1].float()
+        want = (
+            ref(input_ids=torch.tensor([prompt]), position_ids=torch.tensor([contiguous]), use_cache=False)
+            .logits[0, -1]
+            .float()
+        )
     for chunk in (8192, 6):
         assert (last[chunk, 104] - want).abs().max().item() <= 1e-4
     assert (last[8192, 20] - last[6, 20]).abs().max().item() <= 1e-5
@@ -302,7 +314,10 @@ def test_tiny_temperature_is_greedy_and_harms_no_other_request(tiny_llama):
     as vLLM does, instead of failing the whole step."""
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4)
     prompts = [list(range(10, 30)), list(range(40, 60))]
-    tiny, sampled = SamplingParams(max_tokens=6, temperature=1e-38), SamplingParams(max_tokens=6, temperature=0.7, seed=3)
+    tiny, sampled = (
+        SamplingParams(max_tokens=6, temperature=1e-38),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=3),
+    )
     outs = llm.generate(prompts, [tiny, sampled])
     assert outs[0].token_ids == llm.generate([prompts[0]], GREEDY)[0].token_ids[:6]
     assert len(outs[1].token_ids) == 6
@@ -331,8 +346,12 @@ SCHEMAS = [
     f'<schema name="a"><module name="m">{_words(8, "a")}</module><module name="n">{_words(5, "n")}</module></schema>',
     f'<schema name="b">Root words here. <module name="m">{_words(7, "b")}</module></schema>',
 ]
-PML = ['<prompt schema="a"><m/><n/> tail q</prompt>', '<prompt schema="a"><n/><m/></prompt>',
-       '<prompt schema="b"><m/>hello there</prompt>', '<prompt schema="a"><m/></prompt>']
+PML = [
+    '<prompt schema="a"><m/><n/> tail q</prompt>',
+    '<prompt schema="a"><n/><m/></prompt>',
+    '<prompt schema="b"><m/>hello there</prompt>',
+    '<prompt schema="a"><m/></prompt>',
+]
 
 
 class RowsByRequest:

@@ -18,8 +18,14 @@ def test_runs_split_at_gaps_and_give_up_past_the_limit():
 
 
 def _chunk(context: list[int], new: list[int]) -> SeqChunk:
-    return SeqChunk.from_slots(token_ids=[7] * len(new), positions=list(range(len(context), len(context) + len(new))),
-                               new_slots=new, context_slots=context, context_positions=None, sample=True)
+    return SeqChunk.from_slots(
+        token_ids=[7] * len(new),
+        positions=list(range(len(context), len(context) + len(new))),
+        new_slots=new,
+        context_slots=context,
+        context_positions=None,
+        sample=True,
+    )
 
 
 def test_full_attention_reads_the_context_in_slot_order(tiny_llama, tiny_gemma3):
@@ -62,8 +68,9 @@ def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, r
     loaded = request.getfixturevalue(arch)
     in_place_decodes = []
     attend_item = attention._attend_item
-    monkeypatch.setattr(attention, "_attend_item",
-                        lambda item, *a: in_place_decodes.append(item.num_new == 1) or attend_item(item, *a))
+    monkeypatch.setattr(
+        attention, "_attend_item", lambda item, *a: in_place_decodes.append(item.num_new == 1) or attend_item(item, *a)
+    )
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 2000, (n,), generator=gen).tolist() for n in (21, 6, 14)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
@@ -73,8 +80,10 @@ def test_long_context_decodes_read_in_place_and_match_the_gathered_batch(arch, r
         llm = LLM(loaded=loaded, kv_cache_memory_gib=0.001, block_size=4)
         llm.engine.runner.decode_in_place_min = threshold
         outs = llm.generate(prompts, params)
-        results[threshold] = ([o.token_ids for o in outs],
-                              torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]))
+        results[threshold] = (
+            [o.token_ids for o in outs],
+            torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
+        )
         llm.engine.pool.check_integrity()
         assert any(in_place_decodes) == (threshold == 12)
     assert results[12][0] == results[10**9][0]

@@ -14,8 +14,12 @@ BS = 4
 
 def make(cap, budget=64, n_blocks=64):
     pool = BlockPool(n_blocks, BS)
-    return Scheduler(KVCacheManager(pool, model_id="m"), max_num_seqs=8, max_num_batched_tokens=budget,
-                     max_prefill_tokens_while_decoding=cap), pool
+    return Scheduler(
+        KVCacheManager(pool, model_id="m"),
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_prefill_tokens_while_decoding=cap,
+    ), pool
 
 
 def run_plan(sched, pool, plan):

@@ -111,13 +111,21 @@ def test_greedy_output_is_identical_batched(arch, request):
     loaded = request.getfixturevalue(arch)
     rng = random.Random(3)
     prompts = [repeating_prompt(rng, rng.randrange(8, 60)) for _ in range(8)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0, logprobs=2 if i % 3 == 0 else None)
-              for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0, logprobs=2 if i % 3 == 0 else None)
+        for i in range(8)
+    ]
     params[5] = SamplingParams(max_tokens=30, temperature=0.8, seed=7)  # sampled: never speculates
     params[6] = SamplingParams(max_tokens=30, temperature=0, speculative=False)  # opted out
     base = run(LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4), prompts, params)
-    spec_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=4,
-                   speculative_ngram_min=1, speculative_ngram_max=3)
+    spec_llm = LLM(
+        loaded=loaded,
+        kv_cache_memory_gib=0.01,
+        block_size=4,
+        speculative_tokens=4,
+        speculative_ngram_min=1,
+        speculative_ngram_max=3,
+    )
     spec = run(spec_llm, prompts, params)
     for a, b in zip(base, spec):
         assert b.output_token_ids == a.output_token_ids
@@ -141,7 +149,8 @@ def quoting_setup(loaded):
     rng = random.Random(5)
     prompt = repeating_prompt(rng, 40)
     out = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4).generate(
-        prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+        prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    )[0]
     return prompt, out.output_token_ids
 
 
@@ -149,11 +158,14 @@ def oracle_drafts(monkeypatch, prompt: list[int], answer: list[int], wrong_every
     """Replace the n-gram drafter with one that drafts the greedy ``answer`` itself (so a stop
     lands inside an accepted run with accepted tokens after it, which a random model's own
     text rarely gives), every ``wrong_every``-th answer token off by one (rejected there)."""
+
     def propose(tokens, *, min_n, max_n, k):
         assert tokens[: len(prompt)].tolist() == prompt
         m = len(tokens) - len(prompt)
-        return [t + 1 if wrong_every and (m + j) % wrong_every == wrong_every - 1 else t
-                for j, t in enumerate(answer[m : m + k])]
+        return [
+            t + 1 if wrong_every and (m + j) % wrong_every == wrong_every - 1 else t
+            for j, t in enumerate(answer[m : m + k])
+        ]
 
     monkeypatch.setattr(spec_decode, "propose", propose)
 
@@ -166,13 +178,15 @@ def test_stop_string_and_max_tokens_cut_accepted_tokens(tiny_llama, monkeypatch,
     cases = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 7, 23)]
     for at in range(4, len(text) - 3, max(1, len(text) // 12)):  # stop strings all along the answer
         if text[at : at + 3].strip():
-            cases.append(SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[text[at : at + 3]],
-                                        logprobs=0))
+            cases.append(
+                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[text[at : at + 3]], logprobs=0)
+            )
     assert len(cases) > 8
     if drafter != "ngram":
         oracle_drafts(monkeypatch, prompt, long, wrong_every=5 if drafter.endswith("5") else 0)
-    spec_llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=6,
-                   speculative_ngram_min=1)
+    spec_llm = LLM(
+        loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=6, speculative_ngram_min=1
+    )
     spy = SettleSpy(spec_llm)
     base = run(base_llm, [prompt] * len(cases), cases)
     spec = run(spec_llm, [prompt] * len(cases), cases)
@@ -209,8 +223,8 @@ def test_eos_or_stop_token_inside_an_accepted_run(tiny_llama, monkeypatch, how):
         else:
             params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, stop_token_ids=[end])
         spy.calls.clear()
-        a, = run(base_llm, [prompt], [params])
-        b, = run(spec_llm, [prompt], [params])
+        (a,) = run(base_llm, [prompt], [params])
+        (b,) = run(spec_llm, [prompt], [params])
         assert b.output_token_ids == a.output_token_ids == long[: long.index(end) + 1]
         assert (b.text, b.finish_reason) == (a.text, a.finish_reason) == (a.text, "stop")
         for x, y in zip(a.logprobs, b.logprobs):
@@ -224,8 +238,7 @@ def test_identical_prompts_share_blocks(tiny_llama):
     full blocks; the later ones take the first one's copy while they verify drafts."""
     prompt, long = quoting_setup(tiny_llama)
     params = [SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)] * 3
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5,
-              speculative_ngram_min=1)
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5, speculative_ngram_min=1)
     outs = run(llm, [prompt] * 3, params)
     assert [o.output_token_ids for o in outs] == [long[:33]] * 3
     assert all(o.num_accepted_tokens > 0 for o in outs)
@@ -283,20 +296,26 @@ def test_python_api(tiny_llama):
     speculation on and off (``SamplingParams.speculative``), the outputs count the drafts,
     and bad values are refused naming the field or flag."""
     prompt, long = quoting_setup(tiny_llama)
-    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5,
-              speculative_ngram_min=1)
-    on, off = llm.generate([prompt, prompt], [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-                                              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                             speculative=False)])
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=5, speculative_ngram_min=1)
+    on, off = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, speculative=False),
+        ],
+    )
     assert on.output_token_ids == off.output_token_ids == long
     assert on.num_draft_tokens >= on.num_accepted_tokens > 0 and off.num_draft_tokens == off.num_accepted_tokens == 0
     stats = llm.engine.stats()
     assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
-        on.num_draft_tokens, on.num_accepted_tokens)
+        on.num_draft_tokens,
+        on.num_accepted_tokens,
+    )
     messages = [{"role": "user", "content": "alpha bravo charlie delta alpha bravo charlie delta echo"}]
     chat_on = llm.chat(messages, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     chat_off = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.01, block_size=4).chat(
-        messages, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+        messages, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    )[0]
     assert chat_on.text == chat_off.text and chat_on.num_accepted_tokens > 0
     llm.engine.check_integrity()
     with pytest.raises(ValueError, match="speculative"):
@@ -313,15 +332,18 @@ def test_pml_prompt_with_module_context(arch, request, monkeypatch):
     Gemma 3): drafts verified after the module context give the answer it gets without them
     (drafts from the answer itself, every 4th token wrong: accepted and rejected runs)."""
     loaded = request.getfixturevalue(arch)
-    schema = ('<schema name="s">Intro text.<module name="doc">The keeper logs every ship in a green ledger; '
-              'every ship, every night, in a green ledger.</module><module name="r">The reader is '
-              '<param name="who" len="4"/> today.</module> Closing words.</schema>')
+    schema = (
+        '<schema name="s">Intro text.<module name="doc">The keeper logs every ship in a green ledger; '
+        'every ship, every night, in a green ledger.</module><module name="r">The reader is '
+        '<param name="who" len="4"/> today.</module> Closing words.</schema>'
+    )
     prompt = '<prompt schema="s"><doc/><r who="Ann"/> say green ledger green ledger green</prompt>'
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
     outs = []
     for spec in (0, 4):
-        llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=spec,
-                  speculative_ngram_min=1)
+        llm = LLM(
+            loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, speculative_tokens=spec, speculative_ngram_min=1
+        )
         llm.register_schema(schema)
         if spec:
             first = outs[0][0]

@@ -111,9 +111,16 @@ PROMPTS = [[(i * (31 + 2 * p)) % 4000 + 10 + p for i in range(61)] for p in rang
 
 def events_executor(loaded, tmp_path, url):
     buffer = EventBuffer(1_000_000)
-    llm = LLM(loaded=loaded, events=buffer, kv_cache_memory_gib=0.00005, block_size=4,  # 26 device blocks
-              host_cache_memory_gib=0.00005, disk_cache_dir=str(tmp_path), disk_cache_size_gib=0.00005,
-              remote_cache=url)
+    llm = LLM(
+        loaded=loaded,
+        events=buffer,
+        kv_cache_memory_gib=0.00005,
+        block_size=4,  # 26 device blocks
+        host_cache_memory_gib=0.00005,
+        disk_cache_dir=str(tmp_path),
+        disk_cache_size_gib=0.00005,
+        remote_cache=url,
+    )
     return llm, buffer
 
 
@@ -130,7 +137,7 @@ def keys_of(llm, prompt):
 
 def redis_keys(llm, url):
     prefix = llm.engine.stores.remote.prefix
-    return {bytes.fromhex(k.decode()[len(prefix):]) for k in redis.Redis.from_url(url).scan_iter(prefix + "*")}
+    return {bytes.fromhex(k.decode()[len(prefix) :]) for k in redis.Redis.from_url(url).scan_iter(prefix + "*")}
 
 
 def test_events_rebuild_every_level_and_the_ledgers_match_the_stores(tiny_llama, tmp_path, redis_server):
@@ -179,7 +186,9 @@ def test_events_rebuild_every_level_and_the_ledgers_match_the_stores(tiny_llama,
     new = [e.data for e in buffer.get_events(after_id=last, max_events=10**9)]
     removed = [h for d in new if isinstance(d, BlocksRemoved) and d.cache_level == "REMOTE" for h in d.block_hashes]
     assert removed == first  # every key the read found missing, in request order
-    rewritten = {b.block_hash for d in new if isinstance(d, BlocksStored) for b in d.blocks if b.cache_level == "REMOTE"}
+    rewritten = {
+        b.block_hash for d in new if isinstance(d, BlocksStored) for b in d.blocks if b.cache_level == "REMOTE"
+    }
     assert rewritten == set(first)  # announced again once recomputed and written through
     # Redis holds them and the host's spills since; all announced (the ledger kept the spilled ones)
     assert set(first) < redis_keys(llm, redis_server.url) < {b.block_hash for b in remote.cached_hashes()} == every_key
@@ -205,8 +214,9 @@ def test_reset_clears_the_device_and_host_and_announces_the_stores_again(tiny_ll
 # scheduler step while the device pool has no room: each failed admission reads (and
 # verifies) every stored block again on the engine thread, and counts them as disk hits.
 def disk_executor(loaded, d):
-    return LLM(loaded=loaded, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001,
-               disk_cache_dir=str(d))
+    return LLM(
+        loaded=loaded, kv_cache_memory_gib=0.00025, block_size=4, host_cache_memory_gib=0.001, disk_cache_dir=str(d)
+    )
 
 
 def test_disk_hits_count_only_loaded_blocks(tiny_llama, tmp_path):
@@ -227,8 +237,16 @@ def test_disk_hits_count_only_loaded_blocks(tiny_llama, tmp_path):
         engine.check_integrity()
         steps += 1
     disk = engine.host.below.disk.stats()
-    print("steps", steps, "loaded_blocks", engine.host.stats.loaded_blocks,
-          "disk hits", disk["hits"], "PersistentStats.disk_hits", engine.host.below.stats.disk_hits)
+    print(
+        "steps",
+        steps,
+        "loaded_blocks",
+        engine.host.stats.loaded_blocks,
+        "disk hits",
+        disk["hits"],
+        "PersistentStats.disk_hits",
+        engine.host.below.stats.disk_hits,
+    )
     assert engine.host.stats.loaded_blocks == 5
     assert engine.host.below.stats.disk_hits == engine.host.stats.loaded_blocks
     assert disk["hits"] == engine.host.stats.loaded_blocks
@@ -268,15 +286,32 @@ def test_stress(arch, host_blocks, request, tmp_path):
     ref = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=4, enable_prefix_caching=False)
     probe = LLM(loaded=loaded, kv_cache_memory_gib=0.00025, block_size=4)
     bpb = probe.engine.kv_bytes_per_token * 4
-    llm = LLM(loaded=loaded, kv_cache_memory_gib=34 * bpb / 2**30 + 1e-12, block_size=4,
-              host_cache_memory_gib=host_blocks * bpb / 2**30 + 1e-12, disk_cache_dir=str(tmp_path),
-              max_num_batched_tokens=32)
+    llm = LLM(
+        loaded=loaded,
+        kv_cache_memory_gib=34 * bpb / 2**30 + 1e-12,
+        block_size=4,
+        host_cache_memory_gib=host_blocks * bpb / 2**30 + 1e-12,
+        disk_cache_dir=str(tmp_path),
+        max_num_batched_tokens=32,
+    )
     assert llm.engine.host.pool.num_blocks == host_blocks
     print('device blocks', llm.engine.pool.num_blocks)
     want = run_all(ref, prompts, {}, False)
     got = run_all(llm, prompts, {3: "r2", 7: "r9"}, True)
     wrong = [rid for rid in got if got[rid] != want[rid]]
     s = llm.engine.host.stats
-    print(arch, host_blocks, "offloaded", s.offloaded_blocks, "onboarded", s.onboarded_blocks,
-          "loaded", s.loaded_blocks, "preemptions", llm.engine.stats().num_preemptions, "wrong", wrong)
+    print(
+        arch,
+        host_blocks,
+        "offloaded",
+        s.offloaded_blocks,
+        "onboarded",
+        s.onboarded_blocks,
+        "loaded",
+        s.loaded_blocks,
+        "preemptions",
+        llm.engine.stats().num_preemptions,
+        "wrong",
+        wrong,
+    )
     assert not wrong

@@ -32,17 +32,30 @@ def h8(n: int) -> BlockHash:
 
 
 def test_wire_messages_become_records_with_exact_fields():
-    payload = msgpack.packb([1.0, [
-        ["BlockStored", [1, 2], 7, [10, 11, 12, 13, 20, 21, 22, 23], 4, None, "CPU"],
-        ["BlockStored", [b"\xaa" * 32], None, [], 4],  # older sender: no lora_id, no medium; no tokens
-        {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": 0},
-        ["BlockRemoved", [2]],  # no medium: wherever it is held
-        ["AllBlocksCleared"],
-        {"type": "SomethingNew"},  # unknown: left out
-    ], 0], use_bin_type=True)
+    payload = msgpack.packb(
+        [
+            1.0,
+            [
+                ["BlockStored", [1, 2], 7, [10, 11, 12, 13, 20, 21, 22, 23], 4, None, "CPU"],
+                ["BlockStored", [b"\xaa" * 32], None, [], 4],  # older sender: no lora_id, no medium; no tokens
+                {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU", "group_idx": 0},
+                ["BlockRemoved", [2]],  # no medium: wherever it is held
+                ["AllBlocksCleared"],
+                {"type": "SomethingNew"},  # unknown: left out
+            ],
+            0,
+        ],
+        use_bin_type=True,
+    )
     assert decode_records(payload) == [
-        BlocksStored(h8(7), (StoredBlock(h8(1), (10, 11, 12, 13), None, "CPU", None),
-                             StoredBlock(h8(2), (20, 21, 22, 23), None, "CPU", None)), 4),
+        BlocksStored(
+            h8(7),
+            (
+                StoredBlock(h8(1), (10, 11, 12, 13), None, "CPU", None),
+                StoredBlock(h8(2), (20, 21, 22, 23), None, "CPU", None),
+            ),
+            4,
+        ),
         BlocksStored(None, (StoredBlock(BlockHash(b"\xaa" * 32), (), None, "GPU", None),), 4),
         BlocksRemoved((h8(1),), "CPU"),
         BlocksRemoved((h8(2),), None),
@@ -57,12 +70,15 @@ def test_wire_hashes_keep_their_low_64_bits_as_the_index_key():
     assert hash_from_wire(b"\x01\x02") == BlockHash(b"\x01\x02")
 
 
-@pytest.mark.parametrize("payload", [
-    msgpack.packb([1.0, [["BlockStored", [1], None, [], 0]]]),  # block_size 0
-    msgpack.packb([1.0, [["BlockStored", [1], None, [], "4"]]]),
-    msgpack.packb([1.0, [["BlockStored", ["x"], None, [], 4]]]),  # a hash that is a string
-    msgpack.packb([1.0, [["BlockRemoved", 3]]]),  # block_hashes not a list
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb([1.0, [["BlockStored", [1], None, [], 0]]]),  # block_size 0
+        msgpack.packb([1.0, [["BlockStored", [1], None, [], "4"]]]),
+        msgpack.packb([1.0, [["BlockStored", ["x"], None, [], 4]]]),  # a hash that is a string
+        msgpack.packb([1.0, [["BlockRemoved", 3]]]),  # block_hashes not a list
+    ],
+)
 def test_malformed_messages_raise_value_error(payload):
     with pytest.raises(ValueError):
         decode_records(payload)
@@ -78,10 +94,16 @@ def test_bytes_hashes_decode_to_the_pools_own_records_but_for_priority():
         pool.register(block, keys[i], keys[i - 1] if i else None, tokens[i * BS : (i + 1) * BS], depth=i)
     wire = to_vllm_events(buffer.get_events(), "bytes")
     for encoding in ("array", "map"):
-        assert decode_records(encode_batch(1.0, wire, 0, encoding)) == [BlocksStored(None, (
-            StoredBlock(keys[0], (0, 1, 2, 3), None, "GPU", None),
-            StoredBlock(keys[1], (4, 5, 6, 7), None, "GPU", None),
-        ), BS)]
+        assert decode_records(encode_batch(1.0, wire, 0, encoding)) == [
+            BlocksStored(
+                None,
+                (
+                    StoredBlock(keys[0], (0, 1, 2, 3), None, "GPU", None),
+                    StoredBlock(keys[1], (4, 5, 6, 7), None, "GPU", None),
+                ),
+                BS,
+            )
+        ]
 
 
 def test_sse_and_zmq_feeds_reach_the_same_index_by_one_apply_path():

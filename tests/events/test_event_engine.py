@@ -36,8 +36,12 @@ def stack(tiny_llama):
     app = build_app(engine, served_model_name="tiny")
     engine.start()
     publisher = ZmqEventPublisher(
-        buffer, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv-events",
-        snapshot_fn=engine_thread_snapshot(engine, buffer), context=zmq.Context(),
+        buffer,
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv-events",
+        snapshot_fn=engine_thread_snapshot(engine, buffer),
+        context=zmq.Context(),
     ).start()
     with Server(app) as url:
         yield url, buffer, engine, publisher
@@ -46,21 +50,32 @@ def stack(tiny_llama):
 
 
 def complete(url: str, prompt: str) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0},
-                   timeout=120)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def wire_blocks(state: dict) -> dict:
-    return {str(int(b["block_hash"], 16) & (2**64 - 1)): None if b["parent_hash"] is None else
-            int(b["parent_hash"], 16) & (2**64 - 1) for b in state["blocks"]}
+    return {
+        str(int(b["block_hash"], 16) & (2**64 - 1)): None
+        if b["parent_hash"] is None
+        else int(b["parent_hash"], 16) & (2**64 - 1)
+        for b in state["blocks"]
+    }
 
 
 def test_http_sse_and_zmq_views_equal_the_engine_snapshot(stack):
     url, buffer, engine, publisher = stack
-    sub = subprocess.Popen([sys.executable, "-c", SUBSCRIBER, publisher.endpoint, publisher.replay_endpoint],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [sys.executable, "-c", SUBSCRIBER, publisher.endpoint, publisher.replay_endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sub.stdout.readline().strip() == "ready"
         system = "You are a helpful assistant who answers briefly and precisely. " * 4

@@ -22,7 +22,8 @@ from tests.serve_process import free_port, running_server
 from tests.server.test_events_routes import read_sse
 from tests.tiers.redis_server import RedisServer
 
-DUMPING_SUBSCRIBER = dumping_subscriber(r"""
+DUMPING_SUBSCRIBER = dumping_subscriber(
+    r"""
 blocks = {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
@@ -34,31 +35,57 @@ def apply(payload):
             for h in e[1]: blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-""", '{str(h): p for h, p in blocks.items()}')
+""",
+    '{str(h): p for h, p in blocks.items()}',
+)
 
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     port, pub_port, replay_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.0002", "--max-model-len", "512",
-            "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
-            "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.0002",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--kv-events-endpoint",
+        f"tcp://*:{pub_port}",
+        "--kv-events-replay-endpoint",
+        f"tcp://*:{replay_port}",
+        "--log-level",
+        "warning",
+    ]
     with running_server(port, args, log) as url:
         yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
 
 
 def test_zmq_sse_and_state_agree_on_a_running_server(serve):
     url, pub_ep, replay_ep = serve
-    sub = subprocess.Popen([sys.executable, "-c", DUMPING_SUBSCRIBER, pub_ep, replay_ep],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [sys.executable, "-c", DUMPING_SUBSCRIBER, pub_ep, replay_ep],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sub.stdout.readline().strip() == "ready"
         system = "You are a helpful assistant who answers briefly and precisely. " * 4
         for i in range(10):
-            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": system + f"Question {i}: what is {i} plus {i}?", "max_tokens": 40,
-                "temperature": 0})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={
+                    "model": "tiny",
+                    "prompt": system + f"Question {i}: what is {i} plus {i}?",
+                    "max_tokens": 40,
+                    "temperature": 0,
+                },
+            )
             assert r.status_code == 200, r.text
         state = httpx.get(f"{url}/v1/kv_cache_state").json()
         assert state["blocks"] and state["num_dropped"] == 0
@@ -78,7 +105,8 @@ def test_zmq_sse_and_state_agree_on_a_running_server(serve):
     mirror = CacheMirror()
     assert mirror.apply_all(event_from_json(m["data"]) for m in messages)
     assert {h.hex(): m.parent_hash.hex() if m.parent_hash else None for h, m in mirror.blocks.items()} == {
-        b["block_hash"]: b["parent_hash"] for b in state["blocks"]}
+        b["block_hash"]: b["parent_hash"] for b in state["blocks"]
+    }
     removed = any(m["data"]["data"]["type"] == "removed" for m in messages)
     assert removed  # the small pool evicted: removals travelled too
 
@@ -86,7 +114,8 @@ def test_zmq_sse_and_state_agree_on_a_running_server(serve):
 # ``kvreuse serve --host-cache-memory`` with ZMQ events: an independent subscriber process
 # (plain pyzmq + msgpack) keeps one block set per medium (GPU = device pool, CPU = host tier)
 # and converges on /v1/kv_cache_state after a run that moves blocks down and back up.
-PER_MEDIUM_SUBSCRIBER = dumping_subscriber(r"""
+PER_MEDIUM_SUBSCRIBER = dumping_subscriber(
+    r"""
 blocks = {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
@@ -98,38 +127,66 @@ def apply(payload):
             for h in e[1]: blocks.pop(f"{e[2]}:{h}", None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-""", 'blocks')
+""",
+    'blocks',
+)
 U64 = 2**64 - 1
 
 
 def keyed_levels(state: dict) -> dict:
-    return {f"{b['cache_level']}:{int(b['block_hash'], 16) & U64}":
-            None if b["parent_hash"] is None else int(b["parent_hash"], 16) & U64 for b in state["blocks"]}
+    return {
+        f"{b['cache_level']}:{int(b['block_hash'], 16) & U64}": None
+        if b["parent_hash"] is None
+        else int(b["parent_hash"], 16) & U64
+        for b in state["blocks"]
+    }
 
 
 @pytest.fixture(scope="module")
 def serve_tiered(tmp_path_factory):
     port, pub_port, replay_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.0002", "--host-cache-memory", "0.002",
-            "--max-model-len", "512", "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
-            "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.0002",
+        "--host-cache-memory",
+        "0.002",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--kv-events-endpoint",
+        f"tcp://*:{pub_port}",
+        "--kv-events-replay-endpoint",
+        f"tcp://*:{replay_port}",
+        "--log-level",
+        "warning",
+    ]
     with running_server(port, args, log) as url:
         yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
 
 
 def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_tiered):
     url, pub_ep, replay_ep = serve_tiered
-    sub = subprocess.Popen([sys.executable, "-c", PER_MEDIUM_SUBSCRIBER, pub_ep, replay_ep],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [sys.executable, "-c", PER_MEDIUM_SUBSCRIBER, pub_ep, replay_ep],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sub.stdout.readline().strip() == "ready"
         docs = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(6)]
         cached, by_tier = [], []
         for _round in range(2):  # the second round finds the first round's prefixes on the host
             for doc in docs:
-                r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": doc + "Summary:", "max_tokens": 4, "temperature": 0})
+                r = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=120,
+                    json={"model": "tiny", "prompt": doc + "Summary:", "max_tokens": 4, "temperature": 0},
+                )
                 assert r.status_code == 200, r.text
                 details = r.json()["usage"]["prompt_tokens_details"]
                 cached.append(details["cached_tokens"])
@@ -162,7 +219,8 @@ def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_ti
 # DISK, REMOTE) and, after a run that moves blocks through every tier (offload, spill, write-
 # through, cap evictions, refused corrupted files, a flushed Redis found missing), rebuilds
 # exactly the per-level sets of /v1/kv_cache_state.
-LEVEL_SUBSCRIBER = dumping_subscriber(r"""
+LEVEL_SUBSCRIBER = dumping_subscriber(
+    r"""
 levels, stored, removed = {}, {}, {}
 def apply(payload):
     for e in msgpack.unpackb(payload)[1]:
@@ -178,7 +236,9 @@ def apply(payload):
             removed[e[2]] = removed.get(e[2], 0) + len(e[1])
         elif e[0] == "AllBlocksCleared":
             levels.clear()
-""", '{"levels": {m: h for m, h in levels.items() if h}, "stored": stored, "removed": removed}')
+""",
+    '{"levels": {m: h for m, h in levels.items() if h}, "stored": stored, "removed": removed}',
+)
 DOCS = [f"Document {i}: " + f"the quick brown fox {i} jumps over the lazy dog {i}. " * 10 for i in range(8)]
 
 
@@ -209,10 +269,30 @@ def serve_all_tiers(tmp_path_factory):
     redis_server.start()
     port, pub_port, replay_port = free_port(), free_port(), free_port()
     disk = work / "disk"
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.0002", "--host-cache-memory", "0.0002",
-            "--disk-cache-dir", str(disk), "--disk-cache-size", "0.0002", "--remote-cache", redis_server.url,
-            "--max-model-len", "512", "--served-model-name", "tiny", "--kv-events-endpoint", f"tcp://*:{pub_port}",
-            "--kv-events-replay-endpoint", f"tcp://*:{replay_port}", "--log-level", "warning"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.0002",
+        "--host-cache-memory",
+        "0.0002",
+        "--disk-cache-dir",
+        str(disk),
+        "--disk-cache-size",
+        "0.0002",
+        "--remote-cache",
+        redis_server.url,
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--kv-events-endpoint",
+        f"tcp://*:{pub_port}",
+        "--kv-events-replay-endpoint",
+        f"tcp://*:{replay_port}",
+        "--log-level",
+        "warning",
+    ]
     try:
         with running_server(port, args, work / "serve.log") as url:
             yield url, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", disk, redis_server.url
@@ -223,8 +303,11 @@ def serve_all_tiers(tmp_path_factory):
 def run_docs(url: str, docs=DOCS) -> list[dict]:
     out = []
     for doc in docs:
-        r = httpx.post(f"{url}/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": doc + "Summary:", "max_tokens": 2, "temperature": 0})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": doc + "Summary:", "max_tokens": 2, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         out.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"])
     return out
@@ -243,8 +326,12 @@ def writes_done(url: str, timeout: float = 60.0) -> str:
 
 def test_subscriber_rebuilds_every_level_of_every_tier_exactly(serve_all_tiers):
     url, pub_ep, replay_ep, disk, redis_url = serve_all_tiers
-    sub = subprocess.Popen([sys.executable, "-c", LEVEL_SUBSCRIBER, pub_ep, replay_ep],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [sys.executable, "-c", LEVEL_SUBSCRIBER, pub_ep, replay_ep],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert sub.stdout.readline().strip() == "ready"
         run_docs(url)  # computed: written through to disk and Redis; the host spills, the disk cap evicts

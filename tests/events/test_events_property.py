@@ -52,8 +52,13 @@ def run_request(pool: BlockPool, tokens: list[int], priority: int | None, durati
     blocks = hits + pool.allocate(len(hashes) - len(hits))
     for i in range(len(hits), len(hashes)):
         kept = pool.register(
-            blocks[i], hashes[i], hashes[i - 1] if i else None, chunks[i], depth=i,
-            priority=35 if priority is None else priority, duration_s=duration,
+            blocks[i],
+            hashes[i],
+            hashes[i - 1] if i else None,
+            chunks[i],
+            depth=i,
+            priority=35 if priority is None else priority,
+            duration_s=duration,
         )
         if kept is not blocks[i]:  # computed twice at once: keep the registered copy
             pool.acquire([kept])

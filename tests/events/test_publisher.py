@@ -24,7 +24,8 @@ from tests.events.event_helpers import CATCH_UP
 
 BS = 4
 
-SUBSCRIBER = r"""
+SUBSCRIBER = (
+    r"""
 import json, sys, msgpack, zmq
 sub_ep, replay_ep = sys.argv[1], sys.argv[2]
 ctx = zmq.Context()
@@ -47,7 +48,9 @@ def apply(payload):
                 blocks.pop(h, None)
         elif e[0] == "AllBlocksCleared":
             blocks.clear()
-""" + CATCH_UP + r"""
+"""
+    + CATCH_UP
+    + r"""
 target = int(sys.stdin.readline())  # the test sends the last sequence number when done
 while expected <= target:
     if sub.poll(200):
@@ -61,6 +64,7 @@ while expected <= target:
         catch_up()
 print(json.dumps({str(h): p for h, p in blocks.items()}), flush=True)
 """
+)
 
 
 def run_requests(pool: BlockPool, rng: random.Random, n: int) -> None:
@@ -115,13 +119,29 @@ def test_encoding_matches_vllm_positional_form_and_decodes_both_forms():
         stored = batch.events[0]
         assert isinstance(stored, BlockStored) and stored.block_hashes == wire[0]["block_hashes"]
     # what newer vLLM sends: maps with extra fields; older: positional with extra fields
-    newer = msgpack.packb([2.0, [
-        {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1] * 16,
-         "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [None], "group_idx": 0},
-        ["BlockRemoved", [7], "GPU", 0],
-        ["AllBlocksCleared"],
-        {"type": "SomethingNew", "x": 1},
-    ], 3])
+    newer = msgpack.packb(
+        [
+            2.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [7],
+                    "parent_block_hash": None,
+                    "token_ids": [1] * 16,
+                    "block_size": 16,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "extra_keys": [None],
+                    "group_idx": 0,
+                },
+                ["BlockRemoved", [7], "GPU", 0],
+                ["AllBlocksCleared"],
+                {"type": "SomethingNew", "x": 1},
+            ],
+            3,
+        ]
+    )
     events = decode_batch(newer).events
     assert events[0] == BlockStored([7], None, [1] * 16, 16, None, "GPU")
     assert events[1] == BlockRemoved([7], "GPU") and events[2] == AllBlocksCleared()
@@ -151,12 +171,18 @@ def test_separate_process_subscriber_ends_with_the_snapshot_block_set():
     buf = EventBuffer(100_000)
     pool = BlockPool(12, BS, events=buf)
     pub = ZmqEventPublisher(
-        buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv-events",
-        snapshot_fn=lambda: buf.snapshot(pool), context=zmq.Context(),
+        buf,
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv-events",
+        snapshot_fn=lambda: buf.snapshot(pool),
+        context=zmq.Context(),
     ).start()
     proc = subprocess.Popen(
         [sys.executable, "-c", SUBSCRIBER, pub.endpoint, pub.replay_endpoint],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -195,8 +221,11 @@ def test_publisher_that_lost_events_resyncs_from_a_snapshot():
     pool = BlockPool(12, BS, events=buf)
     run_requests(pool, random.Random(3), 40)
     pub = ZmqEventPublisher(
-        buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-        snapshot_fn=lambda: buf.snapshot(pool), context=zmq.Context(),
+        buf,
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        snapshot_fn=lambda: buf.snapshot(pool),
+        context=zmq.Context(),
     ).start()
     try:
         wait_for(lambda: pub.last_event_id == buf.last_event_id)
@@ -222,7 +251,9 @@ def test_publisher_without_snapshot_leaves_a_sequence_hole():
     buf = EventBuffer(2)
     pool = BlockPool(8, BS, events=buf)
     run_requests(pool, random.Random(4), 10)
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=zmq.Context()).start()
+    pub = ZmqEventPublisher(
+        buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=zmq.Context()
+    ).start()
     try:
         wait_for(lambda: pub.last_event_id == buf.last_event_id)
         batches = replay_all(pub.replay_endpoint)
@@ -243,8 +274,14 @@ def test_stalled_subscriber_never_blocks_the_engine_or_the_publisher():
     pool = BlockPool(64, BS, events=buf)
     lock = threading.Lock()
     ctx = zmq.Context()
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", hwm=10, snapshot_fn=locked_snapshot(pool, buf, lock),
-                            batch_interval_s=0.0, context=ctx)  # no coalescing: as many batches as possible
+    pub = ZmqEventPublisher(
+        buf,
+        "tcp://127.0.0.1:*",
+        hwm=10,
+        snapshot_fn=locked_snapshot(pool, buf, lock),
+        batch_interval_s=0.0,
+        context=ctx,
+    )  # no coalescing: as many batches as possible
     stalled = ctx.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
@@ -275,8 +312,9 @@ def test_failing_snapshot_falls_back_to_a_sequence_hole_and_the_thread_lives():
     def broken():
         raise TimeoutError("engine busy")
 
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", snapshot_fn=broken,
-                            context=zmq.Context()).start()
+    pub = ZmqEventPublisher(
+        buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", snapshot_fn=broken, context=zmq.Context()
+    ).start()
     try:
         wait_for(lambda: pub.last_event_id == buf.last_event_id)
         run_requests(pool, random.Random(6), 1)  # still publishing afterwards

@@ -26,13 +26,14 @@ def _store(pool: BlockPool, first: int) -> list[int]:
     hashes = hash_token_blocks(tokens, BS, model_id="m")
     blocks = pool.allocate(2)
     for i, b in enumerate(blocks):
-        pool.register(b, hashes[i], hashes[i - 1] if i else None, tokens[i * BS:(i + 1) * BS], depth=i)
+        pool.register(b, hashes[i], hashes[i - 1] if i else None, tokens[i * BS : (i + 1) * BS], depth=i)
     pool.release(reversed(blocks))
     return tokens
 
 
-def _sub(ctx: zmq.Context, endpoint: str, keys: tuple[bytes, bytes] | None = None,
-         server_key: bytes | None = None) -> zmq.Socket:
+def _sub(
+    ctx: zmq.Context, endpoint: str, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None
+) -> zmq.Socket:
     sock = ctx.socket(zmq.SUB)
     sock.linger = 0
     if keys is not None:
@@ -95,7 +96,7 @@ def test_curve_events_reach_only_an_allowed_subscriber(keys):
         assert _received(plain) == [] and _received(intruder) == []
         stored = [e for _, _, payload in got for e in decode_batch(payload).events if isinstance(e, BlockStored)]
         heard = [t for e in stored for t in e.token_ids]
-        assert heard and heard == [t for chain in sent[len(sent) - len(heard) // (2 * BS):] for t in chain]
+        assert heard and heard == [t for chain in sent[len(sent) - len(heard) // (2 * BS) :] for t in chain]
     finally:
         ctx.destroy(linger=0)
         pub.close()
@@ -105,8 +106,9 @@ def test_curve_replay_serves_only_an_allowed_client(keys):
     buf = EventBuffer(1000)
     pool = BlockPool(16, BS, events=buf)
     curve: CurveServer = keys["curve"]
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", curve=curve,
-                            batch_interval_s=0.0).start()
+    pub = ZmqEventPublisher(
+        buf, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", curve=curve, batch_interval_s=0.0
+    ).start()
     ctx = zmq.Context()
     try:
         _store(pool, 100)
@@ -134,8 +136,9 @@ def test_curve_replay_serves_only_an_allowed_client(keys):
 def test_token_ids_can_be_left_out_of_events():
     buf = EventBuffer(1000)
     pool = BlockPool(16, BS, events=buf)
-    pub = ZmqEventPublisher(buf, "tcp://127.0.0.1:*", include_token_ids=False, context=zmq.Context(),
-                            batch_interval_s=0.0).start()
+    pub = ZmqEventPublisher(
+        buf, "tcp://127.0.0.1:*", include_token_ids=False, context=zmq.Context(), batch_interval_s=0.0
+    ).start()
     ctx = zmq.Context()
     try:
         sub = _sub(ctx, pub.endpoint)
@@ -171,9 +174,18 @@ def test_a_star_host_binds_loopback_unless_asked_otherwise():
 
 @pytest.mark.parametrize(
     ("endpoint", "local"),
-    [("tcp://127.0.0.1:5557", True), ("tcp://127.0.0.2:5557", True), ("tcp://localhost:5557", True),
-     ("tcp://[::1]:5557", True), ("ipc:///tmp/kv", True), ("inproc://kv", True), ("tcp://0.0.0.0:5557", False),
-     ("tcp://10.0.0.2:5557", False), ("tcp://[::]:5557", False), ("tcp://eth0:5557", False)],
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://127.0.0.2:5557", True),
+        ("tcp://localhost:5557", True),
+        ("tcp://[::1]:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("inproc://kv", True),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://10.0.0.2:5557", False),
+        ("tcp://[::]:5557", False),
+        ("tcp://eth0:5557", False),
+    ],
 )
 def test_is_local(endpoint, local):
     assert is_local(endpoint) is local
@@ -184,15 +196,25 @@ def test_curve_setup_errors_name_the_flag(keys, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
-        ((str(tmp_path / "nope"), str(tmp_path / "allowed")),
-         f"--kv-events-curve-secret-key: no such file {str(tmp_path / 'nope')!r}"),
-        ((keys["server_public"], str(tmp_path / "allowed")),
-         f"--kv-events-curve-secret-key: {keys['server_public']!r} holds no secret key (give the .key_secret "
-         "file, not the public .key)"),
-        ((server_secret, None), "--kv-events-curve-secret-key needs --kv-events-curve-clients-dir: the public keys "
-                                "of the subscribers allowed to connect"),
-        ((server_secret, str(empty)), f"--kv-events-curve-clients-dir: {str(empty)!r} holds no subscriber public "
-                                      "key (*.key files made by zmq.auth.create_certificates)"),
+        (
+            (str(tmp_path / "nope"), str(tmp_path / "allowed")),
+            f"--kv-events-curve-secret-key: no such file {str(tmp_path / 'nope')!r}",
+        ),
+        (
+            (keys["server_public"], str(tmp_path / "allowed")),
+            f"--kv-events-curve-secret-key: {keys['server_public']!r} holds no secret key (give the .key_secret "
+            "file, not the public .key)",
+        ),
+        (
+            (server_secret, None),
+            "--kv-events-curve-secret-key needs --kv-events-curve-clients-dir: the public keys "
+            "of the subscribers allowed to connect",
+        ),
+        (
+            (server_secret, str(empty)),
+            f"--kv-events-curve-clients-dir: {str(empty)!r} holds no subscriber public "
+            "key (*.key files made by zmq.auth.create_certificates)",
+        ),
     ]
     for args, message in cases:
         with pytest.raises(ValueError) as caught:
@@ -210,9 +232,15 @@ def test_serve_flags_build_the_publisher_they_describe(keys, tmp_path):
     from kvreuse.events import zmq_options
 
     buf = EventBuffer(10)
-    args = _serve("--kv-events-endpoint", "tcp://*:*", "--kv-events-no-token-ids",
-                  "--kv-events-curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                  "--kv-events-curve-clients-dir", str(tmp_path / "allowed"))
+    args = _serve(
+        "--kv-events-endpoint",
+        "tcp://*:*",
+        "--kv-events-no-token-ids",
+        "--kv-events-curve-secret-key",
+        str(tmp_path / "server" / "server.key_secret"),
+        "--kv-events-curve-clients-dir",
+        str(tmp_path / "allowed"),
+    )
     zmq_options.check_arguments(args)
     pub = zmq_options.publisher_from_args(args, buf, lambda: buf.snapshot(BlockPool(1, BS)))
     try:
@@ -226,9 +254,11 @@ def test_serve_flags_build_the_publisher_they_describe(keys, tmp_path):
 def test_security_flags_without_an_endpoint_are_refused():
     from kvreuse.events import zmq_options
 
-    for flags, flag in ((("--kv-events-no-token-ids",), "--kv-events-no-token-ids"),
-                        (("--kv-events-curve-secret-key", "k"), "--kv-events-curve-secret-key"),
-                        (("--kv-events-curve-clients-dir", "d"), "--kv-events-curve-clients-dir")):
+    for flags, flag in (
+        (("--kv-events-no-token-ids",), "--kv-events-no-token-ids"),
+        (("--kv-events-curve-secret-key", "k"), "--kv-events-curve-secret-key"),
+        (("--kv-events-curve-clients-dir", "d"), "--kv-events-curve-clients-dir"),
+    ):
         with pytest.raises(ValueError) as caught:
             zmq_options.check_arguments(_serve(*flags))
         assert str(caught.value) == f"{flag} needs --kv-events-endpoint (the events are off without it)"
@@ -253,7 +283,8 @@ def test_a_start_up_warning_when_events_leave_the_host_under_api_keys(keys):
         assert seal_warning(pubs["exposed"], api_keys=True) == (
             f"KV events on {exposed} can leave this host unencrypted and unauthenticated while --api-key is set: "
             "any subscriber there reads every tenant's token ids. Bind them to loopback (--kv-events-bind-host "
-            "127.0.0.1), or set --kv-events-curve-secret-key and --kv-events-curve-clients-dir")
+            "127.0.0.1), or set --kv-events-curve-secret-key and --kv-events-curve-clients-dir"
+        )
         assert "every tenant's block hashes" in seal_warning(pubs["hashes"], api_keys=True)
         assert seal_warning(pubs["exposed"], api_keys=False) is None  # no keys: nothing is sealed
         assert seal_warning(pubs["local"], api_keys=True) is None
@@ -274,20 +305,32 @@ def test_an_endpoint_that_cannot_be_opened_is_a_value_error_naming_the_flag(keys
     try:
         taken.bind("tcp://127.0.0.1:*")
         port = taken.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-        curve = ("--kv-events-curve-secret-key", str(tmp_path / "server" / "server.key_secret"),
-                 "--kv-events-curve-clients-dir", str(tmp_path / "allowed"))
+        curve = (
+            "--kv-events-curve-secret-key",
+            str(tmp_path / "server" / "server.key_secret"),
+            "--kv-events-curve-clients-dir",
+            str(tmp_path / "allowed"),
+        )
         cases = [
-            (("--kv-events-endpoint", f"tcp://*:{port}"),
-             f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
-             f"(addr='tcp://127.0.0.1:{port}')"),
-            (("--kv-events-endpoint", f"tcp://*:{port}", *curve),
-             f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
-             f"(addr='tcp://127.0.0.1:{port}')"),
-            (("--kv-events-endpoint", "tcp://*:*", "--kv-events-replay-endpoint", f"tcp://*:{port}", *curve),
-             f"--kv-events-replay-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
-             f"(addr='tcp://127.0.0.1:{port}')"),
-            (("--kv-events-endpoint", "bogus"), "--kv-events-endpoint: cannot connect 'bogus': Invalid argument "
-                                                "(addr='bogus')"),
+            (
+                ("--kv-events-endpoint", f"tcp://*:{port}"),
+                f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+                f"(addr='tcp://127.0.0.1:{port}')",
+            ),
+            (
+                ("--kv-events-endpoint", f"tcp://*:{port}", *curve),
+                f"--kv-events-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+                f"(addr='tcp://127.0.0.1:{port}')",
+            ),
+            (
+                ("--kv-events-endpoint", "tcp://*:*", "--kv-events-replay-endpoint", f"tcp://*:{port}", *curve),
+                f"--kv-events-replay-endpoint: cannot bind 'tcp://*:{port}': Address already in use "
+                f"(addr='tcp://127.0.0.1:{port}')",
+            ),
+            (
+                ("--kv-events-endpoint", "bogus"),
+                "--kv-events-endpoint: cannot connect 'bogus': Invalid argument (addr='bogus')",
+            ),
         ]
         buf = EventBuffer(10)
         threads = {t.name for t in threading.enumerate()}

@@ -12,6 +12,7 @@ from kvreuse.models.tiny import tiny_model
 
 # ----------------------------------------------------------------------------- resolution
 
+
 @pytest.mark.parametrize("spec", ["default", "smollm2", "SmolLM2-135M-Instruct", " DEFAULT "])
 def test_default_aliases_resolve_to_packaged_gguf(spec):
     name, path = resolve_model_spec(spec)
@@ -47,12 +48,21 @@ def test_folder_without_config_is_rejected(tmp_path):
 
 # ----------------------------------------------------------------------------- dtype / device
 
-@pytest.mark.parametrize("text,expected", [
-    ("float32", torch.float32), ("fp32", torch.float32),
-    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16),
-    ("float16", torch.float16), ("fp16", torch.float16), ("torch.float16", torch.float16),
-    (torch.bfloat16, torch.bfloat16),
-])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("BF16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+        ("torch.float16", torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
 def test_parse_dtype(text, expected):
     assert parse_dtype(text) is expected
 
@@ -84,8 +94,13 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
     assert ml.auto_quantization(resolve_source("gemma3-270m")) is QuantMode.INT4  # assembled: by name (Q4_K_M)
     hf = ModelSource("m", "hf", tmp_path, "1")
     assert ml.auto_quantization(hf) is QuantMode.NONE
-    for name, mode in [("m.Q8_0.gguf", QuantMode.INT8), ("m.F16.gguf", QuantMode.NONE), ("m.Q4_K_M.gguf", QuantMode.INT4),
-                       ("m.Q6_K.gguf", QuantMode.INT8), ("m-fp16.gguf", QuantMode.NONE)]:
+    for name, mode in [
+        ("m.Q8_0.gguf", QuantMode.INT8),
+        ("m.F16.gguf", QuantMode.NONE),
+        ("m.Q4_K_M.gguf", QuantMode.INT4),
+        ("m.Q6_K.gguf", QuantMode.INT8),
+        ("m-fp16.gguf", QuantMode.NONE),
+    ]:
         bad = tmp_path / name
         bad.write_bytes(b"not a gguf header")  # unreadable: judged by its name
         assert ml.auto_quantization(ModelSource("m", "gguf", bad, "1", name)) is mode, name
@@ -112,6 +127,7 @@ def test_auto_quantization_keeps_a_gguf_as_compact_as_its_file(tmp_path):
     tiny = tiny_model("llama", seed=0, dtype="auto", quantization="auto")  # a test fixture: the same on every CPU
     assert tiny.quantization is QuantMode.NONE and tiny.dtype == torch.float32
 
+
 @pytest.mark.parametrize("bad", ["int8", "fp8", "", torch.int32])
 def test_parse_dtype_rejects(bad):
     with pytest.raises(ValueError, match="dtype"):
@@ -130,10 +146,19 @@ def test_parse_device():
 
 # ----------------------------------------------------------------------------- shape
 
+
 def test_kv_bytes_formula_smollm2_config():
     from transformers import LlamaConfig
-    cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                      head_dim=64, vocab_size=49152, max_position_embeddings=8192)
+
+    cfg = LlamaConfig(
+        num_hidden_layers=30,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+    )
     shape = shape_from_config(cfg)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (30, 3, 64)
     assert shape.kv_bytes_per_token("float32") == 2 * 30 * 3 * 64 * 4 == 46080
@@ -144,8 +169,15 @@ def test_kv_bytes_formula_smollm2_config():
 
 def test_gemma3_layer_types_give_per_layer_windows():
     from transformers import Gemma3TextConfig
-    cfg = Gemma3TextConfig(num_hidden_layers=18, sliding_window=512, num_attention_heads=4,
-                           num_key_value_heads=1, head_dim=256, hidden_size=640)
+
+    cfg = Gemma3TextConfig(
+        num_hidden_layers=18,
+        sliding_window=512,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_size=640,
+    )
     shape = shape_from_config(cfg)
     assert shape.sliding_window.count(512) == 15 and shape.sliding_window.count(None) == 3
     assert shape.sliding_window[5] is None  # every 6th layer is full attention
@@ -153,6 +185,7 @@ def test_gemma3_layer_types_give_per_layer_windows():
 
 
 # ----------------------------------------------------------------------------- tiny models
+
 
 def test_tiny_llama_shape_and_forward(tiny_llama):
     m = tiny_llama
@@ -228,6 +261,7 @@ def test_attn_implementation_is_passed_through():
 
 # ----------------------------------------------------------------------------- local HF folder
 
+
 def test_local_hf_folder_loads_with_stable_identity(tiny_llama, tmp_path):
     folder = tmp_path / "tiny-hf"
     tiny_llama.model.save_pretrained(folder)
@@ -243,6 +277,7 @@ def test_local_hf_folder_loads_with_stable_identity(tiny_llama, tmp_path):
 
 
 # ----------------------------------------------------------------------------- real models
+
 
 def test_default_model_loads_and_is_stable(default_model):
     m = default_model
@@ -288,6 +323,7 @@ def test_gemma3_270m_loads():
 
 
 # ----------------------------------------------------------------------------- conversion cache
+
 
 def test_concurrent_conversion_runs_once_and_is_atomic(tiny_llama, tmp_path, monkeypatch):
     """Two converters racing on one target: one converts, the other waits and reuses it;
@@ -340,7 +376,9 @@ def test_packaged_conversion_folder_does_not_depend_on_the_install_path(tmp_path
     a = ModelSource("m", "gguf", Path("/venv-a/site-packages/pkg/m.gguf"), "pkg==1.0", "m.gguf", from_package=True)
     b = dataclasses.replace(a, path=Path("/venv-b/site-packages/pkg/m.gguf"))
     assert store.conversion_dir(a, tmp_path) == store.conversion_dir(b, tmp_path)
-    assert store.conversion_dir(a, tmp_path) != store.conversion_dir(dataclasses.replace(a, version="pkg==1.1"), tmp_path)
+    assert store.conversion_dir(a, tmp_path) != store.conversion_dir(
+        dataclasses.replace(a, version="pkg==1.1"), tmp_path
+    )
     loose_a, loose_b = (dataclasses.replace(x, from_package=False) for x in (a, b))
     assert store.conversion_dir(loose_a, tmp_path) != store.conversion_dir(loose_b, tmp_path)
 
@@ -351,8 +389,16 @@ def test_fp16_gemma_is_refused_naming_dtype(tiny_gemma3):
     from kvreuse.models.loader import finish_model
 
     with pytest.raises(ValueError, match="--dtype float16: gemma3"):
-        finish_model(tiny_gemma3.model, tiny_gemma3.tokenizer, name="g", weights_hash="0", tokenizer_hash="0",
-                     dtype=torch.float16, device=torch.device("cpu"), path=None)
+        finish_model(
+            tiny_gemma3.model,
+            tiny_gemma3.tokenizer,
+            name="g",
+            weights_hash="0",
+            tokenizer_hash="0",
+            dtype=torch.float16,
+            device=torch.device("cpu"),
+            path=None,
+        )
 
 
 def test_a_build_clears_temporary_folders_an_interrupted_one_left(tmp_path):

@@ -96,9 +96,16 @@ def test_quantize_model_replaces_every_linear_and_the_embedding():
 
 
 def test_fingerprint_differs_by_dtype_and_quantization():
-    ids = {(dt, q): tiny_model("llama", seed=0, dtype=dt, quantization=q).model_id
-           for dt, q in [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"),
-                         ("bfloat16", "int4"), ("float32", "int8")]}
+    ids = {
+        (dt, q): tiny_model("llama", seed=0, dtype=dt, quantization=q).model_id
+        for dt, q in [
+            ("float32", "none"),
+            ("bfloat16", "none"),
+            ("bfloat16", "int8"),
+            ("bfloat16", "int4"),
+            ("float32", "int8"),
+        ]
+    }
     assert len(set(ids.values())) == len(ids)
     # an unquantized model keeps the id it had before quantization existed
     assert ids[("float32", "none")] == tiny_model("llama", seed=0, quantization="none").model_id
@@ -125,8 +132,9 @@ def _reuse_agreement(loaded, shared: list[int], tails: list[list[int]]) -> float
     warm = reuse.generate(shared + tails[0], SamplingParams(max_tokens=1, temperature=0))[0]
     assert warm.num_cached_tokens >= len(shared) - 4  # the shared blocks were reused
     reuse.engine.pool.check_integrity()
-    fresh = _next_tokens(LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=4, enable_prefix_caching=False),
-                         prompts)
+    fresh = _next_tokens(
+        LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=4, enable_prefix_caching=False), prompts
+    )
     return sum(a == b for a, b in zip(cached, fresh)) / len(prompts)
 
 
@@ -159,6 +167,7 @@ def test_quantized_gemma3_runs_the_transformers_forward_with_reuse():
 
 
 # --------------------------------------------------------------------------- quality guard
+
 
 def _answer(text: str) -> str:
     words = re.findall(r"[a-z]+", text.lower())
@@ -220,16 +229,22 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
     assert min(o.num_cached_tokens for o in reused) >= 192  # the shared 200 tokens' 12 full blocks: reuse happened
     reuse.engine.pool.check_integrity()
     plain_llm = LLM(loaded=loaded, kv_cache_memory_gib=0.05, block_size=16, enable_prefix_caching=False)
-    plain = [o.logprobs[0] for o in plain_llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=5))]
-    ref = torch.cat([reference_logits(loaded.model, shared + tail)[len(shared):] for tail in tails])  # [120, vocab]
+    plain = [
+        o.logprobs[0] for o in plain_llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=5))
+    ]
+    ref = torch.cat([reference_logits(loaded.model, shared + tail)[len(shared) :] for tail in tails])  # [120, vocab]
     top = ref.max(-1).values  # [120]
     step = top.abs() * torch.finfo(torch.bfloat16).eps  # one bf16 spacing at the top logit
     exact = sum(c == p.token_id for c, p in zip(cached, plain))
-    near = sum(c == p.token_id or (c in p.top_token_ids and p.top_logprobs[0] - p.top_logprobs[p.top_token_ids.index(c)]
-                                   <= s.item())
-               for c, p, s in zip(cached, plain, step))
-    assert near / len(plain) >= 0.99, (f"{dtype}/{mode}: reuse agrees with no reuse on {near / len(plain):.1%} "
-                                       f"within one bf16 step ({exact} of {len(plain)} exactly)")
+    near = sum(
+        c == p.token_id
+        or (c in p.top_token_ids and p.top_logprobs[0] - p.top_logprobs[p.top_token_ids.index(c)] <= s.item())
+        for c, p, s in zip(cached, plain, step)
+    )
+    assert near / len(plain) >= 0.99, (
+        f"{dtype}/{mode}: reuse agrees with no reuse on {near / len(plain):.1%} "
+        f"within one bf16 step ({exact} of {len(plain)} exactly)"
+    )
     # and with a plain transformers forward, where a token within one bf16 step of the top
     # counts: bf16 logits near 16 are spaced 0.0625 apart, so ties are common (3 of 120 here,
     # margins 0, 0 and 0.0625, each broken by argmax's first index: a coin flip between
@@ -239,6 +254,7 @@ def test_quality_guard_on_the_default_model(fp32_reference, dtype, mode):
 
 
 # --------------------------------------------------------------------------- fused projections
+
 
 @pytest.mark.parametrize("kind", ["none", "int8", "int4", "int4-unpacked"])
 def test_fused_projection_computes_its_parts_and_holds_no_weight_twice(kind):
@@ -270,15 +286,24 @@ def test_fused_projection_computes_its_parts_and_holds_no_weight_twice(kind):
 
 
 def test_projections_that_cannot_share_a_matmul_are_not_fused():
-    assert quant.fuse_linears([Int8Linear(_weight(32, 64), None, torch.float32),
-                               Int4Linear(_weight(32, 64), None, torch.float32)]) is None  # two schemes
+    assert (
+        quant.fuse_linears(
+            [Int8Linear(_weight(32, 64), None, torch.float32), Int4Linear(_weight(32, 64), None, torch.float32)]
+        )
+        is None
+    )  # two schemes
     assert quant.fuse_linears([torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)]) is None  # biases
     # int4 packs rows in blocks of 64: a 32-row part would not be a row slice of the fused pack
-    assert quant.fuse_linears([Int4Linear(_weight(32, 64), None, torch.float32),
-                               Int4Linear(_weight(64, 64), None, torch.float32)]) is None
+    assert (
+        quant.fuse_linears(
+            [Int4Linear(_weight(32, 64), None, torch.float32), Int4Linear(_weight(64, 64), None, torch.float32)]
+        )
+        is None
+    )
 
 
 # --------------------------------------------------------------------------- many-row int4 calls
+
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_int4_unpacked_weight_is_the_kernels_weight(fused):
@@ -296,9 +321,9 @@ def test_int4_unpacked_weight_is_the_kernels_weight(fused):
     ref = layer.dequantized_weight().float()  # [out, in]
     got = layer.unpacked_weight(torch.bfloat16).float()
     # both are (q - 8) * scale + zero rounded to bf16 (the kernel's fused arithmetic may round once less)
-    torch.testing.assert_close(got, ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+    torch.testing.assert_close(got, ref, rtol=0, atol=ref.abs().max().item() * 2**-7)
     exact = layer.unpacked_weight(torch.float32)
-    torch.testing.assert_close(exact.bfloat16().float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+    torch.testing.assert_close(exact.bfloat16().float(), ref, rtol=0, atol=ref.abs().max().item() * 2**-7)
 
 
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
@@ -365,8 +390,14 @@ def test_int4_unpacked_weight_matches_the_pack_of_every_cpu_capability(capabilit
         "    torch.testing.assert_close(got, ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)\n"
         "print(torch.backends.cpu.get_cpu_capability())\n"
     )
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        ATEN_CPU_CAPABILITY=capability,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
 

@@ -54,8 +54,11 @@ def test_an_encode_keeps_its_mode_when_another_thread_tokenizes_in_between(token
     encoder = TextEncoder(tokenizer)
     alone = {"text": encoder.text(SPECIAL), "markers": encoder.markers(SPECIAL)}
     assert len(alone["text"]) > len(alone["markers"])  # the special strings split into ordinary tokens
-    others = {"text": lambda: encoder.text("Fact 7: the keeper"), "markers": lambda: encoder.markers("<|im_end|>"),
-              "plain call": lambda: tokenizer("Tell me about the ships.", add_special_tokens=False)}
+    others = {
+        "text": lambda: encoder.text("Fact 7: the keeper"),
+        "markers": lambda: encoder.markers("<|im_end|>"),
+        "plain call": lambda: tokenizer("Tell me about the ships.", add_special_tokens=False),
+    }
     seen = {}
 
     def other_call():
@@ -92,6 +95,9 @@ def test_the_encoder_never_sets_the_tokenizers_shared_mode(tokenizer, monkeypatc
 def test_the_encoder_gives_the_tokenizers_own_ids(tokenizer):
     encoder = TextEncoder(tokenizer)
     for text in (SPECIAL, "Fact 7: the keeper of lighthouse 7", " leading space", "a<|endoftext|>b", "héllo 漢字 🙂"):
-        assert list(encoder.text(text)) == tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert (
+            list(encoder.text(text))
+            == tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        )
         assert list(encoder.markers(text)) == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert encoder.text("") == encoder.markers("") == ()

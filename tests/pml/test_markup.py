@@ -111,8 +111,10 @@ def test_bare_ampersand_or_less_than_in_text_says_how_to_escape_it(body, char, c
 
 
 def test_well_formed_errors_get_no_escape_hint():
-    for text in ('<schema name="s">\n  <module name="m">a &nope; b</module>\n</schema>',
-                 '<schema name="s">\n  <module name="m">text</modul>\n</schema>'):
+    for text in (
+        '<schema name="s">\n  <module name="m">a &nope; b</module>\n</schema>',
+        '<schema name="s">\n  <module name="m">text</modul>\n</schema>',
+    ):
         with pytest.raises(PMLSyntaxError) as info:
             parse_schema(text)
         assert "a bare" not in str(info.value)

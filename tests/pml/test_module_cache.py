@@ -86,7 +86,9 @@ def test_union_member_and_argument_positions(tiny_llama):
     out = llm.generate(prompt, GREEDY)[0]
     prefill, decode = spy.chunks[0], spy.chunks[1]
     context = set(prefill.context_positions)
-    assert set(b.stored_position_ids) <= context and not set(a.stored_position_ids) & (context - set(b.stored_position_ids))
+    assert set(b.stored_position_ids) <= context and not set(a.stored_position_ids) & (
+        context - set(b.stored_position_ids)
+    )
     assert set(r.stored_position_ids) <= context and not context & set(range(slot.start, slot.end))
     arg = [p for p in prefill.positions if p < schema.length]
     assert arg == list(range(slot.start, slot.start + len(arg))) and 1 <= len(arg) <= slot.length
@@ -102,8 +104,11 @@ def test_module_blocks_are_kept_at_high_priority_and_recomputed_after_eviction(t
     llm = make(tiny_llama)
     info = llm.register_schema(SCHEMA)
     blocks = llm.engine.pool.blocks_by_priority()
-    assert blocks == {MODULE_PRIORITY: sum(-(-len(llm.engine.modules.schemas["s"].module(m).stored_token_ids) // 4)
-                                           for m in info.modules)}
+    assert blocks == {
+        MODULE_PRIORITY: sum(
+            -(-len(llm.engine.modules.schemas["s"].module(m).stored_token_ids) // 4) for m in info.modules
+        )
+    }
     prompt = '<prompt schema="s"><a/><r who="Bo"/>Go on.</prompt>'
     first = llm.generate(prompt, GREEDY)[0]
     assert llm.reset_prefix_cache() > 0  # every module block evicted
@@ -243,7 +248,9 @@ def test_pml_request_arriving_when_the_pool_is_busy_waits_instead_of_failing(tin
     engine = small.engine
     engine.add_request("hog", list(range(100, 220)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     engine.step()  # the hog holds 30 of 40 blocks; part of the module's 13 blocks were evicted for it
-    engine.add_prepared_request("pml", engine.prepare_prompt(prompt), params)  # used to raise "the KV pool has N free blocks"
+    engine.add_prepared_request(
+        "pml", engine.prepare_prompt(prompt), params
+    )  # used to raise "the KV pool has N free blocks"
     assert engine._requests["pml"].context.state is ContextState.RELEASED  # it really had to wait for its module KV
     outs = {}
     while engine.has_unfinished_requests():
@@ -296,7 +303,10 @@ def test_a_module_plan_counts_the_scratch_of_its_recompute(tiny_llama):
     plan = llm.engine.prepare_prompt('<prompt schema="long"><m/> Go on.</prompt>').plan
     source = llm.engine.modules.source(plan)
     assert source.held_blocks == llm.engine.modules.blocks_of(plan)
-    for evict, expected in ((lambda: llm.reset_prefix_cache(), "exact"), (lambda: _evict_tail(llm, "long", "m"), "more")):
+    for evict, expected in (
+        (lambda: llm.reset_prefix_cache(), "exact"),
+        (lambda: _evict_tail(llm, "long", "m"), "more"),
+    ):
         evict()
         spy = PeakSpy(llm)
         held = source.acquire()
@@ -356,10 +366,14 @@ def test_a_pml_request_whose_recompute_cannot_fit_is_refused_up_front(tiny_llama
     llm.register_schema(LONG)
     _evict_tail(llm, "long", "m")
     # max_tokens is not what is too big, so the message says what is
-    with pytest.raises(ValueError, match=rf"context needs \d+ KV blocks at once .* but the pool has {pool_blocks}: "
-                                         "use fewer or shorter modules"):
-        llm.engine.add_prepared_request("pml", llm.engine.prepare_prompt(prompt),
-                                        SamplingParams(max_tokens=2, temperature=0))
+    with pytest.raises(
+        ValueError,
+        match=rf"context needs \d+ KV blocks at once .* but the pool has {pool_blocks}: "
+        "use fewer or shorter modules",
+    ):
+        llm.engine.add_prepared_request(
+            "pml", llm.engine.prepare_prompt(prompt), SamplingParams(max_tokens=2, temperature=0)
+        )
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     assert llm.engine.pool.num_used_blocks == 0
@@ -379,10 +393,16 @@ def test_a_pml_request_whose_peak_overflows_is_never_told_to_lower_max_tokens(ti
     llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=pool_blocks * bytes_per_block / 2**30, block_size=4)
     llm.register_schema(LONG)
     for max_tokens in (2, 4 * source.num_blocks):  # held below the peak, then well above it
-        with pytest.raises(ValueError, match=rf"context needs \d+ KV blocks at once .* but the pool has {pool_blocks}: "
-                                             "use fewer or shorter modules"):
-            llm.engine.add_prepared_request(f"r{max_tokens}", llm.engine.prepare_prompt(prompt),
-                                            SamplingParams(max_tokens=max_tokens, temperature=0))
+        with pytest.raises(
+            ValueError,
+            match=rf"context needs \d+ KV blocks at once .* but the pool has {pool_blocks}: "
+            "use fewer or shorter modules",
+        ):
+            llm.engine.add_prepared_request(
+                f"r{max_tokens}",
+                llm.engine.prepare_prompt(prompt),
+                SamplingParams(max_tokens=max_tokens, temperature=0),
+            )
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -417,8 +437,10 @@ def test_a_repaired_pml_request_counts_its_copies_beside_what_the_modules_keep(t
 
 # PML exactness on the default model (SmolLM2-135M, fp32): a prompt selecting one module
 # used as a plain prefix gives the prefix cache's logits (<= 1e-4) at every step.
-KELL_DOC = ("The observatory on Mount Kell was built in 1911 by the engineer Ada Varga. Its main telescope has a "
-            "mirror of 1.2 metres and is used every clear night from October to March. ") * 3
+KELL_DOC = (
+    "The observatory on Mount Kell was built in 1911 by the engineer Ada Varga. Its main telescope has a "
+    "mirror of 1.2 metres and is used every clear night from October to March. "
+) * 3
 # The module is the whole prefix: a module attends only to itself (and its scaffolds), so
 # anything before it in the schema (a system turn) would not be seen, unlike a plain prefix.
 KELL_SCHEMA = f'<schema name="kell"><module name="doc">{KELL_DOC}</module></schema>'

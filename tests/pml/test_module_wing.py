@@ -70,8 +70,9 @@ class FakeKV:
         self.calls: list[tuple] = []
 
     def precompute_chunk(self, token_ids, positions, slots, start, end) -> None:
-        self.calls.append(("precompute", list(token_ids[start:end]), list(positions[start:end]),
-                           list(slots[start:end]), start))
+        self.calls.append(
+            ("precompute", list(token_ids[start:end]), list(positions[start:end]), list(slots[start:end]), start)
+        )
 
     def write_kv(self, slots, kv, first_token=0) -> None:
         self.calls.append(("write_kv", list(slots), kv, first_token))

@@ -72,7 +72,9 @@ def test_layout_invariants(shapes):
         for a in modules:
             for b in modules:
                 if a is not b:
-                    assert a.union is not None or b.union is not None or _in_union(compiled, a) or _in_union(compiled, b)
+                    assert (
+                        a.union is not None or b.union is not None or _in_union(compiled, a) or _in_union(compiled, b)
+                    )
     # members of a union share their start; the union spans its longest member
     by_union = {}
     for module in compiled.modules:
@@ -99,9 +101,32 @@ def _in_union(compiled, module) -> bool:
 
 _markup = st.lists(
     st.sampled_from(
-        ['<schema name="s">', "</schema>", '<module name="m">', '<module name="n">', "</module>", "<union>", "</union>",
-         '<param name="p" len="2"/>', "<user>", "</user>", "<system>", "</system>", "text", "&amp;", "&bogus;",
-         "<!DOCTYPE x>", '<prompt schema="s">', "</prompt>", "<m/>", '<m p="1"/>', "<", ">", " ", "\n"]
+        [
+            '<schema name="s">',
+            "</schema>",
+            '<module name="m">',
+            '<module name="n">',
+            "</module>",
+            "<union>",
+            "</union>",
+            '<param name="p" len="2"/>',
+            "<user>",
+            "</user>",
+            "<system>",
+            "</system>",
+            "text",
+            "&amp;",
+            "&bogus;",
+            "<!DOCTYPE x>",
+            '<prompt schema="s">',
+            "</prompt>",
+            "<m/>",
+            '<m p="1"/>',
+            "<",
+            ">",
+            " ",
+            "\n",
+        ]
     ),
     max_size=14,
 ).map("".join)

@@ -37,7 +37,9 @@ def test_prompt_tree():
 
 
 def test_bare_trailing_text_and_several_turns():
-    prompt = parse_prompt('<prompt schema="s"><a/>\n  Why?\n<user>One</user><assistant> Two </assistant><user>Three</user></prompt>')
+    prompt = parse_prompt(
+        '<prompt schema="s"><a/>\n  Why?\n<user>One</user><assistant> Two </assistant><user>Three</user></prompt>'
+    )
     assert prompt.tail == (
         PromptText("Why?", None, "\n"),
         PromptText("One", Role.USER),
@@ -95,8 +97,10 @@ def test_compile_places_arguments_and_user_text(trip, tokenizer):
     assert tokenizer.decode(money.token_ids) == "\nBudget: 900 euros."
     assert money.position_ids[0] == budget.start
     text = compiled.segments[3]
-    expected = special(tokenizer, "<|im_start|>user\n") + encode(tokenizer, "Where first?") + special(
-        tokenizer, "<|im_end|>\n<|im_start|>assistant\n"
+    expected = (
+        special(tokenizer, "<|im_start|>user\n")
+        + encode(tokenizer, "Where first?")
+        + special(tokenizer, "<|im_end|>\n<|im_start|>assistant\n")
     )
     assert text.token_ids == tuple(expected)
     assert text.position_ids == tuple(range(trip.length, trip.length + len(expected)))
@@ -106,7 +110,9 @@ def test_compile_places_arguments_and_user_text(trip, tokenizer):
 
 
 def test_assembled_lists_stored_tokens_of_selected_modules(trip, tokenizer):
-    prompt = parse_prompt('<prompt schema="trip"><planner nights="2"><sea><islands/></sea></planner><budget amount=""/></prompt>')
+    prompt = parse_prompt(
+        '<prompt schema="trip"><planner nights="2"><sea><islands/></sea></planner><budget amount=""/></prompt>'
+    )
     compiled = compile_prompt(prompt, trip, tokenizer)
     names = [name for name, _, _ in trip.assembled(compiled)]
     assert names == ["planner", "planner/sea", "planner/sea/islands"]  # root is empty, budget uncached
@@ -139,7 +145,9 @@ def _semantic(trip, tokenizer, text):
 def test_unknown_schema(trip, tokenizer):
     error = _semantic(trip, tokenizer, '<prompt schema="nope">hi</prompt>')
     assert "unknown schema 'nope'" in str(error) and "trip" in str(error)
-    assert compile_prompt(parse_prompt('<prompt schema="trip"><budget amount="1"/>hi</prompt>'), {"trip": trip}, tokenizer)
+    assert compile_prompt(
+        parse_prompt('<prompt schema="trip"><budget amount="1"/>hi</prompt>'), {"trip": trip}, tokenizer
+    )
 
 
 def test_unknown_module_names_it_with_location(trip, tokenizer):
@@ -151,7 +159,9 @@ def test_unknown_module_names_it_with_location(trip, tokenizer):
 
 
 def test_two_members_of_one_union(trip, tokenizer):
-    error = _semantic(trip, tokenizer, '<prompt schema="trip"><planner nights="1"><rail class="a"/><sea/></planner></prompt>')
+    error = _semantic(
+        trip, tokenizer, '<prompt schema="trip"><planner nights="1"><rail class="a"/><sea/></planner></prompt>'
+    )
     assert error.module == "planner/sea" and "planner/rail" in str(error)
 
 

@@ -18,14 +18,20 @@ STREAM_PROMPT = list(range(300, 340))
 
 
 def union(name: str, members: int, *, tag: str = "") -> str:
-    rows = "".join(f'<module name="f{i}">Fact {i}{tag}: lighthouse {i} logs ships at dusk.</module>'
-                   for i in range(members))
+    rows = "".join(
+        f'<module name="f{i}">Fact {i}{tag}: lighthouse {i} logs ships at dusk.</module>' for i in range(members)
+    )
     return f'<schema name="{name}"><system>Answer from the facts.</system><union>{rows}</union></schema>'
 
 
 def make(tiny_llama, **config) -> LLMEngine:
-    settings = {"kv_cache_memory_gib": 0.01, "block_size": 4, "max_model_len": 512,
-                "schema_slice_tokens": SLICE, **config}
+    settings = {
+        "kv_cache_memory_gib": 0.01,
+        "block_size": 4,
+        "max_model_len": 512,
+        "schema_slice_tokens": SLICE,
+        **config,
+    }
     return LLMEngine(EngineConfig(**settings), tiny_llama)
 
 
@@ -134,10 +140,11 @@ def test_cost_limits_refuse_before_any_work(tiny_llama):
     text = union("facts", 40)
     probe = make(tiny_llama)
     cost = probe.modules.cost(probe.modules.compile(text))
-    for config, setting in (({"schema_max_tokens": cost.tokens - 1}, "--schema-max-tokens"),
-                            ({"schema_max_bytes": cost.bytes - 1}, "--schema-max-bytes"),
-                            ({"kv_cache_memory_gib": (cost.blocks - 1) * 4 * probe.kv_bytes_per_token / 2**30},
-                             "--kv-cache-memory")):
+    for config, setting in (
+        ({"schema_max_tokens": cost.tokens - 1}, "--schema-max-tokens"),
+        ({"schema_max_bytes": cost.bytes - 1}, "--schema-max-bytes"),
+        ({"kv_cache_memory_gib": (cost.blocks - 1) * 4 * probe.kv_bytes_per_token / 2**30}, "--kv-cache-memory"),
+    ):
         engine = make(tiny_llama, **config)
         free = engine.pool.num_free_blocks
         with pytest.raises(SchemaTooLarge) as refused:
@@ -210,8 +217,11 @@ def module_priorities(engine: LLMEngine, name: str) -> list[int | None]:
     """The priority of every block of the schema's modules (``None``: not cached)."""
     cache = engine.modules
     schema = cache.schemas[name]
-    return [None if (b := engine.pool.get_cached(h)) is None else b.priority
-            for m in schema.precompute_modules for h in cache.module_hashes(schema, m)[0]]
+    return [
+        None if (b := engine.pool.get_cached(h)) is None else b.priority
+        for m in schema.precompute_modules
+        for h in cache.module_hashes(schema, m)[0]
+    ]
 
 
 def test_a_delete_during_the_registration_of_the_same_version_leaves_it_serving_at_the_module_priority(tiny_llama):
@@ -249,8 +259,11 @@ def test_a_registration_waits_for_a_waiting_request_that_holds_its_modules_kv(ti
     assert engine.pool.num_free_blocks == 104
     engine.modules.register(f'<schema name="ctx"><module name="m">{words("c", 70)}</module></schema>')  # 50 blocks
     settled = Settled()
-    engine.submit_schema(f'<schema name="new"><module name="a">{words("a", 13)}</module>'  # 29 tokens, 8 blocks
-                         f'<module name="b">{words("b", 84)}</module></schema>', settled)  # 61 blocks
+    engine.submit_schema(
+        f'<schema name="new"><module name="a">{words("a", 13)}</module>'  # 29 tokens, 8 blocks
+        f'<module name="b">{words("b", 84)}</module></schema>',
+        settled,
+    )  # 61 blocks
     tick(engine)  # a: 8 of its 29 tokens; its 8 blocks held
     prompt = engine.prepare_prompt(f'<prompt schema="ctx"><m/>{words("q", 70)}</prompt>')  # 200 tokens: 50 blocks
     engine.add_prepared_request("w", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))

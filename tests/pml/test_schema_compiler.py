@@ -16,9 +16,7 @@ def _compile(text, tokenizer, **kwargs):
 
 
 def test_exact_token_and_position_ids_with_smollm2(tokenizer):
-    compiled = compile_schema(
-        parse_schema((SCHEMAS / "trip.xml").read_text()), tokenizer, tokenizer_id="smollm2"
-    )
+    compiled = compile_schema(parse_schema((SCHEMAS / "trip.xml").read_text()), tokenizer, tokenizer_id="smollm2")
     planner = compiled.module("planner")
     head = encode(tokenizer, "You plan journeys for people who hate queues.\nThe journey lasts")
     nights = [tokenizer.unk_token_id] * 5  # length 4 + 1 token for the lead space
@@ -46,8 +44,8 @@ def test_exact_token_and_position_ids_with_smollm2(tokenizer):
     assert sea.length == len(sea_text) + max(fjords.length, islands.length)
     outer_end = union_start + max(rail.length, sea.length)
     tail = encode(tokenizer, "\nKeep the plan short.")
-    assert planner.token_ids[-len(tail):] == tuple(tail)
-    assert planner.position_ids[-len(tail):] == tuple(range(outer_end, outer_end + len(tail)))
+    assert planner.token_ids[-len(tail) :] == tuple(tail)
+    assert planner.position_ids[-len(tail) :] == tuple(range(outer_end, outer_end + len(tail)))
     assert planner.length == outer_end + len(tail)
 
     budget = compiled.module("budget")
@@ -110,7 +108,9 @@ def test_module_attends_to_the_enclosing_text_before_it(chars):
 
 
 def test_union_without_scaffold_gives_no_context(chars):
-    compiled = _compile('<schema name="s"><module name="m"><union><module name="x">x</module></union>z</module></schema>', chars)
+    compiled = _compile(
+        '<schema name="s"><module name="m"><union><module name="x">x</module></union>z</module></schema>', chars
+    )
     assert compiled.module("m").attends_to == ()
 
 
@@ -138,7 +138,7 @@ def test_role_block_spanning_modules_gives_markers_to_the_enclosing_module(token
     prefix = special(tokenizer, "<|im_start|>system\n") + encode(tokenizer, "You write short character sketches.")
     assert root.token_ids[: len(prefix)] == tuple(prefix)
     suffix = special(tokenizer, "<|im_end|>\n")
-    assert root.token_ids[-len(suffix):] == tuple(suffix)
+    assert root.token_ids[-len(suffix) :] == tuple(suffix)
     assert root.position_ids[-1] == compiled.length - 1
     age, home = compiled.module("age"), compiled.module("home")
     assert age.token_ids == ()  # age only holds a union
@@ -159,7 +159,9 @@ def test_text_never_forges_special_tokens(tokenizer):
 
 
 def test_long_code_module_keeps_its_indentation(tokenizer):
-    compiled = compile_schema(parse_schema((SCHEMAS / "code_review.xml").read_text()), tokenizer, tokenizer_id="smollm2")
+    compiled = compile_schema(
+        parse_schema((SCHEMAS / "code_review.xml").read_text()), tokenizer, tokenizer_id="smollm2"
+    )
     shelf = compiled.module("shelf.py")
     assert tokenizer.decode(shelf.token_ids).startswith("\nclass Shelf:\n    def __init__(self, capacity):\n")
     loans = compiled.module("loans.py")
@@ -186,7 +188,9 @@ def test_schema_hash_is_stable_and_ignores_formatting(chars):
     c = _compile('<schema name="s"><module name="m">Hello!</module></schema>', chars)
     assert a.schema_hash == b.schema_hash != c.schema_hash
     assert len(a.schema_hash) == 64
-    other = compile_schema(parse_schema('<schema name="s"><module name="m">Hello</module></schema>'), chars, tokenizer_id="other")
+    other = compile_schema(
+        parse_schema('<schema name="s"><module name="m">Hello</module></schema>'), chars, tokenizer_id="other"
+    )
     assert other.schema_hash != a.schema_hash
 
 

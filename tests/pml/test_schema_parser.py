@@ -61,7 +61,9 @@ def test_whitespace_rule_dedents_code_and_keeps_relative_indentation():
 
 
 def test_first_line_on_the_tag_line_and_indented_rest():
-    schema = parse_schema('<schema name="s"><module name="m">First line\n      second\n        third\n   </module></schema>')
+    schema = parse_schema(
+        '<schema name="s"><module name="m">First line\n      second\n        third\n   </module></schema>'
+    )
     assert schema.body[0].body == (Text("First line\nsecond\n  third"),)
 
 
@@ -125,7 +127,12 @@ def _semantic(text, **kwargs):
         ('<schema name="s"><module name="9x"/></schema>', "not a valid name", 1, 18),
         ('<schema name="s"><module name="user"/></schema>', "reserved", 1, 18),
         ('<schema name="s"><module name="m"><param name="p"/></module></schema>', "missing the 'len'", 1, 35),
-        ('<schema name="s"><module name="m"><parameter name="p" len="2"/></module></schema>', "unknown attribute 'len'", 1, 35),
+        (
+            '<schema name="s"><module name="m"><parameter name="p" len="2"/></module></schema>',
+            "unknown attribute 'len'",
+            1,
+            35,
+        ),
         ('<schema name="s"><module name="m"><param name="p" len="two"/></module></schema>', "positive integer", 1, 35),
         ('<schema name="s"><module name="m"><param name="p" len="0"/></module></schema>', "between 1 and", 1, 35),
         ('<schema name="s"><module name="m" cache="no"/></schema>', "cache must be", 1, 18),
@@ -144,15 +151,19 @@ def test_syntax_errors_carry_line_and_column(text, message, line, column):
 
 
 def test_duplicate_module_names_in_one_scope_name_the_module():
-    error = _semantic('<schema name="s"><module name="p"><module name="a"/><union><module name="a"/></union></module></schema>')
+    error = _semantic(
+        '<schema name="s"><module name="p"><module name="a"/><union><module name="a"/></union></module></schema>'
+    )
     assert error.module == "p/a"
     assert "defined twice" in str(error)
     assert error.line == 1
 
 
 def test_same_module_name_in_different_scopes_is_fine():
-    parse_schema('<schema name="s"><module name="a"><module name="x"/></module>'
-                 '<module name="b"><module name="x"/></module></schema>')
+    parse_schema(
+        '<schema name="s"><module name="a"><module name="x"/></module>'
+        '<module name="b"><module name="x"/></module></schema>'
+    )
 
 
 def test_duplicate_parameters_name_module_and_parameter():
@@ -169,7 +180,9 @@ def test_parameter_outside_modules_is_refused():
 
 
 def test_union_scaffold_must_name_a_member():
-    error = _semantic('<schema name="s"><module name="m"><union scaffold="z"><module name="a"/></union></module></schema>')
+    error = _semantic(
+        '<schema name="s"><module name="m"><union scaffold="z"><module name="a"/></union></module></schema>'
+    )
     assert error.module == "m/z"
 
 
@@ -182,7 +195,13 @@ class TestSrc:
 
     @pytest.mark.parametrize(
         "src, reason",
-        [("/etc/passwd", "relative path"), ("../x.py", "relative path"), ("lib/../../x", "relative path"), ("", "relative path"), ("missing.py", "not a file")],
+        [
+            ("/etc/passwd", "relative path"),
+            ("../x.py", "relative path"),
+            ("lib/../../x", "relative path"),
+            ("", "relative path"),
+            ("missing.py", "not a file"),
+        ],
     )
     def test_refused_paths_name_the_module(self, tmp_path, src, reason):
         error = _semantic(f'<schema name="s"><module name="m" src="{src}"/></schema>', src_dir=tmp_path)

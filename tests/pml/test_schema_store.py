@@ -102,6 +102,7 @@ def test_more_corrupt_store_modes_cost_one_recompute(tiny_llama, tmp_path, mode)
         from safetensors.torch import load_file, save_file
 
         from kvreuse.pml.schema_store import _checksum
+
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
         tensors = load_file(str(path))
@@ -109,10 +110,11 @@ def test_more_corrupt_store_modes_cost_one_recompute(tiny_llama, tmp_path, mode)
         save_file(tensors, str(path), metadata={**meta, "checksum": _checksum(tensors)})
     else:
         import struct
+
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
         header = b"[]".ljust(n)
-        path.write_bytes(raw[:8] + header + raw[8 + n:])
+        path.write_bytes(raw[:8] + header + raw[8 + n :])
     restarted = make(tiny_llama, schema_dir=str(tmp_path))
     infos = restarted.engine.restored_schemas
     assert [i.name for i in infos] == ["s"], "the schema must be restored (recomputed), not dropped"

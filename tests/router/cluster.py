@@ -49,12 +49,29 @@ class Proc:
             return f.read()[-3000:]
 
 
-def executor(port: int, log_dir: str, model: str = "tiny:llama", *, kv_cache_memory: float = 0.01,
-             max_model_len: int = 1024) -> Proc:
-    return Proc(["serve", "--model", model, "--port", str(port), "--device", "cpu",
-                 "--kv-cache-memory", str(kv_cache_memory), "--max-model-len", str(max_model_len),
-                 "--event-buffer-max-size", "10000", "--log-level", "warning"],
-                f"{log_dir}/executor-{port}.log")
+def executor(
+    port: int, log_dir: str, model: str = "tiny:llama", *, kv_cache_memory: float = 0.01, max_model_len: int = 1024
+) -> Proc:
+    return Proc(
+        [
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            str(kv_cache_memory),
+            "--max-model-len",
+            str(max_model_len),
+            "--event-buffer-max-size",
+            "10000",
+            "--log-level",
+            "warning",
+        ],
+        f"{log_dir}/executor-{port}.log",
+    )
 
 
 def router(port: int, executor_urls: list[str], log_dir: str, *extra: str) -> Proc:

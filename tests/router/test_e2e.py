@@ -59,14 +59,22 @@ def cluster(tmp_path_factory):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     execs = {url: executor(port, logs).start() for url, port in zip(urls, ports)}
     kv_port, rr_port = free_port(), free_port()
-    state = {"urls": urls, "execs": execs, "ports": dict(zip(urls, ports)), "logs": logs,
-             "kv": f"http://127.0.0.1:{kv_port}", "rr": f"http://127.0.0.1:{rr_port}"}
+    state = {
+        "urls": urls,
+        "execs": execs,
+        "ports": dict(zip(urls, ports)),
+        "logs": logs,
+        "kv": f"http://127.0.0.1:{kv_port}",
+        "rr": f"http://127.0.0.1:{rr_port}",
+    }
     routers = []
     try:
         for url in urls:  # before the routers, which wait only --startup-timeout for their executors
             wait_healthy(url, list(execs.values()), timeout=300)
-        routers += [router(kv_port, urls, logs, "--seed", "0").start(),
-                    router(rr_port, urls, logs, "--routing-policy", "round_robin").start()]
+        routers += [
+            router(kv_port, urls, logs, "--seed", "0").start(),
+            router(rr_port, urls, logs, "--routing-policy", "round_robin").start(),
+        ]
         procs = [*execs.values(), *routers]
         wait_healthy(state["kv"], procs, all_of=3)
         wait_healthy(state["rr"], procs, all_of=3)

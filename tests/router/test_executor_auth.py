@@ -41,8 +41,15 @@ def executor_url(tiny_llama):
     engine = AsyncEngine(LLMEngine(config, tiny_llama, events=EventBuffer(10_000)))
     engine.start()  # build_app only builds
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key=KEY, served_model_name="tiny"), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, api_key=KEY, served_model_name="tiny"),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -65,11 +72,13 @@ def test_start_without_or_with_a_wrong_key_says_so(executor_url, monkeypatch, ca
     assert route_main(argv) == 2
     assert capsys.readouterr().err.strip() == (
         f"kvreuse route: {executor_url} requires an API key (401): start the router with --executor-api-key KEY "
-        "(or KVREUSE_EXECUTOR_API_KEY), the key the executor was started with (--api-key)")
+        "(or KVREUSE_EXECUTOR_API_KEY), the key the executor was started with (--api-key)"
+    )
     assert route_main([*argv, "--executor-api-key", "not-the-key"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"kvreuse route: {executor_url} refused the router's API key (401): the key given with "
-        "--executor-api-key (or KVREUSE_EXECUTOR_API_KEY) is wrong")
+        "--executor-api-key (or KVREUSE_EXECUTOR_API_KEY) is wrong"
+    )
     monkeypatch.setenv(EXECUTOR_API_KEY_ENV, KEY)
     assert build_parser().parse_args(argv).executor_api_key == KEY
     assert build_parser().parse_args([*argv, "--executor-api-key", "k2"]).executor_api_key == "k2"
@@ -91,19 +100,30 @@ def test_the_key_serves_the_routers_calls_and_never_the_clients(executor_url):
             assert "requires an API key (401)" in keyless.last_error
 
             executor = Executor(executor_url, info)
-            router = Router([executor], PromptHasher(None, info.settings), make_policy("kv"), client=client,
-                            health_interval_s=3600.0, executor_api_key=KEY)
+            router = Router(
+                [executor],
+                PromptHasher(None, info.settings),
+                make_policy("kv"),
+                client=client,
+                health_interval_s=3600.0,
+                executor_api_key=KEY,
+            )
             await router.probe(executor)
             assert executor.healthy and executor.last_error is None
             router.start()
             try:
                 # A client without a key is refused by the executor: the router does not lend its own.
-                refused = await forward(router, "/v1/completions", body, {"content-type": "application/json"},
-                                        chat=False)
+                refused = await forward(
+                    router, "/v1/completions", body, {"content-type": "application/json"}, chat=False
+                )
                 assert refused.status_code == 401
-                served = await forward(router, "/v1/completions", body,
-                                       {"content-type": "application/json", "authorization": f"Bearer {KEY}"},
-                                       chat=False)
+                served = await forward(
+                    router,
+                    "/v1/completions",
+                    body,
+                    {"content-type": "application/json", "authorization": f"Bearer {KEY}"},
+                    chat=False,
+                )
                 assert served.status_code == 200
                 assert executor.in_flight == 0
                 # The KV state and event stream (both under /v1) are read with the router's key.

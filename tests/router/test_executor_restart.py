@@ -31,8 +31,14 @@ URL = "http://x"
 
 
 def _info_json(instance_id: str | None, events: dict) -> dict:
-    return {"model": "m", "model_id": "m", "block_size": BS, "hash_algorithm": "sha256",
-            "events": {"http": True, **events}, "instance_id": instance_id}
+    return {
+        "model": "m",
+        "model_id": "m",
+        "block_size": BS,
+        "hash_algorithm": "sha256",
+        "events": {"http": True, **events},
+        "instance_id": instance_id,
+    }
 
 
 class FakeExecutor:
@@ -97,8 +103,13 @@ def test_a_restarted_executor_is_reindexed_from_its_new_snapshot(tmp_path):
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)) as client:
             executor = Executor(URL, fake.info())
-            router = Router([executor], PromptHasher(None, HashSettings("m", BS, "sha256")), make_policy("kv"),
-                            client=client, health_interval_s=3600.0)
+            router = Router(
+                [executor],
+                PromptHasher(None, HashSettings("m", BS, "sha256")),
+                make_policy("kv"),
+                client=client,
+                health_interval_s=3600.0,
+            )
             index = router.index
             await router.probe(executor)  # as the app's lifespan does before start()
             router.start()
@@ -158,8 +169,13 @@ def _feed_kind(events: dict, url: str = "http://10.0.0.2:8000") -> SSEFeed | Zmq
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
             executor = Executor(url, ExecutorInfo.from_json(url, _info_json("i", events)), healthy=True)
-            router = Router([executor], PromptHasher(None, HashSettings("m", BS, "sha256")), make_policy("kv"),
-                            client=client, health_interval_s=3600.0)
+            router = Router(
+                [executor],
+                PromptHasher(None, HashSettings("m", BS, "sha256")),
+                make_policy("kv"),
+                client=client,
+                health_interval_s=3600.0,
+            )
             router.start()
             await router.stop()
             return router.feeds[url]

@@ -18,8 +18,9 @@ from .test_index import BS, _fill
 
 
 def _info(url: str, model_id: str = "m@1", block_size: int = 16, algo: str = "sha256") -> ExecutorInfo:
-    return ExecutorInfo.from_json(url, {"model": "m", "model_id": model_id, "block_size": block_size,
-                                        "hash_algorithm": algo})
+    return ExecutorInfo.from_json(
+        url, {"model": "m", "model_id": model_id, "block_size": block_size, "hash_algorithm": algo}
+    )
 
 
 def test_incompatible_executors_are_refused_with_every_value():
@@ -33,8 +34,10 @@ def test_incompatible_executors_are_refused_with_every_value():
 
 
 def test_load_gauges_are_read_from_metrics():
-    text = ('# HELP x\nkvreuse:num_blocks_used{model_name="m"} 12.0\n'
-            'kvreuse:num_requests_waiting{model_name="m"} 3.0\nkvreuse:num_blocks_free 5.0\n')
+    text = (
+        '# HELP x\nkvreuse:num_blocks_used{model_name="m"} 12.0\n'
+        'kvreuse:num_requests_waiting{model_name="m"} 3.0\nkvreuse:num_blocks_free 5.0\n'
+    )
     assert parse_load_metrics(text) == {"num_blocks_used": 12.0, "num_requests_waiting": 3.0}
 
 

@@ -44,8 +44,14 @@ def _call(requests, *, api_key=KEY, executor_key=EXECUTOR_KEY):
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
             hasher = _CountingHasher()
-            router = Router([Executor("http://a", healthy=True)], hasher, make_policy("kv"), client=upstream,
-                            seed=0, executor_api_key=executor_key)
+            router = Router(
+                [Executor("http://a", healthy=True)],
+                hasher,
+                make_policy("kv"),
+                client=upstream,
+                seed=0,
+                executor_api_key=executor_key,
+            )
             app = build_router_app(router, api_key=api_key, max_body_bytes=LIMIT)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
                 out = [await c.request(m, p, content=b, headers=h) for m, p, b, h in requests]
@@ -61,18 +67,28 @@ def _bearer(key: str) -> dict[str, str]:
 
 def test_an_oversized_body_gets_the_executors_413_before_the_key_or_any_work():
     big = b'{"prompt": "' + b"x" * (LIMIT + 1) + b'"}'
-    (declared, keyed), seen, calls = _call([("POST", "/v1/completions", big, {}),
-                                            ("POST", "/v1/chat/completions", big, _bearer(KEY))])
+    (declared, keyed), seen, calls = _call(
+        [("POST", "/v1/completions", big, {}), ("POST", "/v1/chat/completions", big, _bearer(KEY))]
+    )
     for r in (declared, keyed):
         assert r.status_code == 413
-        assert r.json() == {"error": {"message": f"request body exceeds the {LIMIT}-byte limit",
-                                      "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+        assert r.json() == {
+            "error": {
+                "message": f"request body exceeds the {LIMIT}-byte limit",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
     assert (seen, calls) == ([], 0)
 
 
 def test_without_the_key_nothing_is_tokenized_or_sent_and_explain_and_openapi_are_closed():
-    requests = [("POST", path, BODY, hdrs) for path in ("/v1/completions", "/v1/route/explain")
-                for hdrs in ({}, _bearer("wrong"))]
+    requests = [
+        ("POST", path, BODY, hdrs)
+        for path in ("/v1/completions", "/v1/route/explain")
+        for hdrs in ({}, _bearer("wrong"))
+    ]
     requests += [("GET", "/openapi.json", b"", {}), ("GET", "/v1/models", b"", {})]
     responses, seen, calls = _call(requests)
     for r in responses:
@@ -85,9 +101,13 @@ def test_without_the_key_nothing_is_tokenized_or_sent_and_explain_and_openapi_ar
 
 
 def test_with_the_key_explain_answers_and_the_executor_gets_the_routers_executor_key():
-    (explained, served, spec), seen, calls = _call([
-        ("POST", "/v1/route/explain", BODY, _bearer(KEY)), ("POST", "/v1/completions", BODY, _bearer(KEY)),
-        ("GET", "/openapi.json", b"", _bearer(KEY))])
+    (explained, served, spec), seen, calls = _call(
+        [
+            ("POST", "/v1/route/explain", BODY, _bearer(KEY)),
+            ("POST", "/v1/completions", BODY, _bearer(KEY)),
+            ("GET", "/openapi.json", b"", _bearer(KEY)),
+        ]
+    )
     assert explained.status_code == 200 and explained.json()["prompt_blocks"] == 2
     assert served.status_code == 200 and served.json() == {"choices": [{"text": "ok"}]}
     assert spec.status_code == 200 and spec.json()["info"]["title"] == "kvreuse router"
@@ -111,8 +131,9 @@ def test_bodies_that_do_not_parse_get_a_400_naming_the_body_and_reach_no_executo
         responses, seen, calls = _call([("POST", path, body, _bearer(KEY)) for body in cases])
         for r, message in zip(responses, cases.values()):
             assert r.status_code == 400, r.text
-            assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                          "code": None}}
+            assert r.json() == {
+                "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+            }
         assert (seen, calls) == ([], 0)
 
 
@@ -128,14 +149,21 @@ def test_a_tenant_keys_requests_are_hashed_explained_and_forwarded_with_the_tena
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
             hasher = PromptHasher(None, HashSettings("m", 4, "sha256"))
-            router = Router([Executor("http://a", healthy=True)], hasher, make_policy("kv"), client=upstream,
-                            seed=0, executor_api_key=EXECUTOR_KEY)
+            router = Router(
+                [Executor("http://a", healthy=True)],
+                hasher,
+                make_policy("kv"),
+                client=upstream,
+                seed=0,
+                executor_api_key=EXECUTOR_KEY,
+            )
             # acme's blocks of this prompt are in the index; nobody else's are
             router.index.store("http://a", hasher.keys(prompt["prompt"], "tenant:acme"))
             app = build_router_app(router, api_key=[KEY, "acme-key:acme"], max_body_bytes=LIMIT)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
-                served = await c.post("/v1/completions", json={**prompt, "cache_salt": "x"},
-                                      headers=_bearer("acme-key"))
+                served = await c.post(
+                    "/v1/completions", json={**prompt, "cache_salt": "x"}, headers=_bearer("acme-key")
+                )
                 plain = await c.post("/v1/completions", json=prompt, headers=_bearer("acme-key"))
                 admin = await c.post("/v1/completions", json=prompt, headers=_bearer(KEY))
                 explained = await c.post("/v1/route/explain", json=prompt, headers=_bearer("acme-key"))
@@ -148,7 +176,6 @@ def test_a_tenant_keys_requests_are_hashed_explained_and_forwarded_with_the_tena
     # explain sees acme's blocks only under acme's key: another key learns nothing of them
     assert [e["overlap_blocks"] for e in explained.json()["executors"]] == [2]
     assert [e["overlap_blocks"] for e in as_admin.json()["executors"]] == [0]
-
 
 
 def test_a_routed_response_names_its_executor_to_an_admin_key_only():

@@ -41,7 +41,9 @@ def test_remote_blocks_count_for_every_executor_of_the_store_at_the_remote_weigh
     assert index.overlaps(KEYS, list("abcd"), W) == {
         "a": float(sum([W["GPU"], W["GPU"], W["GPU"], W["REMOTE"]])),  # its own best level per block
         "b": float(sum([W["GPU"], W["REMOTE"], W["REMOTE"], W["REMOTE"]])),  # 1 on its device, 2-4 through the store
-        "c": 0.0, "d": 0.0}
+        "c": 0.0,
+        "d": 0.0,
+    }
     assert index.reach(2) == index.mirror("a").bit | index.mirror("b").bit
     assert index.reachable_levels("b", 1) == {"GPU", "REMOTE"} and index.reachable_levels("c", 1) == frozenset()
     assert index.level_of("a", 1) == "GPU" and index.level_of("b", 2) is None  # its own levels only
@@ -110,10 +112,30 @@ PROMPT = " ".join(f"clause number {i} of the shared system prompt;" for i in ran
 
 
 def tiered_executor(port: int, log_dir: str, redis_url: str) -> Proc:
-    return Proc(["serve", "--model", "tiny:llama", "--port", str(port), "--device", "cpu",
-                 "--kv-cache-memory", "0.01", "--host-cache-memory", "0.01", "--max-model-len", "1024",
-                 "--remote-cache", redis_url, "--event-buffer-max-size", "10000", "--log-level", "warning"],
-                f"{log_dir}/executor-{port}.log")
+    return Proc(
+        [
+            "serve",
+            "--model",
+            "tiny:llama",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            "0.01",
+            "--host-cache-memory",
+            "0.01",
+            "--max-model-len",
+            "1024",
+            "--remote-cache",
+            redis_url,
+            "--event-buffer-max-size",
+            "10000",
+            "--log-level",
+            "warning",
+        ],
+        f"{log_dir}/executor-{port}.log",
+    )
 
 
 @pytest.fixture(scope="module")

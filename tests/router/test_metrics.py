@@ -42,11 +42,18 @@ def test_decisions_retries_and_blocks_are_counted_exactly():
 
     statuses, text = asyncio.run(run())
     assert statuses == [200, 200, 200]
-    m = {(s.name, frozenset(s.labels.items())): s.value
-         for family in text_string_to_metric_families(text) for s in family.samples}
+    m = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     # Round robin offers a first every time (its turn advances per decision); a's 503 sends each to b.
-    assert m[("kvreuse:router_decisions_total", frozenset({"executor": "http://a", "policy": "round_robin"}.items()))] == 3
-    assert m[("kvreuse:router_decisions_total", frozenset({"executor": "http://b", "policy": "round_robin"}.items()))] == 3
+    assert (
+        m[("kvreuse:router_decisions_total", frozenset({"executor": "http://a", "policy": "round_robin"}.items()))] == 3
+    )
+    assert (
+        m[("kvreuse:router_decisions_total", frozenset({"executor": "http://b", "policy": "round_robin"}.items()))] == 3
+    )
     assert m[("kvreuse:router_retries_total", frozenset())] == 3
     assert m[("kvreuse:router_prompt_blocks_total", frozenset())] == 6 * 2  # 6 decisions x 2 full blocks
     assert m[("kvreuse:router_overlap_blocks_total", frozenset())] == 0  # nothing indexed yet

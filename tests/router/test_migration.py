@@ -30,8 +30,9 @@ def executor_app(tiny_llama):
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
     from kvreuse.server.api_server import build_app
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.02, block_size=16, max_model_len=512,
-                                                max_num_seqs=8), tiny_llama))
+    engine = AsyncEngine(
+        LLMEngine(EngineConfig(kv_cache_memory_gib=0.02, block_size=16, max_model_len=512, max_num_seqs=8), tiny_llama)
+    )
     engine.start()
     yield build_app(engine, served_model_name="tiny")
     engine.shutdown()
@@ -81,20 +82,37 @@ def _tokenizer(info):
     return _TOKENIZERS[info.model_id]
 
 
-def _scenario(app, calls, *, cuts=(), limit=3, executors=NAMES, api_key=None, limiter=None, transport_type=None,
-              deadlines=DEFAULT_DEADLINES):
+def _scenario(
+    app,
+    calls,
+    *,
+    cuts=(),
+    limit=3,
+    executors=NAMES,
+    api_key=None,
+    limiter=None,
+    transport_type=None,
+    deadlines=DEFAULT_DEADLINES,
+):
     """Run ``calls(http, client)`` against a fresh router over ``executors`` whose streams are
     cut as ``cuts`` says (``api_key``, ``limiter``: the router app's; ``transport_type``: an
     ``_Executors`` that cuts otherwise; ``deadlines``: the router's); returns (what calls
     returned, the transport, the router)."""
+
     async def run():
         transport = (transport_type or _Executors)(app)
         transport.cuts = list(cuts)
         upstream = httpx.AsyncClient(transport=transport)
         infos = [await fetch_info(upstream, name) for name in executors]
-        router = Router([Executor(i.url, i, healthy=True) for i in infos],
-                        PromptHasher(_tokenizer(infos[0]), infos[0].settings), make_policy("round_robin"),
-                        client=upstream, seed=0, migration_limit=limit, deadlines=deadlines)
+        router = Router(
+            [Executor(i.url, i, healthy=True) for i in infos],
+            PromptHasher(_tokenizer(infos[0]), infos[0].settings),
+            make_policy("round_robin"),
+            client=upstream,
+            seed=0,
+            migration_limit=limit,
+            deadlines=deadlines,
+        )
         app_ = build_router_app(router, api_key=api_key, limiter=limiter)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app_), base_url="http://r")
         client = openai.AsyncOpenAI(base_url="http://r/v1", api_key="none", http_client=http, max_retries=0)
@@ -130,14 +148,30 @@ def _reply(events: list, chat: bool) -> dict:
 
 
 def _counts(router) -> dict[str, float]:
-    return {s.labels["outcome"]: s.value for m in router.metrics.migrations.collect() for s in m.samples
-            if s.name.endswith("_total")}
+    return {
+        s.labels["outcome"]: s.value
+        for m in router.metrics.migrations.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
 
 
-COMPLETION = {"prompt": "The migration of a stream, token by token:", "max_tokens": 24, "temperature": 0.0,
-              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-CHAT = {"messages": [{"role": "user", "content": "Continue this stream elsewhere, please."}], "max_tokens": 24,
-        "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+COMPLETION = {
+    "prompt": "The migration of a stream, token by token:",
+    "max_tokens": 24,
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+CHAT = {
+    "messages": [{"role": "user", "content": "Continue this stream elsewhere, please."}],
+    "max_tokens": 24,
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def _post(body: dict, path: str):
@@ -145,6 +179,7 @@ def _post(body: dict, path: str):
         r = await http.post(path, json=body)
         assert r.status_code == 200, r.text
         return r.content
+
     return call
 
 
@@ -172,8 +207,11 @@ def test_every_cut_point_continues_to_the_uninterrupted_reply(executor_app, chat
 
 
 def test_token_ids_and_usage_are_the_clients_when_it_asks(executor_app):
-    body = {**COMPLETION, "return_token_ids": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        **COMPLETION,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     whole = _events(_scenario(executor_app, _post(body, "/v1/completions"))[0])
     reference = _reply(whole, False)
     assert len(reference["ids"]) == 24
@@ -190,7 +228,7 @@ def test_token_ids_and_usage_are_the_clients_when_it_asks(executor_app):
 
 def test_a_stop_string_is_found_across_the_cut_as_without_one(executor_app):
     text = _reply(_events(_scenario(executor_app, _post(COMPLETION, "/v1/completions"))[0]), False)["text"]
-    stop = text[len(text) // 2: len(text) // 2 + 6]  # ends the reply half way
+    stop = text[len(text) // 2 : len(text) // 2 + 6]  # ends the reply half way
     body = {**COMPLETION, "stop": [stop]}
     raw, _, _ = _scenario(executor_app, _post(body, "/v1/completions"))
     whole = _events(raw)
@@ -214,8 +252,13 @@ def test_three_migrations_then_the_limit_ends_the_stream_with_an_error_the_clien
         texts = []
         try:
             async for chunk in await client.chat.completions.create(
-                    model="tiny", messages=CHAT["messages"], max_tokens=24, temperature=0.0, stream=True,
-                    extra_body={"ignore_eos": True}):
+                model="tiny",
+                messages=CHAT["messages"],
+                max_tokens=24,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 texts.append(chunk.choices[0].delta.content or "")
         except openai.APIError as exc:
             return texts, exc
@@ -223,26 +266,37 @@ def test_three_migrations_then_the_limit_ends_the_stream_with_an_error_the_clien
 
     (texts, error), _, router = _scenario(executor_app, read, cuts=[3, 2, 4, 2])
     assert isinstance(error, openai.APIError) and error.body["code"] == "executor_failed"
-    assert "it could not be continued on another executor: the migration limit is reached (--migration-limit 3)" \
+    assert (
+        "it could not be continued on another executor: the migration limit is reached (--migration-limit 3)"
         in error.message
+    )
     assert reference["text"].startswith("".join(texts)) and texts
     assert _counts(router) == {"continued": 3.0, "limit": 1.0}
 
 
-@pytest.mark.parametrize("case,extra,limit,executors,reason", [
-    ("off", {}, 0, NAMES, "migration is off (--migration-limit 0)"),
-    ("alone", {}, 3, NAMES[:1], "no other healthy executor (tried http://a)"),
-    ("n", {"n": 2}, 3, NAMES, "it asks for n = 2 choices (only n = 1 is continued)"),
-    ("logprobs", {"logprobs": 2}, 3, NAMES, "it asks for logprobs (not continued)"),
-])
-def test_a_stream_that_cannot_be_continued_ends_with_an_error_the_client_raises(executor_app, case, extra, limit,
-                                                                                 executors, reason):
+@pytest.mark.parametrize(
+    "case,extra,limit,executors,reason",
+    [
+        ("off", {}, 0, NAMES, "migration is off (--migration-limit 0)"),
+        ("alone", {}, 3, NAMES[:1], "no other healthy executor (tried http://a)"),
+        ("n", {"n": 2}, 3, NAMES, "it asks for n = 2 choices (only n = 1 is continued)"),
+        ("logprobs", {"logprobs": 2}, 3, NAMES, "it asks for logprobs (not continued)"),
+    ],
+)
+def test_a_stream_that_cannot_be_continued_ends_with_an_error_the_client_raises(
+    executor_app, case, extra, limit, executors, reason
+):
     async def read(_http, client):
         texts = []
         try:
             async for chunk in await client.completions.create(
-                    model="tiny", prompt=COMPLETION["prompt"], max_tokens=24, temperature=0.0, stream=True,
-                    extra_body={"ignore_eos": True, **extra}):
+                model="tiny",
+                prompt=COMPLETION["prompt"],
+                max_tokens=24,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True, **extra},
+            ):
                 texts.append(chunk.choices[0].text)
         except openai.APIError as exc:
             return texts, exc
@@ -251,7 +305,9 @@ def test_a_stream_that_cannot_be_continued_ends_with_an_error_the_client_raises(
     (texts, error), _, router = _scenario(executor_app, read, cuts=[3], limit=limit, executors=executors)
     assert texts and isinstance(error, openai.APIError)
     failure = "the executor serving this stream (http://a) failed mid-response: the connection broke (ReadError); "
-    assert error.message == f"{failure}it could not be continued on another executor: {reason}; the output is incomplete"
+    assert (
+        error.message == f"{failure}it could not be continued on another executor: {reason}; the output is incomplete"
+    )
     assert router.metrics.streams_cut._value.get() == 1
     outcome = {"off": "limit", "alone": "no_executor"}.get(case, "unsupported")
     assert _counts(router) == {outcome: 1.0}
@@ -292,8 +348,13 @@ def test_a_pml_prompt_is_not_continued_and_says_why(executor_app):
         texts = []
         try:
             async for chunk in await client.completions.create(
-                    model="tiny", prompt='<prompt schema="migr"><doc/><user>Why?</user></prompt>', max_tokens=24,
-                    temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+                model="tiny",
+                prompt='<prompt schema="migr"><doc/><user>Why?</user></prompt>',
+                max_tokens=24,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 texts.append(chunk.choices[0].text)
         except openai.APIError as exc:
             return texts, exc
@@ -306,8 +367,10 @@ def test_a_pml_prompt_is_not_continued_and_says_why(executor_app):
     asyncio.run(register())
     (texts, error), _, router = _scenario(executor_app, calls, cuts=[3])
     assert texts and isinstance(error, openai.APIError)
-    assert "it could not be continued on another executor: the executor sent no prompt_token_ids (a PML prompt" \
+    assert (
+        "it could not be continued on another executor: the executor sent no prompt_token_ids (a PML prompt"
         in error.message
+    )
     assert _counts(router) == {"unsupported": 1.0}
 
 
@@ -316,10 +379,13 @@ def test_a_tenant_is_charged_the_whole_migrated_reply(executor_app):
     from kvreuse.api.tenant_limits import Limits, TenantLimits
 
     text = _reply(_events(_scenario(executor_app, _post(COMPLETION, "/v1/completions"))[0]), False)["text"]
-    body = {**{k: v for k, v in COMPLETION.items() if k != "stream_options"},  # the client asks for no usage
-            "stop": [text[len(text) // 2: len(text) // 2 + 6]]}  # ends early: usage < the reservation
-    whole = _events(_scenario(executor_app, _post({**body, "stream_options": {"include_usage": True}},
-                                                  "/v1/completions"))[0])
+    body = {
+        **{k: v for k, v in COMPLETION.items() if k != "stream_options"},  # the client asks for no usage
+        "stop": [text[len(text) // 2 : len(text) // 2 + 6]],
+    }  # ends early: usage < the reservation
+    whole = _events(
+        _scenario(executor_app, _post({**body, "stream_options": {"include_usage": True}}, "/v1/completions"))[0]
+    )
     usage = _reply(whole, False)["usage"]
     total = usage["total_tokens"]
     assert usage["completion_tokens"] < 24
@@ -346,8 +412,9 @@ class _CutBeforeDone(_Executors):
         self.streams.append((f"http://{request.url.host}", request.url.path, json.loads(request.content)))
         data = await response.aread()
         assert data.endswith(b"data: [DONE]\n\n")
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              stream=_Breaking(data[: -len(b"data: [DONE]\n\n")]))
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Breaking(data[: -len(b"data: [DONE]\n\n")])
+        )
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -367,6 +434,7 @@ def test_a_reply_cut_after_its_usage_chunk_gets_one_usage_chunk(executor_app, ch
 def test_a_continuation_carries_the_tenants_salt(executor_app, salt):
     """A tenant key's continuation has the salt its first request had (isolation)."""
     from kvreuse.api.tenants import tenant_salt
+
     body = {**COMPLETION, **({"cache_salt": salt} if salt else {})}
 
     async def call(http, _client):

@@ -42,17 +42,22 @@ def cluster(tmp_path_factory):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     names = {"mig": free_port(), "off": free_port(), "alone": free_port()}
-    state = {"urls": urls, "execs": {url: executor(port, logs).start() for url, port in zip(urls, ports)},
-             "ports": dict(zip(urls, ports)), "logs": logs,
-             **{k: f"http://127.0.0.1:{p}" for k, p in names.items()}}
+    state = {
+        "urls": urls,
+        "execs": {url: executor(port, logs).start() for url, port in zip(urls, ports)},
+        "ports": dict(zip(urls, ports)),
+        "logs": logs,
+        **{k: f"http://127.0.0.1:{p}" for k, p in names.items()},
+    }
     routers = []
     try:
         for url in urls:  # before the routers, which wait only so long for their executors
             wait_healthy(url, list(state["execs"].values()), timeout=300)
-        routers += [router(names["mig"], urls, logs, "--routing-policy", "round_robin").start(),
-                    router(names["off"], urls, logs, "--migration-limit", "0", "--routing-policy",
-                           "round_robin").start(),
-                    router(names["alone"], urls[:1], logs).start()]
+        routers += [
+            router(names["mig"], urls, logs, "--routing-policy", "round_robin").start(),
+            router(names["off"], urls, logs, "--migration-limit", "0", "--routing-policy", "round_robin").start(),
+            router(names["alone"], urls[:1], logs).start(),
+        ]
         procs = [*state["execs"].values(), *routers]
         wait_healthy(state["mig"], procs, all_of=2)
         wait_healthy(state["off"], procs, all_of=2)
@@ -70,8 +75,12 @@ def _restart(cluster, url: str) -> None:
 
 def _stream(url: str, path: str, body: dict, progress=None) -> tuple[str, list]:
     """(executor, events) of one streamed request; ``progress(executor, n)`` after each event."""
-    with httpx.stream("POST", url + path, json={**body, **GREEDY, "stream": True,
-                                                "stream_options": {"include_usage": True}}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        url + path,
+        json={**body, **GREEDY, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200, r.read()
         served_by, events = r.headers[EXECUTOR_HEADER], []
         for line in r.iter_lines():
@@ -92,8 +101,12 @@ def _reply(events: list, chat: bool) -> dict:
             text += (c["delta"].get("content") or "") if chat else c["text"]
             finish = c["finish_reason"] or finish
     usage = events[-2]["usage"]
-    return {"text": text, "finish": finish, "prompt_tokens": usage["prompt_tokens"],
-            "completion_tokens": usage["completion_tokens"]}
+    return {
+        "text": text,
+        "finish": finish,
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+    }
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -132,6 +145,7 @@ def test_an_executor_killed_mid_reply_costs_no_request_and_changes_no_reply(clus
                 progress[i] = (served_by, n)
                 if len(progress) == len(REQUESTS) and all(n >= 3 for _, n in progress.values()):
                     started.set()  # every stream has its role/first chunks
+
         return seen
 
     with ThreadPoolExecutor(len(REQUESTS) + 1) as pool:
@@ -172,10 +186,14 @@ def test_without_migration_or_another_executor_the_openai_client_raises(cluster)
     def read(name: str) -> None:
         client = openai.OpenAI(base_url=cluster[name] + "/v1", api_key="none", max_retries=0)
         while True:  # round robin: the first executor's turn comes within two requests
-            raw = client.completions.with_raw_response.create(model=client.models.list().data[0].id,
-                                                              prompt=_prompt(20), stream=True,
-                                                              max_tokens=MAX_TOKENS, temperature=0.0,
-                                                              extra_body={"ignore_eos": True})
+            raw = client.completions.with_raw_response.create(
+                model=client.models.list().data[0].id,
+                prompt=_prompt(20),
+                stream=True,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
             if raw.headers[EXECUTOR_HEADER] == first:
                 break
             raw.parse().close()
@@ -195,9 +213,12 @@ def test_without_migration_or_another_executor_the_openai_client_raises(cluster)
     for t in threads:
         t.join(120)
     cut = f"the executor serving this stream ({first}) failed mid-response: "
-    for name, reason in (("off", "migration is off (--migration-limit 0)"),
-                         ("alone", f"no other healthy executor (tried {first})")):
+    for name, reason in (
+        ("off", "migration is off (--migration-limit 0)"),
+        ("alone", f"no other healthy executor (tried {first})"),
+    ):
         assert got[name] and name in errors, (name, got[name][-3:])
         assert errors[name].body["code"] == "executor_failed" and errors[name].message.startswith(cut)
-        assert f"it could not be continued on another executor: {reason}; the output is incomplete" \
-            in errors[name].message
+        assert (
+            f"it could not be continued on another executor: {reason}; the output is incomplete" in errors[name].message
+        )

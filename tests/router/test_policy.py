@@ -62,14 +62,40 @@ def test_route_refuses_a_nan_weight_before_looking_for_executors(capsys, monkeyp
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", root.level)  # route_main sets the root level; put it back after
     # Port 1 answers nobody: were the weight checked after discovery, the error would be "no executor answered".
-    assert route_main(["--executor", "http://127.0.0.1:1", "--overlap-weight", "nan", "--startup-timeout", "0",
-                       "--log-level", "warning"]) == 2
+    assert (
+        route_main(
+            [
+                "--executor",
+                "http://127.0.0.1:1",
+                "--overlap-weight",
+                "nan",
+                "--startup-timeout",
+                "0",
+                "--log-level",
+                "warning",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == "kvreuse route: --overlap-weight must be a finite number >= 0, got nan"
 
 
 def test_route_refuses_a_negative_migration_limit_before_looking_for_executors(capsys, monkeypatch):
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", root.level)
-    assert route_main(["--executor", "http://127.0.0.1:1", "--migration-limit", "-1", "--startup-timeout", "0",
-                       "--log-level", "warning"]) == 2
+    assert (
+        route_main(
+            [
+                "--executor",
+                "http://127.0.0.1:1",
+                "--migration-limit",
+                "-1",
+                "--startup-timeout",
+                "0",
+                "--log-level",
+                "warning",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == "kvreuse route: --migration-limit must be >= 0 (0: off), got -1"

@@ -59,4 +59,5 @@ def test_token_ids_outside_int64_get_no_keys():
     # The int64 range itself still hashes.
     edge = [2**63 - 1] * BS + [-(2**63)] * BS
     assert hasher.request_keys(False, {"prompt": edge}) == RequestKeys(
-        2 * BS, [index_key(h) for h in hash_token_blocks(edge, BS, model_id="m")])
+        2 * BS, [index_key(h) for h in hash_token_blocks(edge, BS, model_id="m")]
+    )

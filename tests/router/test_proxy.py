@@ -24,8 +24,9 @@ JSON = {"content-type": "application/json"}
 
 def _router(client: httpx.AsyncClient, names=("a",), policy: str = "kv") -> Router:
     executors = [Executor(f"http://{n}", healthy=True) for n in names]
-    return Router(executors, PromptHasher(None, HashSettings("m", BS, "sha256")), make_policy(policy),
-                  client=client, seed=0)
+    return Router(
+        executors, PromptHasher(None, HashSettings("m", BS, "sha256")), make_policy(policy), client=client, seed=0
+    )
 
 
 def _client_request() -> tuple[Request, asyncio.Event]:
@@ -160,8 +161,12 @@ def test_explain_does_not_move_round_robin():
                     pairs.append((explained, served))
             return pairs
 
-    assert asyncio.run(scenario()) == [("http://a", "http://a"), ("http://b", "http://b"),
-                                       ("http://a", "http://a"), ("http://b", "http://b")]
+    assert asyncio.run(scenario()) == [
+        ("http://a", "http://a"),
+        ("http://b", "http://b"),
+        ("http://a", "http://a"),
+        ("http://b", "http://b"),
+    ]
 
 
 class _Events(httpx.AsyncByteStream):
@@ -190,7 +195,9 @@ def test_a_routed_body_is_parsed_once_and_forwarded_as_parsed(monkeypatch):
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(json.loads(request.content))
         if seen[-1].get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Events(b"data: [DONE]\n\n"))
+            return httpx.Response(
+                200, headers={"content-type": "text/event-stream"}, stream=_Events(b"data: [DONE]\n\n")
+            )
         return httpx.Response(200, json={"choices": [{"text": "ok"}]})
 
     stream = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "stream": True}).encode()
@@ -207,6 +214,10 @@ def test_a_routed_body_is_parsed_once_and_forwarded_as_parsed(monkeypatch):
     assert (plain.status_code, streamed.status_code, streamed.content) == (200, 200, b"data: [DONE]\n\n")
     assert parsed == [RAW, stream]  # once per request, by the app
     assert seen[0] == json.loads(RAW)
-    assert seen[1] == {"prompt": [1, 2, 3], "max_tokens": 1, "stream": True,
-                       "return_token_ids": True,
-                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert seen[1] == {
+        "prompt": [1, 2, 3],
+        "max_tokens": 1,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }

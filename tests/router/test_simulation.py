@@ -18,8 +18,9 @@ def _trace(tmp_path, conversations: int = 7, turns: int = 6):
             prompts[c] = prompts[c] + list(range(next_id, next_id + 3))
             next_id += 3
             ts = (t * conversations + c) * 1000
-            lines.append({"timestamp": ts, "input_length": 4 * len(prompts[c]), "output_length": 400,
-                          "hash_ids": prompts[c]})
+            lines.append(
+                {"timestamp": ts, "input_length": 4 * len(prompts[c]), "output_length": 400, "hash_ids": prompts[c]}
+            )
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
     return read_trace(path, block_tokens=4)

@@ -21,8 +21,13 @@ from kvreuse.router.router import Router
 
 
 def _event(text: str) -> bytes:
-    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+    chunk = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+    }
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
@@ -41,13 +46,20 @@ class _Body(httpx.AsyncByteStream):
 
 def _stream(chunks: list[bytes], *, breaks: bool):
     """What the official client and a raw reader see of one routed streamed completion."""
+
     def handle(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Body(chunks, breaks))
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
-            router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
-                            make_policy("kv"), client=upstream, seed=0, migration_limit=0)
+            router = Router(
+                [Executor("http://a", healthy=True)],
+                PromptHasher(None, HashSettings("m", 4, "sha256")),
+                make_policy("kv"),
+                client=upstream,
+                seed=0,
+                migration_limit=0,
+            )
             app = build_router_app(router)
             http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
             raw = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, "stream": True})
@@ -56,8 +68,9 @@ def _stream(chunks: list[bytes], *, breaks: bool):
             client = openai.AsyncOpenAI(base_url="http://router/v1", api_key="none", http_client=http, max_retries=0)
             texts, error = [], None
             try:
-                async for chunk in await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=8,
-                                                                   stream=True):
+                async for chunk in await client.completions.create(
+                    model="tiny", prompt=[1, 2, 3], max_tokens=8, stream=True
+                ):
                     texts.append(chunk.choices[0].text)
             except openai.APIError as exc:
                 error = exc
@@ -72,11 +85,16 @@ def test_a_stream_cut_mid_response_ends_with_an_error_event_the_client_raises(br
     half = _event("never")[:25]  # an event cut in the middle is dropped, never half-sent
     raw, texts, error, router, marked_down = _stream([_event("Hello"), _event(" wor") + half], breaks=breaks)
     failure = "the connection broke (ReadError)" if breaks else "it closed the stream before [DONE]"
-    message = (f"the executor serving this stream (http://a) failed mid-response: {failure}; it could not be "
-               "continued on another executor: migration is off (--migration-limit 0); the output is incomplete")
+    message = (
+        f"the executor serving this stream (http://a) failed mid-response: {failure}; it could not be "
+        "continued on another executor: migration is off (--migration-limit 0); the output is incomplete"
+    )
     error_event = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
     assert raw.status_code == 200  # headers went out with the first chunk
-    assert raw.content == _event("Hello") + _event(" wor") + f"data: {json.dumps(error_event, separators=(',', ':'))}\n\n".encode()
+    assert (
+        raw.content
+        == _event("Hello") + _event(" wor") + f"data: {json.dumps(error_event, separators=(',', ':'))}\n\n".encode()
+    )
     assert texts == ["Hello", " wor"]
     assert isinstance(error, openai.APIError) and error.message == message
     assert error.body == error_event["error"]

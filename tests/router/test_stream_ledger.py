@@ -81,4 +81,4 @@ def test_a_character_split_across_tokens_at_the_cut_comes_out_whole(tokenizer):
         assert client_text == TEXT, f"cut after {cut} tokens"
         assert ledger.finish_reason == "length" and ledger.done and out.endswith(SSE_DONE)
         assert ledger.usage()["completion_tokens"] == len(ids) and ledger.usage()["prompt_tokens"] == len(PROMPT)
-    assert tokenizer.decode(ids[:split[0]]) + tokenizer.decode(ids[split[0]:]) != TEXT  # what decoding apart gives
+    assert tokenizer.decode(ids[: split[0]]) + tokenizer.decode(ids[split[0] :]) != TEXT  # what decoding apart gives

@@ -48,8 +48,9 @@ def engine(tiny_llama):
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.004, block_size=16, max_model_len=512),
-                                   tiny_llama))
+    engine = AsyncEngine(
+        LLMEngine(EngineConfig(kv_cache_memory_gib=0.004, block_size=16, max_model_len=512), tiny_llama)
+    )
     engine.start()
     yield engine
     engine.shutdown()
@@ -58,8 +59,9 @@ def engine(tiny_llama):
 class Cluster:
     """An executor app (keys and limits of its own) and a router app in front of it."""
 
-    def __init__(self, engine, clock: Clock, router_limits: TenantLimits = LIMITS, *,
-                 metrics_tenant_labels: bool = False) -> None:
+    def __init__(
+        self, engine, clock: Clock, router_limits: TenantLimits = LIMITS, *, metrics_tenant_labels: bool = False
+    ) -> None:
         from kvreuse.server.api_server import build_app
 
         self.metrics_tenant_labels = metrics_tenant_labels
@@ -77,10 +79,17 @@ class Cluster:
         self.upstream = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.executor_seen))
         got = await self.upstream.get(f"{EXECUTOR}/v1/kvreuse/info", headers={"authorization": f"Bearer {ADMIN}"})
         info = ExecutorInfo.from_json(EXECUTOR, got.json())
-        router = Router([Executor(EXECUTOR, info, healthy=True)], PromptHasher(load_tokenizer(info), info.settings),
-                        make_policy("kv"), client=self.upstream, seed=0, executor_api_key=ADMIN)
-        self.router_app = build_router_app(router, api_key=KEYS, limiter=self.router_limiter,
-                                           metrics_tenant_labels=self.metrics_tenant_labels)
+        router = Router(
+            [Executor(EXECUTOR, info, healthy=True)],
+            PromptHasher(load_tokenizer(info), info.settings),
+            make_policy("kv"),
+            client=self.upstream,
+            seed=0,
+            executor_api_key=ADMIN,
+        )
+        self.router_app = build_router_app(
+            router, api_key=KEYS, limiter=self.router_limiter, metrics_tenant_labels=self.metrics_tenant_labels
+        )
 
     async def tenant_metrics(self, key: str | None = None) -> list[str]:
         """The router's ``kvreuse:router_tenant_*`` lines on ``/metrics``, scraped with ``key``."""
@@ -98,7 +107,9 @@ class Cluster:
 async def _greedy_ids(engine) -> list[int]:
     from kvreuse.sampling_params import SamplingParams
 
-    outs = [out async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")]
+    outs = [
+        out async for out in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")
+    ]
     return outs[-1].output_token_ids
 
 
@@ -133,15 +144,27 @@ def test_the_router_refuses_tokens_per_minute_before_proxying_with_the_executors
     refusals = asyncio.run(scenario())
     assert refusals[False] == refusals[True]  # the router's 429s are the executor's, word for word
     assert refusals[False] == [
-        ({"message": "Rate limit reached for tenant acme on tokens per minute: limit 120, available 72, "
-                     "requested 80 (prompt 40 + up to 40 completion tokens); retry in 4.0s",
-          "type": "tokens", "param": None, "code": "rate_limit_exceeded"},
-         {"retry-after": "4", "retry-after-ms": "4000"}),
-        ({"message": "Request too large for tenant acme on tokens per minute: limit 120, requested 121 "
-                     "(prompt 40 + up to 81 completion tokens); lower max_tokens (or n, or the prompt), "
-                     "or raise its tokens_per_minute",
-          "type": "tokens", "param": "max_tokens", "code": "rate_limit_exceeded"},
-         {"x-should-retry": "false"}),
+        (
+            {
+                "message": "Rate limit reached for tenant acme on tokens per minute: limit 120, available 72, "
+                "requested 80 (prompt 40 + up to 40 completion tokens); retry in 4.0s",
+                "type": "tokens",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            },
+            {"retry-after": "4", "retry-after-ms": "4000"},
+        ),
+        (
+            {
+                "message": "Request too large for tenant acme on tokens per minute: limit 120, requested 121 "
+                "(prompt 40 + up to 81 completion tokens); lower max_tokens (or n, or the prompt), "
+                "or raise its tokens_per_minute",
+                "type": "tokens",
+                "param": "max_tokens",
+                "code": "rate_limit_exceeded",
+            },
+            {"x-should-retry": "false"},
+        ),
     ]
     # three straight to the executor (two refused there), one routed, with the router's admin key: only the
     # router counted it against acme
@@ -163,13 +186,20 @@ def test_a_routed_stream_holds_the_slot_and_is_charged_its_usage(engine):
         assert (held.status, limiter.in_flight("acme")) == (200, 1)
         before = len(cluster.reached)
         in_flight = await _refusal(acme, max_tokens=2)
-        assert _seen(in_flight) == ({"message": "Too many requests in flight for tenant acme: 1 running, its "
-                                                "max_in_flight limit is 1; retry when one finishes",
-                                     "type": "requests", "param": None, "code": "rate_limit_exceeded"},
-                                    {"retry-after": "1", "retry-after-ms": "1000"})
+        assert _seen(in_flight) == (
+            {
+                "message": "Too many requests in flight for tenant acme: 1 running, its "
+                "max_in_flight limit is 1; retry when one finishes",
+                "type": "requests",
+                "param": None,
+                "code": "rate_limit_exceeded",
+            },
+            {"retry-after": "1", "retry-after-ms": "1000"},
+        )
         assert len(cluster.reached) == before
-        assert (await globex.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
-                                                extra_body=EXACT)).usage.completion_tokens == 4
+        assert (
+            await globex.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body=EXACT)
+        ).usage.completion_tokens == 4
         assert not held.task.done()  # globex ran while acme's stream was held
         await held.disconnect()
         assert limiter.in_flight("acme") == 0
@@ -186,20 +216,33 @@ def test_a_routed_stream_holds_the_slot_and_is_charged_its_usage(engine):
         assert limiter.tokens_charged("acme") == 96 and limiter.tokens_available("acme") == 72.0
 
         clock.t += 60.0
-        chunks = [c async for c in await acme.completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=8, stream=True, stream_options={"include_usage": True},
-            extra_body=EXACT)]
+        chunks = [
+            c
+            async for c in await acme.completions.create(
+                model="tiny",
+                prompt=PROMPT,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=EXACT,
+            )
+        ]
         assert chunks[-1].usage.total_tokens == 48  # asked for: passed through
 
         # a request that stops early is charged its usage, streamed or not, usage asked for or not
         clock.t += 60.0
         stop = {"stop_token_ids": [(await _greedy_ids(engine))[2]]}
-        whole = await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0,
-                                              extra_body=stop)
+        whole = await acme.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body=stop
+        )
         assert whole.usage.completion_tokens < 8
         assert limiter.tokens_charged("acme") == 144 + whole.usage.total_tokens
-        streamed = [c async for c in await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
-                                                                   temperature=0.0, stream=True, extra_body=stop)]
+        streamed = [
+            c
+            async for c in await acme.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0, stream=True, extra_body=stop
+            )
+        ]
         assert all(c.usage is None for c in streamed) and streamed[-1].choices[0].finish_reason == "stop"
         assert limiter.tokens_charged("acme") == 144 + 2 * whole.usage.total_tokens
         assert limiter.tokens_available("acme") == 120.0 - 2 * whole.usage.total_tokens
@@ -214,11 +257,15 @@ def test_a_routed_stream_holds_the_slot_and_is_charged_its_usage(engine):
         f'kvreuse:router_tenant_tokens_charged_total{{tenant="acme"}} {144.0 + 2 * stopped}',
     ]
     # the tenant seal: a scraper without the admin key sees sums over tenants, no names
-    assert scraped[None] == scraped["globex-key"] == [
-        'kvreuse:router_tenant_requests_refused_total{reason="max_in_flight",tenant="(all)"} 2.0',
-        'kvreuse:router_tenant_requests_in_flight{tenant="(all)"} 0.0',
-        f'kvreuse:router_tenant_tokens_charged_total{{tenant="(all)"}} {144.0 + 2 * stopped}',
-    ]
+    assert (
+        scraped[None]
+        == scraped["globex-key"]
+        == [
+            'kvreuse:router_tenant_requests_refused_total{reason="max_in_flight",tenant="(all)"} 2.0',
+            'kvreuse:router_tenant_requests_in_flight{tenant="(all)"} 0.0',
+            f'kvreuse:router_tenant_tokens_charged_total{{tenant="(all)"}} {144.0 + 2 * stopped}',
+        ]
+    )
 
 
 def test_metrics_tenant_labels_shows_tenant_names_to_every_scraper(engine):
@@ -257,20 +304,38 @@ def test_chat_through_the_router_reserves_what_the_context_leaves_without_max_to
         return chat.usage.prompt_tokens, refused.value.body["message"]
 
     prompt, message = asyncio.run(scenario())
-    assert message.startswith(f"Request too large for tenant acme on tokens per minute: limit 500, requested 512 "
-                              f"(prompt {prompt} + up to {512 - prompt} completion tokens)")
+    assert message.startswith(
+        f"Request too large for tenant acme on tokens per minute: limit 500, requested 512 "
+        f"(prompt {prompt} + up to {512 - prompt} completion tokens)"
+    )
 
 
 def test_route_refuses_bad_limits_before_waiting_for_executors(tmp_path, capsys):
     bad = tmp_path / "limits.toml"
     bad.write_text("[tenants.acme]\nmax_in_flight = 0\n")
     assert route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme", "--tenant-limits", str(bad)]) == 2
-    assert capsys.readouterr().err == (f"kvreuse route: --tenant-limits {bad}: tenants.acme.max_in_flight: expected a "
-                                       'whole number >= 1 or "unlimited", got 0\n')
-    assert route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme", "--tenant-limits", str(bad),
-                       "--tenant-max-in-flight", "2"]) == 2  # the file is still checked
-    assert route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme",
-                       "--tenant-tokens-per-minute", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvreuse route: --tenant-limits {bad}: tenants.acme.max_in_flight: expected a "
+        'whole number >= 1 or "unlimited", got 0\n'
+    )
+    assert (
+        route_main(
+            [
+                "--executor",
+                "http://127.0.0.1:9",
+                "--api-key",
+                "k:acme",
+                "--tenant-limits",
+                str(bad),
+                "--tenant-max-in-flight",
+                "2",
+            ]
+        )
+        == 2
+    )  # the file is still checked
+    assert (
+        route_main(["--executor", "http://127.0.0.1:9", "--api-key", "k:acme", "--tenant-tokens-per-minute", "0"]) == 2
+    )
     assert "--tenant-tokens-per-minute: expected a whole number >= 1, got 0" in capsys.readouterr().err
 
 
@@ -288,15 +353,17 @@ def test_a_request_the_executor_refuses_costs_the_tenant_nothing_on_the_router(e
             with pytest.raises(openai.NotFoundError):  # unknown model: the executor's 404
                 await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, extra_body=EXACT)
             with pytest.raises(openai.NotFoundError):
-                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, stream=True,
-                                              extra_body=EXACT)
+                await acme.completions.create(model="nope", prompt=PROMPT, max_tokens=8, stream=True, extra_body=EXACT)
             limiter = cluster.executor_limiter if direct else cluster.router_limiter
-            charged[direct] = (limiter.tokens_charged("acme"), limiter.tokens_available("acme"), limiter.in_flight("acme"))
+            charged[direct] = (
+                limiter.tokens_charged("acme"),
+                limiter.tokens_available("acme"),
+                limiter.in_flight("acme"),
+            )
         return charged
 
     charged = asyncio.run(scenario())
     assert charged == {True: (0, 120.0, 0), False: (0, 120.0, 0)}
-
 
 
 class _Breaks(httpx.AsyncByteStream):
@@ -320,9 +387,14 @@ def test_a_routed_stream_cut_short_keeps_its_reservation_charged_whatever_usage_
     from kvreuse.router.prompt_keys import HashSettings
 
     def chunk(index: int, completion: int) -> bytes:
-        body = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",
-                "choices": [{"index": index, "text": "x", "logprobs": None, "finish_reason": None}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": completion, "total_tokens": 3 + completion}}
+        body = {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "tiny",
+            "choices": [{"index": index, "text": "x", "logprobs": None, "finish_reason": None}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": completion, "total_tokens": 3 + completion},
+        }
         return f"data: {json.dumps(body)}\n\n".encode()
 
     def handle(request: httpx.Request) -> httpx.Response:
@@ -333,13 +405,28 @@ def test_a_routed_stream_cut_short_keeps_its_reservation_charged_whatever_usage_
 
     async def scenario():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as upstream:
-            router = Router([Executor("http://a", healthy=True)], PromptHasher(None, HashSettings("m", 4, "sha256")),
-                            make_policy("kv"), client=upstream, seed=0, executor_api_key=ADMIN)
+            router = Router(
+                [Executor("http://a", healthy=True)],
+                PromptHasher(None, HashSettings("m", 4, "sha256")),
+                make_policy("kv"),
+                client=upstream,
+                seed=0,
+                executor_api_key=ADMIN,
+            )
             app = build_router_app(router, api_key=KEYS, limiter=limiter)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
-                sent = await http.post("/v1/completions", headers={"authorization": "Bearer acme-key"}, json={
-                    "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "n": 2, "stream": True,
-                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+                sent = await http.post(
+                    "/v1/completions",
+                    headers={"authorization": "Bearer acme-key"},
+                    json={
+                        "model": "tiny",
+                        "prompt": [1, 2, 3],
+                        "max_tokens": 8,
+                        "n": 2,
+                        "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                    },
+                )
         return sent.text.count('"usage"'), '"executor_failed"' in sent.text, limiter.tokens_charged("acme")
 
     assert asyncio.run(scenario()) == (4, True, 19)  # prompt 3 + 2 x 8 reserved; 4 chunks' usage relayed

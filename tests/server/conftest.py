@@ -22,8 +22,7 @@ def async_engine(tiny_llama):
     from kvreuse.engine.async_engine import AsyncEngine
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(kv_cache_memory_gib=0.02, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                          max_num_seqs=32)
+    config = EngineConfig(kv_cache_memory_gib=0.02, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
     engine = AsyncEngine(LLMEngine(config, tiny_llama))
     engine.start()
     yield engine
@@ -44,8 +43,6 @@ def client(app):
 
     with TestClient(app) as c:
         yield c
-
-
 
 
 @pytest.fixture(scope="session")

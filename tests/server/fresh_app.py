@@ -47,8 +47,15 @@ def fresh_server(loaded, **config) -> Iterator:
     settings = {"kv_cache_memory_gib": 0.002, "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN, **config}
     engine = AsyncEngine(LLMEngine(EngineConfig(**settings), loaded))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name="tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, served_model_name="tiny"),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     try:
         engine.start()

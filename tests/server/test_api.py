@@ -11,14 +11,15 @@ def _sse_events(response) -> list:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
 def test_completion_reports_usage_with_cached_tokens(client):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": words(40, 1), "max_tokens": 5,
-                                             "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": words(40, 1), "max_tokens": 5, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "tiny"
@@ -56,8 +57,9 @@ def test_different_cache_salts_share_nothing(client):
 
 def test_prompt_as_list_of_strings_and_token_ids(client, async_engine):
     ids = async_engine.tokenizer.encode(words(20, 4))
-    r = client.post("/v1/completions", json={"prompt": [words(20, 5), words(20, 6)], "max_tokens": 2, "n": 1,
-                                             "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"prompt": [words(20, 5), words(20, 6)], "max_tokens": 2, "n": 1, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     by_ids = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0}).json()
@@ -69,8 +71,13 @@ def test_prompt_as_list_of_strings_and_token_ids(client, async_engine):
 
 
 def test_completion_stream_chunks_usage_and_done(client):
-    body = {"prompt": words(30, 7), "max_tokens": 6, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": words(30, 7),
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = _sse_events(r)
@@ -88,15 +95,21 @@ def test_completion_stream_chunks_usage_and_done(client):
 
 def test_chat_completion_and_stream(client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": words(20, 8)}]
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5,
-                                                  "temperature": 0})
+    r = client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     whole = r.json()
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"]["role"] == "assistant"
     assert "cached_tokens" in whole["usage"]["prompt_tokens_details"]
-    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as s:
         events = _sse_events(s)
     assert events[-1] == "[DONE]"
@@ -107,22 +120,28 @@ def test_chat_completion_and_stream(client):
     assert events[-2]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
     # The second identical chat reuses the prompt's full blocks.
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= (
-        whole["usage"]["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE)
+        whole["usage"]["prompt_tokens"] // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE
+    )
 
 
 def test_retention_config_accepted_and_validated(client):
-    good = {"token_range_retention_configs": [{"token_start": 0, "token_end": 32, "priority": 90,
-                                               "duration_ms": 1000}], "decode_retention_priority": 10}
-    r = client.post("/v1/completions", json={"prompt": words(40, 9), "max_tokens": 2,
-                                             "kv_cache_retention_config": good})
+    good = {
+        "token_range_retention_configs": [{"token_start": 0, "token_end": 32, "priority": 90, "duration_ms": 1000}],
+        "decode_retention_priority": 10,
+    }
+    r = client.post(
+        "/v1/completions", json={"prompt": words(40, 9), "max_tokens": 2, "kv_cache_retention_config": good}
+    )
     assert r.status_code == 200, r.text
     bad = {"token_range_retention_configs": [{"token_start": 0, "token_end": 32, "priority": 101}]}
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "kv_cache_retention_config": bad})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "kv_cache_retention_config" and "priority" in err["message"]
-    messages = [{"role": "system", "content": "tools", "retention": {"priority": 90, "duration_ms": 30000}},
-                {"role": "user", "content": "hello"}]
+    messages = [
+        {"role": "system", "content": "tools", "retention": {"priority": 90, "duration_ms": 30000}},
+        {"role": "user", "content": "hello"},
+    ]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 200, r.text
     messages[0]["retention"] = {"priority": -1}
@@ -136,12 +155,21 @@ def test_models_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     client.post("/v1/completions", json={"prompt": words(40, 10), "max_tokens": 3})
     text = client.get("/metrics").text
-    for name in ("kvreuse:prefix_cache_queries_total", "kvreuse:prefix_cache_hits_total",
-                 "kvreuse:prefix_cache_hit_rate", "kvreuse:num_blocks_free", "kvreuse:num_blocks_cached",
-                 "kvreuse:num_blocks_used", "kvreuse:num_requests_running", "kvreuse:num_requests_waiting",
-                 "kvreuse:time_to_first_token_seconds_bucket", "kvreuse:inter_token_latency_seconds_bucket",
-                 "kvreuse:prompt_tokens_computed_total", "kvreuse:prompt_tokens_reused_total",
-                 "kvreuse:blocks_by_priority"):
+    for name in (
+        "kvreuse:prefix_cache_queries_total",
+        "kvreuse:prefix_cache_hits_total",
+        "kvreuse:prefix_cache_hit_rate",
+        "kvreuse:num_blocks_free",
+        "kvreuse:num_blocks_cached",
+        "kvreuse:num_blocks_used",
+        "kvreuse:num_requests_running",
+        "kvreuse:num_requests_waiting",
+        "kvreuse:time_to_first_token_seconds_bucket",
+        "kvreuse:inter_token_latency_seconds_bucket",
+        "kvreuse:prompt_tokens_computed_total",
+        "kvreuse:prompt_tokens_reused_total",
+        "kvreuse:blocks_by_priority",
+    ):
         assert name in text, name
     queries = [line for line in text.splitlines() if line.startswith("kvreuse:prefix_cache_queries_total")]
     assert float(queries[0].rsplit(" ", 1)[1]) > 0

@@ -22,8 +22,20 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "sr
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.02", "--max-model-len", "512",
-            "--served-model-name", "tiny", "--api-key", API_KEY, "--log-level", "info"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.02",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        API_KEY,
+        "--log-level",
+        "info",
+    ]
     with running_server(free_port(), args, log) as url:
         yield url, log
 
@@ -47,17 +59,27 @@ def test_openai_client_completions_and_chat(served):
     assert second.choices[0].text == first.choices[0].text
     assert second.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens - BLOCK_SIZE
 
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BLOCK_SIZE
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words(30, 501)}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
-                                          extra_body={"cache_salt": "tenant-1"})
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, extra_body={"cache_salt": "tenant-1"}
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
-                                            stream=True, extra_body={"cache_salt": "tenant-1"})
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True, extra_body={"cache_salt": "tenant-1"}
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == chat.choices[0].message.content
 
@@ -96,9 +118,27 @@ def test_serve_startup_line_names_the_resolved_dtype_and_quantization(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvreuse", "serve", "--model", "tiny:llama", "--dtype", "auto",
-                                 "--quantization", "int4", "--port", str(port), "--kv-cache-memory", "0.01"],
-                                env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvreuse",
+                "serve",
+                "--model",
+                "tiny:llama",
+                "--dtype",
+                "auto",
+                "--quantization",
+                "int4",
+                "--port",
+                str(port),
+                "--kv-cache-memory",
+                "0.01",
+            ],
+            env=ENV,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + 180
         while time.time() < deadline and "listening on" not in log.read_text():

@@ -48,7 +48,14 @@ def test_build_app_starts_nothing_and_the_owner_starts_the_engine(own_engine):
 def test_the_context_holds_exactly_what_the_routes_read(own_engine):
     ctx = build_context(own_engine, served_model_name=["tiny", "alias"])
     assert [f.name for f in dataclasses.fields(ServerContext)] == [
-        "engine", "metrics", "served_model_names", "limits", "instance_id", "events", "publisher", "cache_policy",
+        "engine",
+        "metrics",
+        "served_model_names",
+        "limits",
+        "instance_id",
+        "events",
+        "publisher",
+        "cache_policy",
     ]
     assert ctx.served_model_names == ("tiny", "alias")
     assert ctx.events is not None and ctx.events.buffer is own_engine.engine.events
@@ -67,21 +74,36 @@ def test_events_are_off_without_a_buffer(async_engine):
         r = c.get("/v1/kv_cache_events")
         assert r.status_code == 404
         assert r.json()["error"]["message"] == (
-            "KV cache events are off: start the server with --event-buffer-max-size N (N > 0)")
+            "KV cache events are off: start the server with --event-buffer-max-size N (N > 0)"
+        )
         assert c.get("/v1/kvreuse/info").json()["events"] == {
-            "http": False, "zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None,
-            "zmq_topic": "", "zmq_hash_format": "int", "zmq_last_event_id": None,
+            "http": False,
+            "zmq_endpoint": None,
+            "zmq_bound": False,
+            "zmq_replay_endpoint": None,
+            "zmq_topic": "",
+            "zmq_hash_format": "int",
+            "zmq_last_event_id": None,
         }
 
 
 def test_info_reports_the_publisher_it_was_built_with(own_engine):
-    publisher = ZmqEventPublisher(own_engine.engine.events, "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                                  topic="kv", hash_format="bytes")
+    publisher = ZmqEventPublisher(
+        own_engine.engine.events,
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv",
+        hash_format="bytes",
+    )
     try:
         with TestClient(build_app(own_engine, served_model_name="tiny", publisher=publisher)) as c:
             assert c.get("/v1/kvreuse/info").json()["events"] == {
-                "http": True, "zmq_endpoint": publisher.endpoint, "zmq_bound": True,
-                "zmq_replay_endpoint": publisher.replay_endpoint, "zmq_topic": "kv", "zmq_hash_format": "bytes",
+                "http": True,
+                "zmq_endpoint": publisher.endpoint,
+                "zmq_bound": True,
+                "zmq_replay_endpoint": publisher.replay_endpoint,
+                "zmq_topic": "kv",
+                "zmq_hash_format": "bytes",
                 "zmq_last_event_id": -1,  # not started: nothing sent
             }
             publisher.close()
@@ -102,8 +124,9 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package, forbidden", [("router", ("kvreuse.server",)),
-                                                ("api", ("kvreuse.server", "kvreuse.router"))])
+@pytest.mark.parametrize(
+    "package, forbidden", [("router", ("kvreuse.server",)), ("api", ("kvreuse.server", "kvreuse.router"))]
+)
 def test_router_and_api_import_nothing_from_the_server(package, forbidden):
     offenders = {
         f"{path.name}: {module}"

@@ -37,8 +37,14 @@ def test_stats_are_exact_after_known_requests(tiny_llama):
         total = engine.engine.pool.num_blocks
         before = client.get("/v1/kv_cache_stats", headers=auth).json()
         assert before["num_free_blocks"] == total and before["blocks_by_priority"] == {}
-        assert before["events"] == {"enabled": True, "max_size": 1000, "num_events": 1, "first_event_id": 0,
-                                    "last_event_id": 0, "num_dropped": 0}  # the "created" event
+        assert before["events"] == {
+            "enabled": True,
+            "max_size": 1000,
+            "num_events": 1,
+            "first_event_id": 0,
+            "last_event_id": 0,
+            "num_dropped": 0,
+        }  # the "created" event
 
         body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
         assert client.post("/v1/completions", json=body, headers=auth).status_code == 200
@@ -93,7 +99,7 @@ def test_the_event_panel_recovers_after_a_reset(client, tmp_path):
     if node is None:
         pytest.skip("node is not installed")
     page = client.get("/dashboard").text
-    source = page[page.index("// frame:begin"):page.index("// frame:end")]
+    source = page[page.index("// frame:begin") : page.index("// frame:end")]
     frames = [
         'id: 7\nevent: kv_event\ndata: {"event_id": 7, "data": {"type": "stored"}}',
         'event: reset\ndata: {"last_event_id": 2, "after": 7, "reason": "event ids went back"}',
@@ -101,7 +107,9 @@ def test_the_event_panel_recovers_after_a_reset(client, tmp_path):
         'id: 1\nevent: kv_event\ndata: {"event_id": 1, "data": {"type": "created"}}',
         'event: other\ndata: {"x": 1}',
     ]
-    script = source + f"""
+    script = (
+        source
+        + f"""
 const seen = [], cursors = [];
 let last = 5;
 for (const f of {json.dumps(frames)}) {{
@@ -110,6 +118,7 @@ for (const f of {json.dumps(frames)}) {{
 }}
 console.log(JSON.stringify({{seen, cursors}}));
 """
+    )
     (tmp_path / "frames.js").write_text(script)
     out = subprocess.run([node, str(tmp_path / "frames.js")], capture_output=True, text=True, timeout=30, check=True)
     assert json.loads(out.stdout) == {"seen": [7, "reset@2", 1], "cursors": [7, 2, 2, 1, 1]}

@@ -42,8 +42,9 @@ def served(tiny_llama):
 
 
 def chat(client, messages, **extra):
-    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                          extra_body=extra or None)
+    return client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=extra or None
+    )
 
 
 def own_tokens(engine, messages) -> int:
@@ -61,8 +62,12 @@ def test_chat_documents_reused_in_any_order(served):
     one = chat(client, [SYSTEM, doc(0), QUESTION])
     assert one.choices[0].message.content == chat(client, [SYSTEM, plain(0), QUESTION]).choices[0].message.content
     first = chat(client, [SYSTEM, doc(0), doc(1), doc(2), QUESTION])
-    assert first.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens_details.cached_tokens + \
-        one.usage.prompt_tokens - own_tokens(engine, [SYSTEM, doc(0), QUESTION])  # the system turn and doc 0
+    assert (
+        first.usage.prompt_tokens_details.cached_tokens
+        == one.usage.prompt_tokens_details.cached_tokens
+        + one.usage.prompt_tokens
+        - own_tokens(engine, [SYSTEM, doc(0), QUESTION])
+    )  # the system turn and doc 0
     reused = [one.usage.prompt_tokens_details.cached_tokens, first.usage.prompt_tokens_details.cached_tokens]
     for order in ([2, 0, 1], [1, 2, 0], [2, 1]):
         messages = [SYSTEM, *map(doc, order), QUESTION]
@@ -76,8 +81,10 @@ def test_chat_documents_reused_in_any_order(served):
     assert stats.document_tokens_reused == sum(reused)  # each context piece found cached, as usage said
     assert stats.document_tokens_computed > 0
     assert f'kvreuse:document_tokens_reused_total{{model_name="tiny"}} {float(stats.document_tokens_reused)}' in metrics
-    assert f'kvreuse:document_tokens_computed_total{{model_name="tiny"}} {float(stats.document_tokens_computed)}' \
+    assert (
+        f'kvreuse:document_tokens_computed_total{{model_name="tiny"}} {float(stats.document_tokens_computed)}'
         in metrics
+    )
     asyncio.run(engine.check_integrity())
 
 
@@ -95,10 +102,17 @@ def test_chat_documents_full_repair_equals_plain_chat(served):
     assert details.cached_tokens == 0 and details.model_extra["recomputed_tokens"] == context
     metrics = httpx.get(url + "/metrics").text
     assert f'kvreuse:seam_repair_tokens_total{{model_name="tiny"}} {float(context)}' in metrics
-    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                              stream=True, extra_body={"blend": {"first_tokens": 10**6, "ratio": 1.0}})
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
-        repaired.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"blend": {"first_tokens": 10**6, "ratio": 1.0}},
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == repaired.choices[0].message.content
+    )
     asyncio.run(engine.check_integrity())
 
 
@@ -128,8 +142,11 @@ def test_documents_get_the_default_repair_unless_they_ask_otherwise(tiny_llama):
 
     from kvreuse.engine.config import EngineConfig
 
-    assert (EngineConfig().document_blend.first_tokens, EngineConfig().document_blend.ratio,
-            EngineConfig().document_blend.last_tokens) == (1, 0.0, 1)
+    assert (
+        EngineConfig().document_blend.first_tokens,
+        EngineConfig().document_blend.ratio,
+        EngineConfig().document_blend.last_tokens,
+    ) == (1, 0.0, 1)
     assert not EngineConfig().blend.enabled
     with fresh_server(tiny_llama, kv_cache_memory_gib=0.02, max_model_len=1024) as (url, engine):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
@@ -158,11 +175,14 @@ def test_documents_isolated_by_salt(served):
     assert len({r.choices[0].message.content for r in (a, a2, b, unsalted)}) == 1
 
 
-@pytest.mark.parametrize("messages, extra, needle", [
-    ([SYSTEM, {**plain(0), "kvreuse": {"document": "yes"}}, QUESTION], {}, "kvreuse"),
-    ([SYSTEM, {**plain(0), "kvreuse": {"doc": True}}, QUESTION], {}, "kvreuse"),
-    ([SYSTEM, doc(0)], {"add_generation_prompt": False}, "document"),  # nothing after the document
-])
+@pytest.mark.parametrize(
+    "messages, extra, needle",
+    [
+        ([SYSTEM, {**plain(0), "kvreuse": {"document": "yes"}}, QUESTION], {}, "kvreuse"),
+        ([SYSTEM, {**plain(0), "kvreuse": {"doc": True}}, QUESTION], {}, "kvreuse"),
+        ([SYSTEM, doc(0)], {"add_generation_prompt": False}, "document"),  # nothing after the document
+    ],
+)
 def test_bad_document_marks_are_400s(served, messages, extra, needle):
     import openai
 
@@ -178,8 +198,11 @@ def test_bad_completions_documents_are_400s(served):
     import openai
 
     client, _, _ = served
-    for extra, needle in (({"documents": [""]}, "document"), ({"documents": "one"}, "documents"),
-                          ({"documents": [DOCS[0]], "blend": {"ratio": 2}}, "blend.ratio")):
+    for extra, needle in (
+        ({"documents": [""]}, "document"),
+        ({"documents": "one"}, "documents"),
+        ({"documents": [DOCS[0]], "blend": {"ratio": 2}}, "blend.ratio"),
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="tiny", prompt="Q?", max_tokens=2, extra_body=extra)
         assert needle in str(err.value)
@@ -192,12 +215,15 @@ def test_review_400s_name_the_documents_part_and_content_part_marks(served):
     """A bad id in completions documents is a 400 naming documents[i]; a kvreuse mark on a content
     part is refused (it would reuse nothing), naming messages (review: reproduced)."""
     _, url, engine = served
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": " Q?", "max_tokens": 2,
-                                                   "documents": ["fine", [-1, 5]]})
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": " Q?", "max_tokens": 2, "documents": ["fine", [-1, 5]]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents[1]", r.json()
     part = {"role": "user", "content": [{"type": "text", "text": DOCS[0], "kvreuse": {"document": True}}]}
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [SYSTEM, part, QUESTION],
-                                                        "max_tokens": 2})
+    r = httpx.post(
+        url + "/v1/chat/completions", json={"model": "tiny", "messages": [SYSTEM, part, QUESTION], "max_tokens": 2}
+    )
     assert r.status_code == 400 and "content part" in r.json()["error"]["message"], r.json()
     asyncio.run(engine.check_integrity())
 
@@ -208,8 +234,10 @@ def test_chat_with_documents_and_no_max_tokens_fills_the_pool(tiny_llama):
     from .fresh_app import fresh_client
 
     bpt = tiny_llama.kv_bytes_per_token() if callable(tiny_llama.kv_bytes_per_token) else tiny_llama.kv_bytes_per_token
-    with fresh_client(tiny_llama, kv_cache_memory_gib=(4 * 100 * bpt) / 2**30, block_size=4,
-                      max_model_len=1024) as (c, engine):
+    with fresh_client(tiny_llama, kv_cache_memory_gib=(4 * 100 * bpt) / 2**30, block_size=4, max_model_len=1024) as (
+        c,
+        engine,
+    ):
         for k in range(4):  # every context length mod the block size
             msgs = [{"role": "system", "content": "word " * k}, doc(0), doc(1), QUESTION]
             r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "temperature": 0})
@@ -252,8 +280,10 @@ def test_no_max_tokens_counts_the_blocks_the_engine_counts(tiny_llama, repair):
         assert engine.pool_tokens < 4096
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "temperature": 0})
         assert r.status_code == 200, r.json()
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Who keeps the green ledger?",
-                                             "documents": DOCS[:2], "temperature": 0})
+        r = c.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "Who keeps the green ledger?", "documents": DOCS[:2], "temperature": 0},
+        )
         assert r.status_code == 200, r.json()
         asyncio.run(engine.check_integrity())
 
@@ -285,13 +315,18 @@ def test_completions_documents_put_bos_once_at_the_start():
         return tokenizer.encode(text, add_special_tokens=False)
 
     q = " Question: who keeps the green ledger?"
-    assert parts(gemma, DOCS[:2], q) == [([2], False), (bare(gemma, DOCS[0]), True), (bare(gemma, DOCS[1]), True),
-                                         (bare(gemma, q), False)]
+    assert parts(gemma, DOCS[:2], q) == [
+        ([2], False),
+        (bare(gemma, DOCS[0]), True),
+        (bare(gemma, DOCS[1]), True),
+        (bare(gemma, q), False),
+    ]
     assert 2 not in bare(gemma, DOCS[0]) + bare(gemma, q)
     ids = bare(gemma, DOCS[0])
     assert parts(gemma, [ids], q) == [(ids, True), (bare(gemma, q), False)]  # token ids: as given
-    both = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True,
-                                         add_bos_token=True, add_eos_token=True)
+    both = AutoTokenizer.from_pretrained(
+        str(prepare_folder("gemma3-270m")[1]), local_files_only=True, add_bos_token=True, add_eos_token=True
+    )
     assert both.encode("a")[-1] == both.eos_token_id and special_lead(both) == [2]  # the EOS is not a lead
     tiny = tiny_model("llama").tokenizer
     assert special_lead(tiny) == []
@@ -325,10 +360,13 @@ def test_chat_documents_on_a_template_that_renders_bos(adds_bos):
     from kvreuse.api.protocol import ChatMessage
     from kvreuse.models.loader import prepare_folder
 
-    tok = AutoTokenizer.from_pretrained(str(prepare_folder("gemma3-270m")[1]), local_files_only=True,
-                                        add_bos_token=adds_bos)
-    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
-                         "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    tok = AutoTokenizer.from_pretrained(
+        str(prepare_folder("gemma3-270m")[1]), local_files_only=True, add_bos_token=adds_bos
+    )
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+        "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
     messages = [ChatMessage(**doc(0)), ChatMessage(**doc(1)), ChatMessage(**QUESTION)]
     prompt = render_chat(tok, messages)
     layout = prompt.documents.layout()

@@ -21,25 +21,32 @@ def _still_serving(client) -> None:
 
 
 def test_malformed_json(client):
-    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ', headers={"content-type": "application/json"})
+    r = client.post(
+        "/v1/completions", content=b'{"prompt": "x", "max_tokens": ', headers={"content-type": "application/json"}
+    )
     err = _error(r, 400)
-    assert err == {"message": "request body is not valid JSON: Expecting value: line 1 column 31 (char 30)",
-                   "type": "invalid_request_error", "param": None, "code": None}
+    assert err == {
+        "message": "request body is not valid JSON: Expecting value: line 1 column 31 (char 30)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
     _still_serving(client)
 
 
 def test_bodies_that_do_not_parse_name_the_body(client):
     # The same messages as the router's (kvreuse.api.body), never FastAPI's generic one.
     cases = {
-        b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}":
-            "request body: JSON is nested too deeply (arrays or objects about 1000 levels deep)",
+        b'{"prompt": '
+        + b"[" * 30_000
+        + b"]" * 30_000
+        + b"}": "request body: JSON is nested too deeply (arrays or objects about 1000 levels deep)",
         b'{"prompt": "\xff"}': "request body is not valid UTF-8 (byte 12 of 15: 0xff)",
     }
     for path in ("/v1/completions", "/v1/chat/completions"):
         for body, message in cases.items():
             r = client.post(path, content=body, headers={"content-type": "application/json"})
-            assert _error(r, 400) == {"message": message, "type": "invalid_request_error", "param": None,
-                                      "code": None}
+            assert _error(r, 400) == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
     _still_serving(client)
 
 
@@ -155,11 +162,17 @@ def test_more_bad_fields_name_the_right_param(client):
         assert err["param"] == param, (body, err)
         assert needle is None or needle in err["message"], (body, err)
     messages = [{"role": "user", "content": "hi"}]
-    err = _error(client.post("/v1/chat/completions", json={
-        "messages": messages, "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}), 400)
+    err = _error(
+        client.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}},
+        ),
+        400,
+    )
     assert err["param"] == "chat_template_kwargs" and "own chat template" in err["message"]
-    err = _error(client.post("/tokenize", json={
-        "messages": messages, "chat_template_kwargs": {"chat_template": "X"}}), 400)
+    err = _error(
+        client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"chat_template": "X"}}), 400
+    )
     assert err["param"] == "chat_template_kwargs"
     _still_serving(client)
 
@@ -175,13 +188,25 @@ def test_value_error_param_matches_whole_words_only():
 
 def test_explicit_nulls_mean_the_defaults(client):
     """OpenAI clients send null for optional fields they do not set."""
-    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "top_k": None, "ignore_eos": None,
-             "seed": None, "stop": None, "stream_options": None, "max_tokens": 2}
+    nulls = {
+        "temperature": None,
+        "top_p": None,
+        "n": None,
+        "stream": None,
+        "top_k": None,
+        "ignore_eos": None,
+        "seed": None,
+        "stop": None,
+        "stream_options": None,
+        "max_tokens": 2,
+    }
     r = client.post("/v1/completions", json={"prompt": "hi", "echo": None, **nulls})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "logprobs": None,
-                                                  "top_logprobs": 0, **nulls})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "logprobs": None, "top_logprobs": 0, **nulls},
+    )
     assert r.status_code == 200, r.text
     assert _error(client.post("/v1/completions", json={"prompt": None}), 400)["param"] == "prompt"
 
@@ -189,8 +214,10 @@ def test_explicit_nulls_mean_the_defaults(client):
 def test_unimplemented_openai_fields_are_refused_unless_neutral(client):
     messages = [{"role": "user", "content": "hi"}]
     refused = [
-        ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"), ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"best_of": 3}, "best_of"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
@@ -198,24 +225,42 @@ def test_unimplemented_openai_fields_are_refused_unless_neutral(client):
     for extra, param in refused:
         err = _error(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra}), 400)
         assert err["param"] == param, (extra, err)
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
-               "response_format": {"type": "text"}, "tools": [{"type": "function", "function": {"name": "f"}}],
-               "tool_choice": "none", "seed": 2**63 - 1, "n": 2}
+    neutral = {
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "best_of": 1,
+        "response_format": {"type": "text"},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+        "seed": 2**63 - 1,
+        "n": 2,
+    }
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **{**neutral, "best_of": 2}})
     assert r.status_code == 200, r.text
 
 
 def test_a_lone_surrogate_is_a_400_naming_the_field_not_tokenizer_internals(client):
     cases = [
-        ("/v1/completions", b'{"prompt": "ok \\ud800 x", "max_tokens": 1}',
-         "prompt: text contains a lone UTF-16 surrogate (\\ud800 at character 3); send valid Unicode", "prompt"),
-        ("/v1/completions", b'{"prompt": ["fine", "\\udfff"], "max_tokens": 1}',
-         "prompt: text contains a lone UTF-16 surrogate (\\udfff at character 0); send valid Unicode", "prompt"),
-        ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "hi"}, '
-         b'{"role": "assistant", "content": "a\\ud83d"}], "max_tokens": 1}',
-         "messages[1].content: text contains a lone UTF-16 surrogate (\\ud83d at character 1); send valid Unicode",
-         "messages[1].content"),
+        (
+            "/v1/completions",
+            b'{"prompt": "ok \\ud800 x", "max_tokens": 1}',
+            "prompt: text contains a lone UTF-16 surrogate (\\ud800 at character 3); send valid Unicode",
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": ["fine", "\\udfff"], "max_tokens": 1}',
+            "prompt: text contains a lone UTF-16 surrogate (\\udfff at character 0); send valid Unicode",
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}, '
+            b'{"role": "assistant", "content": "a\\ud83d"}], "max_tokens": 1}',
+            "messages[1].content: text contains a lone UTF-16 surrogate (\\ud83d at character 1); send valid Unicode",
+            "messages[1].content",
+        ),
     ]
     for path, body, message, param in cases:
         r = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -227,7 +272,10 @@ def test_n_times_prompts_is_capped(client):
     r = client.post("/v1/completions", json={"prompt": ["a"] * 200, "n": 2, "max_tokens": 1})
     assert _error(r, 400) == {
         "message": "n: 2 samples x 200 prompts = 400 sequences; at most 256 per request (lower n or split the prompts)",
-        "type": "invalid_request_error", "param": "n", "code": None}
+        "type": "invalid_request_error",
+        "param": "n",
+        "code": None,
+    }
     ok = client.post("/v1/completions", json={"prompt": ["a"] * 16, "n": 16, "max_tokens": 1})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 256
 
@@ -248,7 +296,8 @@ def test_chat_without_max_tokens_on_a_small_pool_fills_what_fits(tiny_llama):
         long = [{"role": "user", "content": "word " * 300}]
         err = _error(c.post("/v1/chat/completions", json={"messages": long}), 400)
         assert err["param"] == "messages" and err["message"].endswith(
-            "tokens but the KV pool holds 208: shorten it or raise --kv-cache-memory")
+            "tokens but the KV pool holds 208: shorten it or raise --kv-cache-memory"
+        )
 
 
 def test_chat_on_a_model_without_a_chat_template_says_so(tiny_llama):
@@ -263,6 +312,9 @@ def test_chat_on_a_model_without_a_chat_template_says_so(tiny_llama):
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         assert _error(r, 400) == {
             "message": "messages: this model has no chat template, so it cannot take chat messages; "
-                       "send the text to /v1/completions as a prompt",
-            "type": "invalid_request_error", "param": "messages", "code": None}
+            "send the text to /v1/completions as a prompt",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": None,
+        }
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200

@@ -82,7 +82,9 @@ def test_long_poll_returns_events_and_waits_for_new_ones(served):
 
     threading.Thread(target=later).start()
     start = time.monotonic()
-    body = httpx.get(f"{url}/v1/kv_cache_events", params={"after": mirror.last_event_id, "timeout": 10}, timeout=20).json()
+    body = httpx.get(
+        f"{url}/v1/kv_cache_events", params={"after": mirror.last_event_id, "timeout": 10}, timeout=20
+    ).json()
     assert 0.2 < time.monotonic() - start < 5 and body["events"][0]["event_id"] == mirror.last_event_id + 1
     # an id from the future (the executor restarted) answers at once, so the router resyncs
     start = time.monotonic()
@@ -171,7 +173,7 @@ def test_sse_resume_from_beyond_the_last_id_says_reset_then_sends_everything(ser
     with httpx.stream("GET", f"{url}/v1/kv_cache_events/stream", headers=headers, timeout=10) as response:
         lines = response.iter_lines()
         assert next(lines) == "event: reset"
-        reset = json.loads(next(lines)[len("data: "):])
+        reset = json.loads(next(lines)[len("data: ") :])
         assert (reset["last_event_id"], reset["after"]) == (n - 1, n + 49)
         assert next(lines) == ""
         events = read_sse(response, n, lines)

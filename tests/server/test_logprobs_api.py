@@ -15,8 +15,9 @@ from .helpers import words
 
 
 def _sse(response) -> list[dict]:
-    return [json.loads(line[6:]) for line in response.iter_lines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 @torch.inference_mode()
@@ -34,8 +35,9 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[tuple[int, torch.
 def test_completion_logprobs_match_a_plain_forward(client, async_engine, tiny_llama):
     tok = async_engine.tokenizer
     prompt = tok.encode(words(30, 101))
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-                                             "logprobs": 3})
+    r = client.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    )
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -57,8 +59,14 @@ def test_completion_logprobs_match_a_plain_forward(client, async_engine, tiny_ll
 def test_chat_logprobs_match_a_plain_forward(client, async_engine, tiny_llama):
     tok = async_engine.tokenizer
     messages = [{"role": "user", "content": words(24, 102)}]
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
-            "top_logprobs": 4}
+    body = {
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 4,
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
@@ -76,8 +84,13 @@ def test_chat_logprobs_match_a_plain_forward(client, async_engine, tiny_llama):
 
 
 def test_chat_logprobs_without_top_logprobs_lists_none(client):
-    body = {"messages": [{"role": "user", "content": words(10, 103)}], "max_tokens": 2, "temperature": 0,
-            "ignore_eos": True, "logprobs": True}
+    body = {
+        "messages": [{"role": "user", "content": words(10, 103)}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+    }
     content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 2 and all(entry["top_logprobs"] == [] for entry in content)
 
@@ -105,8 +118,14 @@ def test_streamed_completion_logprobs_equal_the_whole_response(client):
 
 
 def test_streamed_chat_logprobs_equal_the_whole_response(client):
-    body = {"messages": [{"role": "user", "content": words(30, 106)}], "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    body = {
+        "messages": [{"role": "user", "content": words(30, 106)}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
     whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         chunks = [c for c in _sse(r) if c["choices"]]
@@ -114,8 +133,9 @@ def test_streamed_chat_logprobs_equal_the_whole_response(client):
     streamed = [e for c in chunks[1:] for e in c["choices"][0]["logprobs"]["content"]]
     assert [e["token"] for e in streamed] == [e["token"] for e in whole]
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole], abs=1e-4)
-    assert [[t["token"] for t in e["top_logprobs"]] for e in streamed] == \
-        [[t["token"] for t in e["top_logprobs"]] for e in whole]
+    assert [[t["token"] for t in e["top_logprobs"]] for e in streamed] == [
+        [t["token"] for t in e["top_logprobs"]] for e in whole
+    ]
 
 
 @pytest.mark.parametrize(
@@ -124,8 +144,11 @@ def test_streamed_chat_logprobs_equal_the_whole_response(client):
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                                  "top_logprobs": 21}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ],

@@ -24,8 +24,11 @@ EVENT_BUFFER = 4  # small, so some events are certainly dropped
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _value(samples, name: str, **labels) -> float:
@@ -37,11 +40,16 @@ def test_every_spec_metric_has_its_exact_value(tiny_llama):
     b = [(i * 11) % 900 + 2000 for i in range(40)]
     c = [(i * 13) % 900 + 3000 for i in range(100)]
     high = {"token_range_retention_configs": [{"token_start": 0, "token_end": None, "priority": 80}]}
-    with fresh_client(tiny_llama, kv_cache_memory_gib=8 * BYTES_PER_BLOCK / 2**30,
-                      event_buffer_max_size=EVENT_BUFFER) as (client, engine):
+    with fresh_client(
+        tiny_llama, kv_cache_memory_gib=8 * BYTES_PER_BLOCK / 2**30, event_buffer_max_size=EVENT_BUFFER
+    ) as (client, engine):
         assert engine.engine.pool.num_blocks == 8
-        for prompt, extra in ((a, {"kv_cache_retention_config": high}), (b, {}), (c, {}),
-                              (c, {"max_tokens": 3, "ignore_eos": True})):
+        for prompt, extra in (
+            (a, {"kv_cache_retention_config": high}),
+            (b, {}),
+            (c, {}),
+            (c, {"max_tokens": 3, "ignore_eos": True}),
+        ):
             body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
@@ -59,8 +67,12 @@ def test_every_spec_metric_has_its_exact_value(tiny_llama):
     assert _value(m, "kvreuse:evictions_total", priority="80") == 1
     assert _value(m, "kvreuse:blocks_by_priority", priority="35") == 6
     assert _value(m, "kvreuse:blocks_by_priority", priority="80") == 1
-    assert (_value(m, "kvreuse:num_blocks_free"), _value(m, "kvreuse:num_blocks_cached"),
-            _value(m, "kvreuse:num_blocks_used"), _value(m, "kvreuse:num_blocks_total")) == (1, 7, 0, 8)
+    assert (
+        _value(m, "kvreuse:num_blocks_free"),
+        _value(m, "kvreuse:num_blocks_cached"),
+        _value(m, "kvreuse:num_blocks_used"),
+        _value(m, "kvreuse:num_blocks_total"),
+    ) == (1, 7, 0, 8)
     # TTFT and per-token latency histograms: 4 first tokens, 2 later tokens, 1 request with >1 token
     assert _value(m, "kvreuse:time_to_first_token_seconds_count") == 4
     assert _value(m, "kvreuse:inter_token_latency_seconds_count") == 2
@@ -91,8 +103,9 @@ PROMPT = [(i * 37) % 4000 + 10 for i in range(61)]
 
 
 def disk_executor(loaded, d):
-    return LLM(loaded=loaded, kv_cache_memory_gib=0.001, block_size=4, host_cache_memory_gib=0.001,
-               disk_cache_dir=str(d))
+    return LLM(
+        loaded=loaded, kv_cache_memory_gib=0.001, block_size=4, host_cache_memory_gib=0.001, disk_cache_dir=str(d)
+    )
 
 
 def disk_family(engine):

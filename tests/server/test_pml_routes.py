@@ -36,8 +36,10 @@ def test_register_list_and_serve_completion_and_chat(client, async_engine):
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < usage["prompt_tokens"]
 
-    r2 = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
-                                                    "max_tokens": 4, "temperature": 0})
+    r2 = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0},
+    )
     assert r2.status_code == 200, r2.text
     assert r2.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["text"]
     assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
@@ -57,10 +59,13 @@ def test_a_pml_request_is_compiled_once_on_the_engine_thread(client, async_engin
     _register(client)
     threads = []
     real = prepared_mod.compile_prompt
-    monkeypatch.setattr(prepared_mod, "compile_prompt",
-                        lambda *a: threads.append(threading.current_thread().name) or real(*a))
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
-                                                   "n": 2, "max_tokens": 3, "temperature": 0})
+    monkeypatch.setattr(
+        prepared_mod, "compile_prompt", lambda *a: threads.append(threading.current_thread().name) or real(*a)
+    )
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": PROMPT}], "n": 2, "max_tokens": 3, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     assert len(threads) == 1
@@ -152,11 +157,14 @@ def test_pml_prompts_obey_the_prompt_limit_and_default_max_tokens(tiny_llama):
         ok = client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 16
     with fresh_client(tiny_llama, kv_cache_memory_gib=0.01, limits=ServerLimits(max_prompt_tokens=end - 1)) as (
-        client, engine
+        client,
+        engine,
     ):
         assert client.post("/v1/schemas", json={"schema": SCHEMA}).status_code == 200
-        for path, body, param in (("/v1/completions", {"prompt": PROMPT}, "prompt"),
-                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}, "messages")):
+        for path, body, param in (
+            ("/v1/completions", {"prompt": PROMPT}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}, "messages"),
+        ):
             r = client.post(path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert r.json()["error"]["code"] == "context_length_exceeded"
@@ -208,9 +216,10 @@ def test_pml_chat_without_max_tokens_on_a_small_pool_fills_what_fits(tiny_llama)
     with fresh_client(tiny_llama, kv_cache_memory_gib=0.0001, max_model_len=1024) as (c, engine):
         assert engine.pool_tokens == 208
         assert c.post("/v1/schemas", json={"schema": SCHEMA}).status_code == 200
-        plain = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
-                                                     "max_tokens": None, "temperature": 0})
+        plain = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": None, "temperature": 0},
+        )
         assert plain.status_code == 200, plain.text
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
-                                                 "temperature": 0})
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "temperature": 0})
         assert r.status_code == 200, r.text

@@ -24,8 +24,11 @@ def _post_raw(client, path: str, body: str):
         ("temperature", "NaN", "temperature: Input should be a finite number (got nan)"),
         ("presence_penalty", "-Infinity", "presence_penalty: Input should be a finite number (got -inf)"),
         ("frequency_penalty", "2.5", "frequency_penalty: Input should be less than or equal to 2 (got 2.5)"),
-        ("repetition_penalty", "1.3",
-         "repetition_penalty: penalties are not supported; leave repetition_penalty out or 1"),
+        (
+            "repetition_penalty",
+            "1.3",
+            "repetition_penalty: penalties are not supported; leave repetition_penalty out or 1",
+        ),
         ("min_p", "0.1", "min_p: not supported; leave min_p out or 0"),
         ("logit_bias", '{"5": NaN}', "logit_bias: the bias of token 5 must be a number in [-100, 100], got nan"),
         ("logit_bias", '{"x": 1}', "logit_bias: keys must be token ids (non-negative integers), got 'x'"),
@@ -35,8 +38,11 @@ def _post_raw(client, path: str, body: str):
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_values_the_sampler_cannot_honour_are_a_400_naming_the_field(client, path, field, raw, message):
-    base = '{"prompt": "hi", "max_tokens": 2' if path == "/v1/completions" else \
-        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+    base = (
+        '{"prompt": "hi", "max_tokens": 2'
+        if path == "/v1/completions"
+        else '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
+    )
     r = _post_raw(client, path, f'{base}, "{field}": {raw}}}')
     assert r.status_code == 400, r.text
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": None}}

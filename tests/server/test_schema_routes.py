@@ -18,13 +18,20 @@ import torch
 from .fresh_app import fresh_client, fresh_server
 
 SLICE = 64
-STREAM = {"prompt": "Tell me about the ships.", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
-          "request_id": "stream"}
+STREAM = {
+    "prompt": "Tell me about the ships.",
+    "max_tokens": 1500,
+    "temperature": 0,
+    "ignore_eos": True,
+    "request_id": "stream",
+}
 
 
 def union(name: str, members: int, *, tag: str = "") -> str:
-    rows = "\n".join(f'  <module name="f{i}">Fact {i}{tag}: the keeper of lighthouse {i} logs every ship at dusk.'
-                     f"</module>" for i in range(members))
+    rows = "\n".join(
+        f'  <module name="f{i}">Fact {i}{tag}: the keeper of lighthouse {i} logs every ship at dusk.</module>'
+        for i in range(members)
+    )
     return f'<schema name="{name}">\n<system>Answer from the facts.</system>\n<union>\n{rows}\n</union>\n</schema>'
 
 
@@ -97,8 +104,10 @@ def test_a_schema_over_a_limit_is_a_400_naming_the_setting_before_any_work(tiny_
     with fresh_client(tiny_llama) as (c, engine):  # 0.002 GiB: 262 blocks of 16; the union needs 991
         err = c.post("/v1/schemas", json={"schema": text}).json()["error"]
         assert engine.engine.pool.num_blocks == 262
-        assert err["message"] == ("schema 'facts' needs 991 KV blocks for its 501 modules but the pool has 262: "
-                                  "split it or raise --kv-cache-memory")
+        assert err["message"] == (
+            "schema 'facts' needs 991 KV blocks for its 501 modules but the pool has 262: "
+            "split it or raise --kv-cache-memory"
+        )
 
 
 def test_a_500_member_union_registers_while_a_client_streams(tiny_llama):
@@ -122,7 +131,7 @@ def test_a_500_member_union_registers_while_a_client_streams(tiny_llama):
         # of its tokens there was at most one slice of at most SLICE tokens.
         first = next(i for i, (kind, _) in enumerate(log.events) if kind == "slice")
         last = max(i for i, (kind, _) in enumerate(log.events) if kind == "slice")
-        window = log.events[first:last + 1]
+        window = log.events[first : last + 1]
         for (kind_a, _), (kind_b, ids) in zip(window, window[1:]):
             assert kind_a != kind_b  # slices and steps alternate
             assert kind_b == "slice" or "stream-0" in ids
@@ -141,8 +150,11 @@ def test_a_500_member_union_registers_while_a_client_streams(tiny_llama):
 def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
     """While version 2 registers, a prompt over the schema is served by version 1 (its exact
     tokens); a prompt over a schema still registering for the first time is a 400."""
-    prompt = {"prompt": '<prompt schema="facts"><f7/><user>Which ship?</user></prompt>', "max_tokens": 6,
-              "temperature": 0}
+    prompt = {
+        "prompt": '<prompt schema="facts"><f7/><user>Which ship?</user></prompt>',
+        "max_tokens": 6,
+        "temperature": 0,
+    }
     config = {"kv_cache_memory_gib": 0.05, "max_model_len": 2048, "schema_slice_tokens": 16}
     with fresh_server(tiny_llama, **config) as (url, engine):
         assert httpx.post(url + "/v1/schemas", json={"schema": union("facts", 10)}, timeout=120).status_code == 200
@@ -153,8 +165,10 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
         def post(key: str, text: str) -> None:
             results[key] = httpx.post(url + "/v1/schemas", json={"schema": text}, timeout=300)
 
-        threads = [threading.Thread(target=post, args=("v2", union("facts", 300, tag=" again"))),
-                   threading.Thread(target=post, args=("new", union("fresh", 300)))]
+        threads = [
+            threading.Thread(target=post, args=("v2", union("facts", 300, tag=" again"))),
+            threading.Thread(target=post, args=("new", union("fresh", 300))),
+        ]
         for t in threads:  # each compiles its schema in a worker thread while prompts compile on the
             t.start()  # engine thread, with the same tokenizer (pml/encoder.py)
         seen = {"v1_while_v2": 0, "fresh_unknown": 0}
@@ -169,8 +183,11 @@ def test_prompts_see_a_schema_only_once_it_is_complete(tiny_llama):
             # served (the POST's answer reaches its thread later: it cannot bracket the request).
             before = registering()
             r = httpx.post(url + "/v1/completions", json=prompt, timeout=60)
-            q = httpx.post(url + "/v1/completions", json={**prompt, "prompt": prompt["prompt"].replace("facts", "fresh")},
-                           timeout=60)
+            q = httpx.post(
+                url + "/v1/completions",
+                json={**prompt, "prompt": prompt["prompt"].replace("facts", "fresh")},
+                timeout=60,
+            )
             during = before & registering()
             assert r.status_code == 200 and q.status_code in (200, 400)
             texts.append(r.json()["choices"][0]["text"])
@@ -200,8 +217,11 @@ def test_a_registration_in_flight_when_the_engine_stops_fails_and_holds_nothing(
     from kvreuse.engine.async_engine import AsyncEngine, EngineDeadError
     from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.05, block_size=16, max_model_len=2048,
-                                                schema_slice_tokens=4), tiny_llama))
+    engine = AsyncEngine(
+        LLMEngine(
+            EngineConfig(kv_cache_memory_gib=0.05, block_size=16, max_model_len=2048, schema_slice_tokens=4), tiny_llama
+        )
+    )
     engine.start()
 
     async def stop_mid_registration() -> None:
@@ -232,8 +252,11 @@ SCHEMA = """<schema name="docs">
   </union>
   <module name="who">Asker: <param name="name" len="4"/>.</module>
 </schema>"""
-PROMPT = {"prompt": '<prompt schema="docs"><d2/><who name="Ana"/><user>When does the ferry leave?</user></prompt>',
-          "max_tokens": 8, "temperature": 0}
+PROMPT = {
+    "prompt": '<prompt schema="docs"><d2/><who name="Ana"/><user>When does the ferry leave?</user></prompt>',
+    "max_tokens": 8,
+    "temperature": 0,
+}
 
 
 def _metric(text: str, name: str, label: str = "") -> float | None:

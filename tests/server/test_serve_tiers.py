@@ -21,8 +21,20 @@ from tests.tiers.redis_server import RedisServer
 BLOCK = 16
 NEW = 6  # 250 prompt + 6 new tokens: KV for 255, so decoding completes no block (exact write counts)
 COOLDOWN_S = 5.0  # RemoteStore's breaker cool-down: after it, the next call probes the store
-TINY = ["--model", "tiny:llama", "--served-model-name", "tiny", "--kv-cache-memory", "0.002",
-        "--host-cache-memory", "0.004", "--max-model-len", "1024", "--log-level", "info"]
+TINY = [
+    "--model",
+    "tiny:llama",
+    "--served-model-name",
+    "tiny",
+    "--kv-cache-memory",
+    "0.002",
+    "--host-cache-memory",
+    "0.004",
+    "--max-model-len",
+    "1024",
+    "--log-level",
+    "info",
+]
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -105,8 +117,9 @@ def test_salts_share_nothing_in_any_tier_across_executors(pair, redis):
     assert third.cached_tokens == 0 and set(third.by_tier.values()) == {0}
     stored = redis_client.Redis.from_url(redis.url)
     for salt, chain in keys.items():  # three chains, each under its own keys in the one database
-        assert sum(len(list(stored.scan_iter(f"kvreuse:v1:*:{bytes(key).hex()}"))) for key in chain) \
-            == full_blocks(200), salt
+        assert sum(len(list(stored.scan_iter(f"kvreuse:v1:*:{bytes(key).hex()}"))) for key in chain) == full_blocks(
+            200
+        ), salt
 
 
 def test_redis_killed_mid_load_fails_no_request_and_sharing_resumes(pair, redis, tiny_llama):
@@ -116,7 +129,9 @@ def test_redis_killed_mid_load_fails_no_request_and_sharing_resumes(pair, redis,
     system = prompt(48, 3)  # a shared system prompt: device hits on each executor
     prompts = [system + prompt(40 + i, 100 + i) for i in range(40)]
     reference = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.002, enable_prefix_caching=False)
-    expected = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    expected = [
+        o.text for o in reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    ]
     killed = threading.Event()
     finished = []
     lock = threading.Lock()

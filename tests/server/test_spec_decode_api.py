@@ -36,13 +36,16 @@ def expected(tiny_llama):
     """What the Python API gives the same greedy request with the server's settings."""
     llm = LLM(loaded=tiny_llama, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **SPEC)
     out = llm.generate(prompt_ids(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
-    plain = llm.generate(prompt_ids(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                                      speculative=False))[0]
+    plain = llm.generate(
+        prompt_ids(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, speculative=False)
+    )[0]
     assert out.output_token_ids == plain.output_token_ids and plain.num_draft_tokens == 0
     assert out.num_draft_tokens > out.num_accepted_tokens > 0  # both kinds happen on this prompt
     chat_llm = LLM(loaded=tiny_llama, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, **SPEC)
-    chat = chat_llm.chat([{"role": "user", "content": chat_text()}],
-                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
+    chat = chat_llm.chat(
+        [{"role": "user", "content": chat_text()}],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+    )[0]
     return out, chat
 
 
@@ -51,19 +54,30 @@ def chat_text() -> str:
 
 
 def details(out) -> dict:
-    return {"accepted_prediction_tokens": out.num_accepted_tokens,
-            "rejected_prediction_tokens": out.num_draft_tokens - out.num_accepted_tokens}
+    return {
+        "accepted_prediction_tokens": out.num_accepted_tokens,
+        "rejected_prediction_tokens": out.num_draft_tokens - out.num_accepted_tokens,
+    }
 
 
 def _samples(text: str) -> dict[str, float]:
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels or set(s.labels) == {"model_name"}}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels or set(s.labels) == {"model_name"}
+    }
 
 
 def test_completions_field_usage_and_identical_text(tiny_llama, expected):
     out, _ = expected
-    body = {"prompt": prompt_ids(), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": prompt_ids(),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     with fresh_client(tiny_llama, **SPEC) as (client, engine):
         on = client.post("/v1/completions", json=body)
         off = client.post("/v1/completions", json={**body, "speculative": False})
@@ -95,11 +109,19 @@ def test_completions_field_usage_and_identical_text(tiny_llama, expected):
 
 def test_completions_stream_usage(tiny_llama, expected):
     out, _ = expected
-    body = {"prompt": prompt_ids(), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        "prompt": prompt_ids(),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     with fresh_client(tiny_llama, **SPEC) as (client, engine):
-        lines = [line for line in client.post("/v1/completions", json=body).text.splitlines()
-                 if line.startswith("data: {")]
+        lines = [
+            line for line in client.post("/v1/completions", json=body).text.splitlines() if line.startswith("data: {")
+        ]
     chunks = [json.loads(line[6:]) for line in lines]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
@@ -111,13 +133,18 @@ def test_completions_stream_usage(tiny_llama, expected):
 
 def test_chat_field_usage_and_identical_text(tiny_llama, expected):
     _, chat = expected
-    body = {"messages": [{"role": "user", "content": chat_text()}], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": chat_text()}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with fresh_client(tiny_llama, **SPEC) as (client, engine):
         on = client.post("/v1/chat/completions", json=body).json()
         off = client.post("/v1/chat/completions", json={**body, "speculative": False}).json()
-        stream = client.post("/v1/chat/completions", json={**body, "stream": True,
-                                                           "stream_options": {"include_usage": True}}).text
+        stream = client.post(
+            "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        ).text
         bad = client.post("/v1/chat/completions", json={**body, "speculative": 1})
     assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"] == chat.text
     assert chat.num_accepted_tokens > 0  # the tiny model's answer loops: drafts get accepted

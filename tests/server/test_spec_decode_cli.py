@@ -20,27 +20,46 @@ def _args(*flags: str):
 
 def test_speculative_flags_default_to_the_config_and_reach_it():
     config = _engine_config(_args())
-    assert (config.speculative_tokens, config.speculative_ngram_max, config.speculative_ngram_min) == (
-        EngineConfig.speculative_tokens, EngineConfig.speculative_ngram_max, EngineConfig.speculative_ngram_min
-    ) == (0, 4, 2)
-    config = _engine_config(_args("--speculative-tokens", "6", "--speculative-ngram", "3",
-                                  "--speculative-ngram-min", "1"))
+    assert (
+        (config.speculative_tokens, config.speculative_ngram_max, config.speculative_ngram_min)
+        == (EngineConfig.speculative_tokens, EngineConfig.speculative_ngram_max, EngineConfig.speculative_ngram_min)
+        == (0, 4, 2)
+    )
+    config = _engine_config(
+        _args("--speculative-tokens", "6", "--speculative-ngram", "3", "--speculative-ngram-min", "1")
+    )
     assert (config.speculative_tokens, config.speculative_ngram_max, config.speculative_ngram_min) == (6, 3, 1)
 
 
-@pytest.mark.parametrize("flags, name", [(("--speculative-tokens", "-1"), "--speculative-tokens"),
-                                         (("--speculative-tokens", "33"), "--speculative-tokens"),
-                                         (("--speculative-ngram-min", "5"), "--speculative-ngram-min"),
-                                         (("--speculative-ngram", "0", "--speculative-ngram-min", "0"),
-                                          "--speculative-ngram-min")])
+@pytest.mark.parametrize(
+    "flags, name",
+    [
+        (("--speculative-tokens", "-1"), "--speculative-tokens"),
+        (("--speculative-tokens", "33"), "--speculative-tokens"),
+        (("--speculative-ngram-min", "5"), "--speculative-ngram-min"),
+        (("--speculative-ngram", "0", "--speculative-ngram-min", "0"), "--speculative-ngram-min"),
+    ],
+)
 def test_a_bad_speculative_flag_is_refused_naming_it(flags, name):
     with pytest.raises(ValueError, match=name):
         _engine_config(_args(*flags))
 
 
 def test_serve_with_speculative_tokens(tmp_path):
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.02", "--max-model-len", "512",
-            "--served-model-name", "tiny", "--speculative-tokens", "5", "--speculative-ngram-min", "1"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.02",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--speculative-tokens",
+        "5",
+        "--speculative-ngram-min",
+        "1",
+    ]
     body = {"model": "tiny", "prompt": prompt_ids(), "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     with running_server(free_port(), args, tmp_path / "serve.log") as url:
         on = httpx.post(url + "/v1/completions", json=body, timeout=60).json()

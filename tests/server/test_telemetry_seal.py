@@ -18,8 +18,9 @@ ADMIN, ACME = {"Authorization": "Bearer admin-key"}, {"Authorization": "Bearer a
 
 def _limiter() -> TenantLimiter:
     """acme: 2 in flight (a third refused) and 50 tokens charged; globex: 1 in flight."""
-    limiter = TenantLimiter(TenantLimits(default=Limits(max_in_flight=2),
-                                         tenants={"acme": Limits(max_in_flight=2, tokens_per_minute=1000)}))
+    limiter = TenantLimiter(
+        TenantLimits(default=Limits(max_in_flight=2), tenants={"acme": Limits(max_in_flight=2, tokens_per_minute=1000)})
+    )
     done = limiter.open("acme")
     done.reserve(30, 20)
     done.close()
@@ -62,8 +63,9 @@ def test_metrics_name_tenants_only_to_an_admin_key(async_engine):
 def test_metrics_tenant_labels_opt_in_names_them_to_everyone(async_engine):
     from kvreuse.server.api_server import build_app
 
-    app = build_app(async_engine, api_key=KEYS, served_model_name="tiny", limiter=_limiter(),
-                    metrics_tenant_labels=True)
+    app = build_app(
+        async_engine, api_key=KEYS, served_model_name="tiny", limiter=_limiter(), metrics_tenant_labels=True
+    )
     with TestClient(app) as c:
         assert _tenant_lines(c) == NAMED
 

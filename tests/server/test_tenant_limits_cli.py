@@ -39,21 +39,49 @@ def test_a_bad_limits_file_stops_the_server_before_the_model_loads(tmp_path):
     bad = tmp_path / "limits.toml"
     bad.write_text("[tenants.acme]\ntokens_per_minute = -1\n")
     # a model that cannot load: the limits' error comes first, or the model's would
-    done = subprocess.run([sys.executable, "-m", "kvreuse", "serve", "--model", str(tmp_path / "none.gguf"),
-                           "--tenant-limits",
-                           str(bad), *KEYS], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "NO_COLOR": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvreuse",
+            "serve",
+            "--model",
+            str(tmp_path / "none.gguf"),
+            "--tenant-limits",
+            str(bad),
+            *KEYS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert done.returncode == 2
-    assert (f'kvreuse serve: --tenant-limits {bad}: tenants.acme.tokens_per_minute: expected a whole number >= 1 or '
-            '"unlimited", got -1') in done.stderr
+    assert (
+        f'kvreuse serve: --tenant-limits {bad}: tenants.acme.tokens_per_minute: expected a whole number >= 1 or '
+        '"unlimited", got -1'
+    ) in done.stderr
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("limits")
     (folder / "limits.toml").write_text(LIMITS)
-    args = ["--model", "tiny:llama", "--kv-cache-memory", "0.02", "--max-model-len", "512", "--served-model-name",
-            "tiny", "--tenant-limits", str(folder / "limits.toml"), *KEYS, "--log-level", "warning"]
+    args = [
+        "--model",
+        "tiny:llama",
+        "--kv-cache-memory",
+        "0.02",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--tenant-limits",
+        str(folder / "limits.toml"),
+        *KEYS,
+        "--log-level",
+        "warning",
+    ]
     with running_server(free_port(), args, folder / "serve.log") as url:
         yield url
 
@@ -66,8 +94,9 @@ def test_a_tenant_over_its_tokens_per_minute_gets_a_rate_limit_error(served):
         acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=30)
     assert refused.value.status_code == 429
     assert refused.value.body["code"] == "rate_limit_exceeded" and refused.value.body["type"] == "tokens"
-    assert refused.value.body["message"].startswith("Rate limit reached for tenant acme on tokens per minute: limit "
-                                                    "100, available ")
+    assert refused.value.body["message"].startswith(
+        "Rate limit reached for tenant acme on tokens per minute: limit 100, available "
+    )
     assert 1 <= int(refused.value.response.headers["retry-after"]) <= 24  # (70 - 30) tokens at 100/60 per s at most
     admin = openai.OpenAI(base_url=served + "/v1", api_key="admin-key", max_retries=0)
     assert admin.completions.create(model="tiny", prompt=PROMPT, max_tokens=30).usage.prompt_tokens == 40
@@ -77,8 +106,9 @@ def test_a_tenant_over_its_tokens_per_minute_gets_a_rate_limit_error(served):
 
 def test_a_client_that_disconnects_mid_stream_leaves_no_slot_behind(served):
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": "Bearer globex-key"}) as r:
+    with httpx.stream(
+        "POST", f"{served}/v1/completions", json=body, timeout=60, headers={"Authorization": "Bearer globex-key"}
+    ) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the stream is running; now the client goes away
     deadline = time.monotonic() + 60

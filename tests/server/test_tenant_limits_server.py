@@ -82,9 +82,15 @@ def test_a_stream_holds_its_tenants_slot_until_it_ends_or_its_client_leaves(engi
         assert refused.value.status_code == 429
         assert refused.value.body == {
             "message": "Too many requests in flight for tenant acme: 1 running, its max_in_flight limit is 1; retry "
-                       "when one finishes", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+            "when one finishes",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
         assert (refused.value.response.headers["retry-after"], refused.value.response.headers["retry-after-ms"]) == (
-            "1", "1000")
+            "1",
+            "1000",
+        )
         with pytest.raises(openai.RateLimitError):  # chat shares the slot
             await acme.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         # acme at its limit costs globex nothing: its request runs while acme's stream is held
@@ -98,8 +104,18 @@ def test_a_stream_holds_its_tenants_slot_until_it_ends_or_its_client_leaves(engi
         again = await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body=EXACT)
         assert again.usage.completion_tokens == 8
 
-        held = HeldStream(app, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                         "max_tokens": 8, "stream": True, **EXACT}, _auth("acme-key"))
+        held = HeldStream(
+            app,
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "stream": True,
+                **EXACT,
+            },
+            _auth("acme-key"),
+        )
         await held.start()
         with pytest.raises(openai.RateLimitError):
             await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=8)
@@ -126,7 +142,9 @@ def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_charge_the_usage(e
     app, limiter = _app(engine, TenantLimits(tenants={"acme": Limits(tokens_per_minute=120)}), clock)  # 2 tokens/s
 
     async def greedy_ids() -> list[int]:
-        outs = [o async for o in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")]
+        outs = [
+            o async for o in engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0), request_id="probe")
+        ]
         return outs[-1].output_token_ids
 
     async def scenario():
@@ -138,27 +156,34 @@ def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_charge_the_usage(e
             await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, extra_body=EXACT)
         assert refused.value.body == {
             "message": "Rate limit reached for tenant acme on tokens per minute: limit 120, available 72, requested 80 "
-                       "(prompt 40 + up to 40 completion tokens); retry in 4.0s",
-            "type": "tokens", "param": None, "code": "rate_limit_exceeded"}
+            "(prompt 40 + up to 40 completion tokens); retry in 4.0s",
+            "type": "tokens",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
         headers = refused.value.response.headers
         assert (headers["retry-after"], headers["retry-after-ms"]) == ("4", "4000")
         clock.t += 4.0  # the wait it was told
-        assert (await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=40,
-                                              extra_body=EXACT)).usage.total_tokens == 80
+        assert (
+            await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=40, extra_body=EXACT)
+        ).usage.total_tokens == 80
         assert limiter.tokens_available("acme") == 0.0
 
         clock.t += 60.0  # full again: 120
         with pytest.raises(openai.RateLimitError) as too_large:
             await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=81)
         assert too_large.value.body["param"] == "max_tokens"
-        assert too_large.value.body["message"].startswith("Request too large for tenant acme on tokens per minute: "
-                                                          "limit 120, requested 121 (prompt 40 + up to 81 completion")
+        assert too_large.value.body["message"].startswith(
+            "Request too large for tenant acme on tokens per minute: "
+            "limit 120, requested 121 (prompt 40 + up to 81 completion"
+        )
         assert too_large.value.response.headers["x-should-retry"] == "false"
         assert "retry-after" not in too_large.value.response.headers
 
         # n choices: the prompt once, every choice's max_tokens; streamed, charged as it streams
-        chat = await acme.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
-                                                  max_tokens=4, n=2, extra_body=EXACT)
+        chat = await acme.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello there"}], max_tokens=4, n=2, extra_body=EXACT
+        )
         charged_chat = chat.usage.prompt_tokens + 8
         assert chat.usage.total_tokens == charged_chat
         assert limiter.tokens_available("acme") == 120.0 - charged_chat
@@ -170,12 +195,14 @@ def test_tokens_per_minute_reserve_prompt_plus_max_tokens_and_charge_the_usage(e
         # a request that stops early gets back what it did not use
         clock.t += 60.0
         ids = await greedy_ids()
-        stopped = await acme.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0,
-                                                extra_body={"stop_token_ids": [ids[2]]})
+        stopped = await acme.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [ids[2]]}
+        )
         assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 8
         assert limiter.tokens_available("acme") == 120.0 - stopped.usage.total_tokens
-        admin = await _client(app, "admin-key").completions.create(model="tiny", prompt=PROMPT, max_tokens=200,
-                                                                    extra_body=EXACT)
+        admin = await _client(app, "admin-key").completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=200, extra_body=EXACT
+        )
         assert admin.usage.total_tokens == 240  # admin keys are not limited
         charged = 48 + 80 + charged_chat + 48 + stopped.usage.total_tokens
         return charged, await _metrics(app)
@@ -204,7 +231,11 @@ def test_a_bad_request_costs_nothing_and_limits_need_a_tenant_with_a_key(engine)
             await acme.completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
 
     asyncio.run(scenario())
-    assert (limiter.tokens_available("acme"), limiter.in_flight("acme"), limiter.tokens_charged("acme")) == (100.0, 0, 0)
+    assert (limiter.tokens_available("acme"), limiter.in_flight("acme"), limiter.tokens_charged("acme")) == (
+        100.0,
+        0,
+        0,
+    )
     from kvreuse.server.api_server import build_app
 
     with pytest.raises(ValueError, match="tenants.acmee: no --api-key KEY:acmee names this tenant"):

@@ -34,15 +34,23 @@ def test_tenants_never_share_blocks_and_introspection_needs_an_admin_key(tiny_ll
         assert _cached(client, "admin-key") == 0  # the admin key's unsalted blocks are apart too
         assert _cached(client, "admin-key", cache_salt="tenant:acme") == 32  # admins are trusted: they may
 
-        admin_only = [("GET", "/v1/kv_cache_state"), ("GET", "/v1/kv_cache_events"),
-                      ("POST", "/reset_prefix_cache"), ("POST", "/v1/schemas"), ("DELETE", "/v1/schemas/s")]
+        admin_only = [
+            ("GET", "/v1/kv_cache_state"),
+            ("GET", "/v1/kv_cache_events"),
+            ("POST", "/reset_prefix_cache"),
+            ("POST", "/v1/schemas"),
+            ("DELETE", "/v1/schemas/s"),
+        ]
         for method, path in admin_only:
             r = client.request(method, path, headers=_auth("acme-key"))
             assert r.status_code == 403, (path, r.text)
             assert r.json()["error"] == {
                 "message": f"{method} {path} needs an admin key (one given without ':tenant'): it shows or changes "
-                           "every tenant's cache", "type": "invalid_request_error", "param": None,
-                "code": "admin_key_required"}
+                "every tenant's cache",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "admin_key_required",
+            }
         assert client.get("/v1/kv_cache_state", headers=_auth("admin-key")).status_code == 200
         assert client.get("/v1/schemas", headers=_auth("acme-key")).status_code == 200
         assert client.get("/v1/kv_cache_stats", headers=_auth("acme-key")).status_code == 200  # counts, no ids
@@ -51,8 +59,11 @@ def test_tenants_never_share_blocks_and_introspection_needs_an_admin_key(tiny_ll
 
 def test_key_specs_are_checked():
     assert APIKeys.parse(["a", "b:t-1", "c:d:e"]).tenants == {"a": None, "b": "t-1", "c:d": "e"}
-    for specs, message in [(["k:bad name"], "the tenant after the last ':' must be 1-64 letters"),
-                           ([":t"], "the key must not be empty"), (["k", "k:t"], "the same key is given twice")]:
+    for specs, message in [
+        (["k:bad name"], "the tenant after the last ':' must be 1-64 letters"),
+        ([":t"], "the key must not be empty"),
+        (["k", "k:t"], "the same key is given twice"),
+    ]:
         with pytest.raises(ValueError, match=message):
             APIKeys.parse(specs)
 
@@ -68,8 +79,12 @@ def test_only_admin_keys_learn_the_zmq_event_socket(tiny_llama):
     from kvreuse.events.publisher import ZmqEventPublisher
     from kvreuse.server.api_server import build_app
 
-    engine = AsyncEngine(LLMEngine(EngineConfig(kv_cache_memory_gib=0.002, block_size=16, max_model_len=512,
-                                                event_buffer_max_size=1000), tiny_llama))
+    engine = AsyncEngine(
+        LLMEngine(
+            EngineConfig(kv_cache_memory_gib=0.002, block_size=16, max_model_len=512, event_buffer_max_size=1000),
+            tiny_llama,
+        )
+    )
     publisher = ZmqEventPublisher(engine.engine.events, "tcp://127.0.0.1:*")
     try:
         engine.start()

@@ -18,7 +18,7 @@ def _events(response) -> list:
     out = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -26,8 +26,14 @@ def _events(response) -> list:
 def test_completions_return_the_prompt_and_generated_ids(client, async_engine):
     tok = async_engine.tokenizer
     prompts = [words(30, 41), words(20, 42)]
-    body = {"prompt": prompts, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "n": 2,
-            "return_token_ids": True}
+    body = {
+        "prompt": prompts,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "n": 2,
+        "return_token_ids": True,
+    }
     whole = client.post("/v1/completions", json=body).json()
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
     for c in whole["choices"]:
@@ -52,8 +58,13 @@ def test_completions_return_the_prompt_and_generated_ids(client, async_engine):
 
 
 def test_chat_returns_the_rendered_prompts_ids_once(client, async_engine):
-    body = {"messages": [{"role": "user", "content": words(24, 43)}], "max_tokens": 10, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": words(24, 43)}],
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     whole = client.post("/v1/chat/completions", json=body).json()
     (choice,) = whole["choices"]
     assert len(choice["token_ids"]) == 10 and whole["usage"]["prompt_tokens"] == len(whole["prompt_token_ids"])
@@ -71,8 +82,9 @@ def test_without_the_field_no_ids_are_sent(client):
     body = {"prompt": words(10, 44), "max_tokens": 4, "temperature": 0.0, "stream": True}
     raw = client.post("/v1/completions", json=body).text
     assert "token_ids" not in raw
-    raw = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 4, "stream": True}).text
+    raw = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    ).text
     assert "token_ids" not in raw
 
 
@@ -81,7 +93,15 @@ def test_a_pml_prompt_has_no_token_prompt_to_report(client):
     prompt = '<prompt schema="tokids"><doc/><user>When?</user></prompt>'
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "return_token_ids": True}).json()
     assert r["choices"][0]["prompt_token_ids"] is None and len(r["choices"][0]["token_ids"]) >= 1
-    events = _events(client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "stream": True,
-        "return_token_ids": True}))
+    events = _events(
+        client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 3,
+                "stream": True,
+                "return_token_ids": True,
+            },
+        )
+    )
     assert events[0]["prompt_token_ids"] is None

@@ -72,7 +72,11 @@ def test_reset_prefix_cache_drops_cached_blocks_and_the_next_request_misses(tiny
 
 def test_utility_routes_need_the_api_key_except_version(tiny_llama):
     with fresh_client(tiny_llama, api_key="sekrit") as (client, _):
-        for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]}), ("/reset_prefix_cache", None)):
+        for path, body in (
+            ("/tokenize", {"prompt": "a"}),
+            ("/detokenize", {"tokens": [1]}),
+            ("/reset_prefix_cache", None),
+        ):
             assert client.post(path, json=body).status_code == 401
             assert client.post(path, json=body, headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert client.get("/version").status_code == 200

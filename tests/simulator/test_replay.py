@@ -22,11 +22,14 @@ def write(tmp_path, records, name="t.jsonl"):
 
 
 def test_mooncake_keys_chain_and_skip_the_partial_block(tmp_path):
-    path = write(tmp_path, [
-        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
-        {"timestamp": 1000, "input_length": 1030, "output_length": 600, "hash_ids": [0, 1, 4]},
-        {"timestamp": 2000, "input_length": 1030, "output_length": 0, "hash_ids": [0, 3, 5]},
-    ])
+    path = write(
+        tmp_path,
+        [
+            {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1000, "input_length": 1030, "output_length": 600, "hash_ids": [0, 1, 4]},
+            {"timestamp": 2000, "input_length": 1030, "output_length": 0, "hash_ids": [0, 3, 5]},
+        ],
+    )
     trace = read_trace(path, block_tokens=512)
     a, b, c = trace.requests
     assert len(a.block_keys) == 2 and a.block_keys == b.block_keys  # ids 2, 4 cover partial blocks
@@ -67,15 +70,20 @@ def test_outputs_occupy_the_cache_and_force_evictions(tmp_path):
 
 
 def test_retention_in_jsonl_keeps_the_system_prompt(tmp_path):
-    keep = {"token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": 90}],
-            "decode_retention_priority": 10}
-    path = write(tmp_path, [
-        # S (90), question (35), 2 output blocks (10): 8 + 9 - 1 tokens with KV
-        {"prompt_token_ids": [1, 2, 3, 4, 9, 9, 9, 9], "output_length": 9, "kv_cache_retention_config": keep},
-        {"prompt_token_ids": [5, 6, 7, 8], "output_length": 5},   # 2 blocks at 35: the pool is full
-        {"prompt_token_ids": [7, 7, 7, 7], "output_length": 13},  # needs 4 blocks
-        {"prompt_token_ids": [1, 2, 3, 4, 5], "kv_cache_retention_config": keep},  # S + 1 new block
-    ])
+    keep = {
+        "token_range_retention_configs": [{"token_start": 0, "token_end": 4, "priority": 90}],
+        "decode_retention_priority": 10,
+    }
+    path = write(
+        tmp_path,
+        [
+            # S (90), question (35), 2 output blocks (10): 8 + 9 - 1 tokens with KV
+            {"prompt_token_ids": [1, 2, 3, 4, 9, 9, 9, 9], "output_length": 9, "kv_cache_retention_config": keep},
+            {"prompt_token_ids": [5, 6, 7, 8], "output_length": 5},  # 2 blocks at 35: the pool is full
+            {"prompt_token_ids": [7, 7, 7, 7], "output_length": 13},  # needs 4 blocks
+            {"prompt_token_ids": [1, 2, 3, 4, 5], "kv_cache_retention_config": keep},  # S + 1 new block
+        ],
+    )
     trace = read_trace(path, block_tokens=4)
     assert trace.requests[0].retention.decode_retention_priority == 10
     prio = replay(trace, make_policy("priority"), 6, check_every=1)
@@ -102,8 +110,10 @@ def test_jsonl_text_and_errors(tmp_path):
 
 def test_mooncake_slice_belady_bounds_every_policy():
     trace = read_trace(MOONCAKE, block_tokens=512, limit=600)
-    rates = {n: replay(trace, make_policy(n, num_blocks=1000), 1000, check_every=200).hit_rate
-             for n in ("lru", "priority", "2q")}
+    rates = {
+        n: replay(trace, make_policy(n, num_blocks=1000), 1000, check_every=200).hit_rate
+        for n in ("lru", "priority", "2q")
+    }
     bound = replay_belady(trace, 1000, check_every=200).hit_rate
     assert rates["lru"] == rates["priority"]  # no hints in the trace
     assert rates["lru"] < rates["2q"] <= bound
@@ -116,8 +126,28 @@ def test_cli_json_and_plot(tmp_path, capsys):
 
     path = write(tmp_path, [rec(list(range(16))), rec(list(range(100, 116))), rec(list(range(16)))])
     png = tmp_path / "sweep.png"
-    assert simulate_main(["--trace", str(path), "--capacity-blocks", "8", "--trace-block-tokens", "4",
-                          "--policy", "lru", "--policy", "2q", "--json", "--plot", str(png), "--sweep", "4,8"]) == 0
+    assert (
+        simulate_main(
+            [
+                "--trace",
+                str(path),
+                "--capacity-blocks",
+                "8",
+                "--trace-block-tokens",
+                "4",
+                "--policy",
+                "lru",
+                "--policy",
+                "2q",
+                "--json",
+                "--plot",
+                str(png),
+                "--sweep",
+                "4,8",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert [p["policy"] for p in doc["policies"]] == ["lru", "2q"]
     assert set(doc["policies"][0]) >= {"policy", "hit_rate", "evictions_by_priority", "blocks_by_priority"}
@@ -128,13 +158,16 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert simulate_main(["--trace", str(tmp_path / "missing.jsonl"), "--capacity-blocks", "8"]) == 2
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--block-size", "0"], "--trace-block-tokens must be >= 1"),
-    (["--limit", "0"], "--limit must be >= 1"),
-    (["--plot", "x.png", "--sweep", "10,abc"], "--sweep takes positive block counts"),
-    (["--plot", "x.png", "--sweep", "0,10"], "--sweep takes positive block counts"),
-    (["--sweep", "4,8"], "add --plot"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--block-size", "0"], "--trace-block-tokens must be >= 1"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--plot", "x.png", "--sweep", "10,abc"], "--sweep takes positive block counts"),
+        (["--plot", "x.png", "--sweep", "0,10"], "--sweep takes positive block counts"),
+        (["--sweep", "4,8"], "add --plot"),
+    ],
+)
 def test_cli_refuses_bad_options_in_one_line(tmp_path, capsys, extra, needle):
     path = write(tmp_path, [{"prompt_token_ids": [1, 2, 3]}])
     assert simulate_main(["--trace", str(path), "--capacity-blocks", "8", *extra]) == 2
@@ -142,11 +175,17 @@ def test_cli_refuses_bad_options_in_one_line(tmp_path, capsys, extra, needle):
     assert needle in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("records, needle", [
-    ([{"prompt_token_ids": [1], "timestamp": [5]}], "line 1: timestamp must be a number"),
-    ([{"prompt_token_ids": [1], "timestamp": "soon"}], "line 1: timestamp must be a number"),
-    ([{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [0]}], "line 1: input_length must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "records, needle",
+    [
+        ([{"prompt_token_ids": [1], "timestamp": [5]}], "line 1: timestamp must be a number"),
+        ([{"prompt_token_ids": [1], "timestamp": "soon"}], "line 1: timestamp must be a number"),
+        (
+            [{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [0]}],
+            "line 1: input_length must be >= 1",
+        ),
+    ],
+)
 def test_trace_reader_names_the_bad_line(tmp_path, records, needle):
     with pytest.raises(ValueError, match=needle):
         read_trace(write(tmp_path, records), block_tokens=4)

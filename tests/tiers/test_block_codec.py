@@ -74,10 +74,13 @@ def test_bad_magic_is_refused(record):
         decode_block(data, NS)
 
 
-@pytest.mark.parametrize("other", [
-    OTHER_MODEL,
-    TierNamespace("ab" * 32, "xxh3_64", BLOCK_SIZE),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        OTHER_MODEL,
+        TierNamespace("ab" * 32, "xxh3_64", BLOCK_SIZE),
+    ],
+)
 def test_foreign_namespace_is_refused(record, other):
     data = encode_block(record, NS)
     with pytest.raises(ForeignBlock, match="another namespace"):
@@ -122,9 +125,16 @@ def _reframe(header: dict, payload: bytes) -> bytes:
 
 
 def _header(**changes) -> dict:
-    header = {"fingerprint": "ab" * 32, "hash_algorithm": "sha256", "block_size": BLOCK_SIZE,
-              "key": b"k" * 32, "parent_key": None, "token_ids": [1, 2, 3, 4],
-              "dtype": "float32", "shape": list(SHAPE)}
+    header = {
+        "fingerprint": "ab" * 32,
+        "hash_algorithm": "sha256",
+        "block_size": BLOCK_SIZE,
+        "key": b"k" * 32,
+        "parent_key": None,
+        "token_ids": [1, 2, 3, 4],
+        "dtype": "float32",
+        "shape": list(SHAPE),
+    }
     return header | changes
 
 

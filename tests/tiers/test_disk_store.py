@@ -52,7 +52,13 @@ def test_round_trip_and_layout(tmp_path, clock):
     assert path.read_bytes() == payload and os.stat(path).st_mtime == clock.now
     assert [p.name for p in (tmp_path / NS.tag).rglob("*")] == [key.hex()[:2], f"{key.hex()}.kvb"]
     stats = store.stats()
-    assert (stats["hits"], stats["misses"], stats["puts"], stats["entries"], stats["bytes"]) == (1, 1, 1, 1, BLOCK_BYTES)
+    assert (stats["hits"], stats["misses"], stats["puts"], stats["entries"], stats["bytes"]) == (
+        1,
+        1,
+        1,
+        1,
+        BLOCK_BYTES,
+    )
     assert store.delete(key) and not path.exists() and not store.delete(key)
     assert store.stats()["entries"] == 0
 
@@ -127,13 +133,16 @@ def _file(tmp_path, key):
     return tmp_path / NS.tag / key.hex()[:2] / f"{key.hex()}.kvb"
 
 
-@pytest.mark.parametrize("damage, counter", [
-    (lambda data: data[: len(data) // 2], "corrupt"),  # truncated
-    (lambda data: data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:], "corrupt"),  # one byte flipped
-    (lambda data: b"", "corrupt"),  # empty file
-    (lambda data: encode_block(make_record(0), OTHER_MODEL), "foreign"),  # another model's block
-    (lambda data: make_payload(1)[1], "corrupt"),  # another key's block under this name
-])
+@pytest.mark.parametrize(
+    "damage, counter",
+    [
+        (lambda data: data[: len(data) // 2], "corrupt"),  # truncated
+        (lambda data: data[:-40] + bytes([data[-40] ^ 0xFF]) + data[-39:], "corrupt"),  # one byte flipped
+        (lambda data: b"", "corrupt"),  # empty file
+        (lambda data: encode_block(make_record(0), OTHER_MODEL), "foreign"),  # another model's block
+        (lambda data: make_payload(1)[1], "corrupt"),  # another key's block under this name
+    ],
+)
 def test_bad_file_is_refused_deleted_and_counted(tmp_path, clock, caplog, damage, counter):
     store = DiskStore(tmp_path, 10 * BLOCK_BYTES, namespace=NS, clock=clock)
     key, payload = make_payload(0)
@@ -260,8 +269,13 @@ def put(store, log, i):
 def test_cap_eviction_is_reported_after_the_write_that_caused_it(logged):
     store, log, _ = logged
     keys = [put(store, log, i) for i in (1, 2, 3, 4)]
-    assert log == [("stored", keys[0]), ("stored", keys[1]), ("stored", keys[2]), ("stored", keys[3]),
-                   ("removed", keys[0])]
+    assert log == [
+        ("stored", keys[0]),
+        ("stored", keys[1]),
+        ("stored", keys[2]),
+        ("stored", keys[3]),
+        ("removed", keys[0]),
+    ]
     assert store.keys() == keys[1:]
 
 

@@ -25,8 +25,9 @@ def parse_json_body(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise APIError(f"request body is not valid UTF-8 (byte {exc.start} of {len(raw)}: "
-                       f"0x{raw[exc.start]:02x})") from None
+        raise APIError(
+            f"request body is not valid UTF-8 (byte {exc.start} of {len(raw)}: 0x{raw[exc.start]:02x})"
+        ) from None
     try:
         return json.loads(text)
     except RecursionError:
@@ -41,6 +42,9 @@ def check_text(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise APIError(f"{param}: text contains a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x} at "
-                       f"character {exc.start}); send valid Unicode", param=param) from None
+        raise APIError(
+            f"{param}: text contains a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x} at "
+            f"character {exc.start}); send valid Unicode",
+            param=param,
+        ) from None
     return text

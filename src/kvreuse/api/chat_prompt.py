@@ -30,22 +30,30 @@ class ChatPrompt:
     documents: DocumentPrompt | None = None
 
 
-def _render_text(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-                 template_kwargs: dict[str, Any]) -> str:
+def _render_text(
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool, template_kwargs: dict[str, Any]
+) -> str:
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
     )
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool,
-            template_kwargs: dict[str, Any]) -> list[int]:
-    text = _render_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                        template_kwargs=template_kwargs)
+def _render(
+    tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool, template_kwargs: dict[str, Any]
+) -> list[int]:
+    text = _render_text(
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_tokens: int,
-                       template_kwargs: dict[str, Any], text: str | None = None) -> list[tuple[int, int]]:
+def message_boundaries(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    num_tokens: int,
+    template_kwargs: dict[str, Any],
+    text: str | None = None,
+) -> list[tuple[int, int]]:
     """``(token_start, token_end)`` of each message in a prompt of ``num_tokens`` tokens,
     clipped to be monotonic (a template whose prefixes tokenize differently cannot
     produce overlapping ranges).
@@ -65,20 +73,28 @@ def message_boundaries(tokenizer: Any, messages: list[dict[str, str]], num_token
     for i in range(len(messages)):
         end = None
         if spans is not None and text is not None:
-            prefix = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False,
-                                  template_kwargs=template_kwargs)
+            prefix = _render_text(
+                tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs
+            )
             end = _aligned_count(spans, text, prefix)
         if end is None:
-            end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False,
-                              template_kwargs=template_kwargs))
+            end = len(
+                _render(tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs)
+            )
         end = min(max(end, start), num_tokens)
         bounds.append((start, end))
         start = end
     return bounds
 
 
-def message_ends(tokenizer: Any, messages: list[dict[str, Any]], indices: Sequence[int], num_tokens: int,
-                 template_kwargs: dict[str, Any], text: str | None = None) -> dict[int, int]:
+def message_ends(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    indices: Sequence[int],
+    num_tokens: int,
+    template_kwargs: dict[str, Any],
+    text: str | None = None,
+) -> dict[int, int]:
     """The token end of each message in ``indices`` (ascending), as ``message_boundaries``
     gives it, computed for those messages only: one prefix rendered per index rather than per
     message (a 200-turn conversation with one breakpoint renders 1 prefix, not 200)."""
@@ -87,12 +103,14 @@ def message_ends(tokenizer: Any, messages: list[dict[str, Any]], indices: Sequen
     for i in indices:
         end = None
         if spans is not None and text is not None:
-            prefix = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False,
-                                  template_kwargs=template_kwargs)
+            prefix = _render_text(
+                tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs
+            )
             end = _aligned_count(spans, text, prefix)
         if end is None:
-            end = len(_render(tokenizer, messages[: i + 1], add_generation_prompt=False,
-                              template_kwargs=template_kwargs))
+            end = len(
+                _render(tokenizer, messages[: i + 1], add_generation_prompt=False, template_kwargs=template_kwargs)
+            )
         floor = ends[i] = min(max(end, floor), num_tokens)
     return ends
 
@@ -126,20 +144,31 @@ def _aligned_count(spans: tuple[list[int], list[int], list[bool]], text: str, pr
     return j
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> ChatPrompt:
     """Raises a 400 ``APIError`` naming ``messages`` when the template rejects them (e.g.
     roles that must alternate) or the model has no chat template, ``messages[i].content``
     for text no tokenizer can encode (a lone surrogate), ``messages[i].retention`` for bad
     retention."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("messages: this model has no chat template, so it cannot take chat messages; "
-                       "send the text to /v1/completions as a prompt", param="messages")
+        raise APIError(
+            "messages: this model has no chat template, so it cannot take chat messages; "
+            "send the text to /v1/completions as a prompt",
+            param="messages",
+        )
     kwargs = dict(template_kwargs or {})
     if "chat_template" in kwargs:
         # A template is code run on the server (vLLM refuses it too unless trusted).
-        raise APIError("chat_template_kwargs.chat_template: a request may not supply its own chat template; "
-                       "the model's template is used", param="chat_template_kwargs")
+        raise APIError(
+            "chat_template_kwargs.chat_template: a request may not supply its own chat template; "
+            "the model's template is used",
+            param="chat_template_kwargs",
+        )
     for reserved in ("tokenize", "add_generation_prompt", "conversation", "messages"):
         kwargs.pop(reserved, None)
     try:
@@ -180,7 +209,7 @@ def special_lead(tokenizer) -> list[int]:
     not part of the lead: they do not belong after the first document."""
     plain = list(tokenizer.encode("a", add_special_tokens=False))
     full = list(tokenizer.encode("a"))
-    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain]
     return full[: starts[0]] if starts else []
 
 
@@ -191,8 +220,9 @@ def rendered_lead(tokenizer, token_ids: list[int]) -> list[int]:
     return special_lead(tokenizer) or ([bos] if bos is not None and token_ids[:1] == [bos] else [])
 
 
-def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool],
-                   lead: Sequence[int] = ()) -> DocumentPrompt:
+def document_parts(
+    token_ids: list[int], bounds: list[tuple[int, int]], flags: list[bool], lead: Sequence[int] = ()
+) -> DocumentPrompt:
     """The rendered prompt as parts: each marked message's token range (its template glue
     included) a document, everything else text, the generation prompt last. ``lead``: the
     tokenizer's BOS (:func:`special_lead`); when the first message is a document whose range
@@ -204,17 +234,18 @@ def document_parts(token_ids: list[int], bounds: list[tuple[int, int]], flags: l
         ids = token_ids[start:end]
         if not parts and flag and lead and len(ids) > len(lead) and ids[: len(lead)] == list(lead):
             parts.append((ids[: len(lead)], False))
-            ids = ids[len(lead):]
+            ids = ids[len(lead) :]
         parts.append((ids, flag))
-    parts.append((token_ids[bounds[-1][1]:] if bounds else token_ids, False))
+    parts.append((token_ids[bounds[-1][1] :] if bounds else token_ids, False))
     try:
         return DocumentPrompt.of(parts)
     except ValueError as exc:
         raise APIError(f"messages: {exc}", param="messages") from None
 
 
-def merge_retention(from_messages: KvCacheRetentionConfig | None,
-                    from_request: KvCacheRetentionConfig | None) -> KvCacheRetentionConfig | None:
+def merge_retention(
+    from_messages: KvCacheRetentionConfig | None, from_request: KvCacheRetentionConfig | None
+) -> KvCacheRetentionConfig | None:
     """Per-message ranges plus the request's decode retention. Token ranges on both is
     ambiguous: a 400 naming ``kv_cache_retention_config``."""
     if from_messages is None:
@@ -224,7 +255,8 @@ def merge_retention(from_messages: KvCacheRetentionConfig | None,
     if from_request.token_range_retention_configs:
         raise APIError(
             "kv_cache_retention_config.token_range_retention_configs: give token ranges or per-message "
-            "retention, not both", param="kv_cache_retention_config",
+            "retention, not both",
+            param="kv_cache_retention_config",
         )
     return KvCacheRetentionConfig(
         from_messages.token_range_retention_configs,

@@ -26,20 +26,29 @@ def _spec_script(request: Request) -> str:
 
 
 def _page(title: str, head: str, body: str) -> HTMLResponse:
-    return HTMLResponse(f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{title}</title>{head}"
-                        f"</head><body>{body}</body></html>")
+    return HTMLResponse(
+        f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{title}</title>{head}"
+        f"</head><body>{body}</body></html>"
+    )
 
 
 @router.get("/docs", include_in_schema=False)
 async def swagger_ui(request: Request) -> HTMLResponse:
     title = f"{request.app.title} - Swagger UI"
-    return _page(title, f'<link rel="stylesheet" href="{_SWAGGER}/swagger-ui.css">',
-                 f'<div id="swagger-ui"></div><script src="{_SWAGGER}/swagger-ui-bundle.js"></script>'
-                 f'<script>SwaggerUIBundle({{spec: {_spec_script(request)}, dom_id: "#swagger-ui"}});</script>')
+    return _page(
+        title,
+        f'<link rel="stylesheet" href="{_SWAGGER}/swagger-ui.css">',
+        f'<div id="swagger-ui"></div><script src="{_SWAGGER}/swagger-ui-bundle.js"></script>'
+        f'<script>SwaggerUIBundle({{spec: {_spec_script(request)}, dom_id: "#swagger-ui"}});</script>',
+    )
 
 
 @router.get("/redoc", include_in_schema=False)
 async def redoc(request: Request) -> HTMLResponse:
     title = f"{request.app.title} - ReDoc"
-    return _page(title, "", f'<div id="redoc"></div><script src="{_REDOC}"></script>'
-                 f'<script>Redoc.init({_spec_script(request)}, {{}}, document.getElementById("redoc"));</script>')
+    return _page(
+        title,
+        "",
+        f'<div id="redoc"></div><script src="{_REDOC}"></script>'
+        f'<script>Redoc.init({_spec_script(request)}, {{}}, document.getElementById("redoc"));</script>',
+    )

@@ -40,19 +40,25 @@ class APIError(Exception):
         return error_response(self.message, status=self.status, type=self.type, param=self.param, code=self.code)
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(message: str, *, status: int = 400, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str,
+    *,
+    status: int = 400,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, type=type, param=param, code=code), status_code=status, headers=headers)
 
 
 def limit_response(exc: LimitExceeded) -> JSONResponse:
     """The 429 of a tenant limit, with its ``Retry-After`` headers (the executor's and the
     router's alike; the in-flight refusal of ``TenantLimitMiddleware`` has the same shape)."""
-    return error_response(exc.message, status=429, type=exc.type, param=exc.param, code=exc.code,
-                          headers=exc.headers())
+    return error_response(exc.message, status=429, type=exc.type, param=exc.param, code=exc.code, headers=exc.headers())

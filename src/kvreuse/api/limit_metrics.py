@@ -30,16 +30,20 @@ class LimiterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         limiter, p = self.limiter, self.prefix
-        refused = CounterMetricFamily(f"{p}tenant_requests_refused", "Requests refused (429) by a tenant limit.",
-                                      labels=["tenant", "reason"])
+        refused = CounterMetricFamily(
+            f"{p}tenant_requests_refused", "Requests refused (429) by a tenant limit.", labels=["tenant", "reason"]
+        )
         for (tenant, reason), n in sorted(limiter.refusals.items()):
             refused.add_metric([tenant, reason], n)
         yield refused
-        in_flight = GaugeMetricFamily(f"{p}tenant_requests_in_flight", "Requests holding a tenant's in-flight slot.",
-                                      labels=["tenant"])
-        charged = CounterMetricFamily(f"{p}tenant_tokens_charged",
-                                      "Tokens charged to a tenant's tokens per minute (settled at each request's end).",
-                                      labels=["tenant"])
+        in_flight = GaugeMetricFamily(
+            f"{p}tenant_requests_in_flight", "Requests holding a tenant's in-flight slot.", labels=["tenant"]
+        )
+        charged = CounterMetricFamily(
+            f"{p}tenant_tokens_charged",
+            "Tokens charged to a tenant's tokens per minute (settled at each request's end).",
+            labels=["tenant"],
+        )
         for name in limiter.tenants():  # None: the admin key
             in_flight.add_metric([tenant_label(name)], limiter.in_flight(name))
             if limiter.limits.of(name).tokens_per_minute is not None:

@@ -137,9 +137,13 @@ class TenantLimiter:
         state = self._state(tenant)
         cap = state.limits.max_in_flight
         if cap is not None and state.in_flight >= cap:
-            raise self._refuse(tenant, "max_in_flight",
-                               f"Too many requests in flight for {_who(tenant)}: {state.in_flight} running, its "
-                               f"max_in_flight limit is {cap}; retry when one finishes", IN_FLIGHT_RETRY_S)
+            raise self._refuse(
+                tenant,
+                "max_in_flight",
+                f"Too many requests in flight for {_who(tenant)}: {state.in_flight} running, its "
+                f"max_in_flight limit is {cap}; retry when one finishes",
+                IN_FLIGHT_RETRY_S,
+            )
         state.in_flight += 1
         return Lease(self, tenant, state)
 
@@ -189,16 +193,22 @@ class Lease:
         who = _who(self.tenant)
         if cost > bucket.capacity:
             raise self._limiter._refuse(
-                self.tenant, "request_too_large",
+                self.tenant,
+                "request_too_large",
                 f"Request too large for {who} on tokens per minute: limit {bucket.capacity}, {asked}; lower "
-                "max_tokens (or n, or the prompt), or raise its tokens_per_minute", None)
+                "max_tokens (or n, or the prompt), or raise its tokens_per_minute",
+                None,
+            )
         now = self._limiter.clock()
         wait = bucket.wait_s(cost, now)
         if wait > 0:
             raise self._limiter._refuse(
-                self.tenant, "tokens_per_minute",
+                self.tenant,
+                "tokens_per_minute",
                 f"Rate limit reached for {who} on tokens per minute: limit {bucket.capacity}, available "
-                f"{math.floor(bucket.level(now))}, {asked}; retry in {wait:.1f}s", wait)
+                f"{math.floor(bucket.level(now))}, {asked}; retry in {wait:.1f}s",
+                wait,
+            )
         bucket.take(cost, now)
         self.reserved = cost
 

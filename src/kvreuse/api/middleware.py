@@ -20,8 +20,14 @@ from kvreuse.api.tenants import SEES_TENANTS, APIKeys, needs_admin, presented_ke
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes of the executor and the router
 
 
-async def _send_error(send: Send, status: int, message: str, *, code: str | None = None,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_error(
+    send: Send,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = json.dumps(error_body(message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
@@ -71,8 +77,9 @@ class BodyLimitMiddleware:
 
 # Open without a key: /health, /metrics, /version, /dashboard (the page holds no data).
 METRICS_PATH = "/metrics"  # open, but tenant names on it need the admin key (APIKeyMiddleware)
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache", "/openapi.json", "/docs", "/redoc",
-                           "/docs/oauth2-redirect"})
+GUARDED_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/reset_prefix_cache", "/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"}
+)
 
 
 def is_guarded(path: str) -> bool:
@@ -91,8 +98,9 @@ class APIKeyMiddleware:
     (``kvreuse.api.tenants.sees_tenants``): with an admin key, or everyone when
     ``tenant_labels_public`` (``--metrics-tenant-labels``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys, *,
-                 tenant_labels_public: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | Sequence[str] | APIKeys, *, tenant_labels_public: bool = False
+    ) -> None:
         self.app = app
         self.keys = api_key if isinstance(api_key, APIKeys) else APIKeys.parse(api_key)
         self.tenant_labels_public = tenant_labels_public
@@ -106,13 +114,22 @@ class APIKeyMiddleware:
             return
         known, tenant = self.keys.lookup(presented_key(dict(scope.get("headers", ()))))
         if not known:
-            await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
-                              "(or 'x-api-key: <key>')",
-                              code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+            await _send_error(
+                send,
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                code="invalid_api_key",
+                extra_headers=[(b"www-authenticate", b"Bearer")],
+            )
             return
         if tenant is not None and needs_admin(scope["method"], scope["path"]):
-            await _send_error(send, 403, f"{scope['method']} {scope['path']} needs an admin key (one given "
-                              "without ':tenant'): it shows or changes every tenant's cache", code="admin_key_required")
+            await _send_error(
+                send,
+                403,
+                f"{scope['method']} {scope['path']} needs an admin key (one given "
+                "without ':tenant'): it shows or changes every tenant's cache",
+                code="admin_key_required",
+            )
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

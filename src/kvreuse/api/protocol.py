@@ -86,8 +86,9 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _one_retention(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value == "24h" and info.data.get("kv_cache_retention_config") is not None:
-            raise PydanticCustomError("value_error", "give prompt_cache_retention or kv_cache_retention_config, "
-                                                     "not both")
+            raise PydanticCustomError(
+                "value_error", "give prompt_cache_retention or kv_cache_retention_config, not both"
+            )
         return value
 
     @model_validator(mode="after")
@@ -95,6 +96,7 @@ class _GenerationRequest(BaseModel):
         if self.prompt_cache_retention == "24h":
             self.kv_cache_retention_config = prompt_cache_retention_config(self.prompt_cache_retention)
         return self
+
     # blend of a prompt's assembled modules or documents: {"first_tokens": k, "ratio": r}
     # (engine/blend.py, parsed once by server/serving.py: parse_blend; absent: the server's default)
     blend: Any = None
@@ -179,8 +181,10 @@ def _check_logit_bias(bias: dict[str, Any] | None) -> None:
             raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (number and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):  # NaN and inf fail too
-            raise ValueError(f"logit_bias: the bias of token {key} must be a number in "
-                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
+            raise ValueError(
+                f"logit_bias: the bias of token {key} must be a number in "
+                f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}"
+            )
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default max_tokens for completions
@@ -223,8 +227,10 @@ class CompletionRequest(_GenerationRequest):
         can encode (a lone surrogate)."""
         out = self._prompts()
         if self.n * len(out) > MAX_SEQUENCES:
-            raise ValueError(f"n: {self.n} samples x {len(out)} prompts = {self.n * len(out)} sequences; at most "
-                             f"{MAX_SEQUENCES} per request (lower n or split the prompts)")
+            raise ValueError(
+                f"n: {self.n} samples x {len(out)} prompts = {self.n * len(out)} sequences; at most "
+                f"{MAX_SEQUENCES} per request (lower n or split the prompts)"
+            )
         for text in out:
             if isinstance(text, str):
                 check_text(text, "prompt")
@@ -268,8 +274,10 @@ class ChatMessage(BaseModel):
         unknown = set(self.kvreuse) - {"document"}
         flag = self.kvreuse.get("document", False)
         if unknown or not isinstance(flag, bool):
-            raise ValueError('kvreuse: only {"document": true|false} is accepted'
-                             + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else ""))
+            raise ValueError(
+                'kvreuse: only {"document": true|false} is accepted'
+                + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else "")
+            )
         return flag
 
     def text(self) -> str:
@@ -284,8 +292,10 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
             if "kvreuse" in part:  # refused rather than ignored: a mark there would reuse nothing
-                raise ValueError('messages: "kvreuse" marks a whole message as a document, beside "role"; '
-                                 "it is not accepted on a content part")
+                raise ValueError(
+                    'messages: "kvreuse" marks a whole message as a document, beside "role"; '
+                    "it is not accepted on a content part"
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -315,8 +325,6 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-
-
 class OutputCounts(Protocol):
     """What ``usage_dict`` reads of an engine output (``kvreuse.engine.outputs.RequestOutput``)."""
 
@@ -333,8 +341,13 @@ class OutputCounts(Protocol):
     def num_accepted_tokens(self) -> int: ...
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               outputs: Sequence[OutputCounts] = (), finals: Sequence[OutputCounts] = ()) -> dict[str, Any]:
+def usage_dict(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    outputs: Sequence[OutputCounts] = (),
+    finals: Sequence[OutputCounts] = (),
+) -> dict[str, Any]:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` is always present.
     With tiers below the device pool, ``prompt_tokens_details.cached_tokens_by_tier`` (an
     extension; other clients ignore it) says where ``outputs``' cached tokens came from
@@ -362,8 +375,10 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
     drafted = sum(out.num_draft_tokens for out in finals)
     if drafted:
         accepted = sum(out.num_accepted_tokens for out in finals)
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                              "rejected_prediction_tokens": drafted - accepted}
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
     return usage
 
 

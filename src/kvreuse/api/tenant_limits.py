@@ -72,11 +72,15 @@ class TenantLimits:
         known = [] if keys is None else sorted(keys.tenant_names)
         for name in self.tenants:
             if name not in known:
-                raise ValueError(f"{FILE_FLAG}: tenants.{name}: no --api-key KEY:{name} names this tenant "
-                                 f"(tenants with keys: {', '.join(known) or 'none'})")
+                raise ValueError(
+                    f"{FILE_FLAG}: tenants.{name}: no --api-key KEY:{name} names this tenant "
+                    f"(tenants with keys: {', '.join(known) or 'none'})"
+                )
         if not known and self.admin.unlimited:
-            raise ValueError(f"{FILE_FLAG} / {FLAGS['max_in_flight']} / {FLAGS['tokens_per_minute']}: no --api-key "
-                             "KEY:TENANT names a tenant and [admin] sets nothing, so these limits apply to no request")
+            raise ValueError(
+                f"{FILE_FLAG} / {FLAGS['max_in_flight']} / {FLAGS['tokens_per_minute']}: no --api-key "
+                "KEY:TENANT names a tenant and [admin] sets nothing, so these limits apply to no request"
+            )
 
 
 def _value(raw: Any, where: str) -> int | None:
@@ -97,8 +101,9 @@ def _section(raw: Any, where: str) -> dict[str, int | None]:
     return {name: _value(raw[name], f"{where}.{name}") for name in SETTINGS if name in raw}
 
 
-def parse_limits(data: Any, source: str = FILE_FLAG, *, max_in_flight: int | None = None,
-                 tokens_per_minute: int | None = None) -> TenantLimits:
+def parse_limits(
+    data: Any, source: str = FILE_FLAG, *, max_in_flight: int | None = None, tokens_per_minute: int | None = None
+) -> TenantLimits:
     """``TenantLimits`` from the file's parsed content (``data``; ``None``: no file) and the
     default flags. Raises ``ValueError`` naming the setting (prefixed by ``source``)."""
     data = {} if data is None else data
@@ -124,8 +129,9 @@ def parse_limits(data: Any, source: str = FILE_FLAG, *, max_in_flight: int | Non
     return TenantLimits(Limits(**default), tenants, Limits(**_section(data.get("admin", {}), f"{source}: admin")))
 
 
-def load_limits(path: str | None, *, max_in_flight: int | None = None,
-                tokens_per_minute: int | None = None) -> TenantLimits | None:
+def load_limits(
+    path: str | None, *, max_in_flight: int | None = None, tokens_per_minute: int | None = None
+) -> TenantLimits | None:
     """The limits of ``--tenant-limits path`` and the default flags; ``None`` when none of
     them is given. Raises ``ValueError`` naming the file, the setting and what is wrong."""
     if path is None and max_in_flight is None and tokens_per_minute is None:
@@ -151,18 +157,32 @@ def load_limits(path: str | None, *, max_in_flight: int | None = None,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--tenant-limits FILE``, ``--tenant-max-in-flight N``, ``--tenant-tokens-per-minute N``,
     the same on ``kvreuse serve`` and ``kvreuse route``."""
-    p.add_argument(FILE_FLAG, default=None, metavar="FILE",
-                   help="per-tenant limits, TOML or JSON: [default], [tenants.NAME] and [admin] tables of "
-                        "max_in_flight and tokens_per_minute (docs/router.md#tenant-limits); over a limit: 429")
-    p.add_argument(FLAGS["max_in_flight"], type=int, default=None, metavar="N",
-                   help="requests each tenant key may have running at once (a stream until it ends); sets "
-                        "[default] max_in_flight")
-    p.add_argument(FLAGS["tokens_per_minute"], type=int, default=None, metavar="N",
-                   help="prompt + completion tokens each tenant key may use per minute (prompt + max_tokens "
-                        "reserved at admission, corrected to the usage at the end); sets [default] tokens_per_minute")
+    p.add_argument(
+        FILE_FLAG,
+        default=None,
+        metavar="FILE",
+        help="per-tenant limits, TOML or JSON: [default], [tenants.NAME] and [admin] tables of "
+        "max_in_flight and tokens_per_minute (docs/router.md#tenant-limits); over a limit: 429",
+    )
+    p.add_argument(
+        FLAGS["max_in_flight"],
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests each tenant key may have running at once (a stream until it ends); sets [default] max_in_flight",
+    )
+    p.add_argument(
+        FLAGS["tokens_per_minute"],
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt + completion tokens each tenant key may use per minute (prompt + max_tokens "
+        "reserved at admission, corrected to the usage at the end); sets [default] tokens_per_minute",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> TenantLimits | None:
     """``load_limits`` of the flags ``add_arguments`` added (``None``: none given)."""
-    return load_limits(args.tenant_limits, max_in_flight=args.tenant_max_in_flight,
-                       tokens_per_minute=args.tenant_tokens_per_minute)
+    return load_limits(
+        args.tenant_limits, max_in_flight=args.tenant_max_in_flight, tokens_per_minute=args.tenant_tokens_per_minute
+    )

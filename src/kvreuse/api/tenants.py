@@ -44,8 +44,10 @@ class APIKeys:
         for spec in [specs] if isinstance(specs, str) else specs:
             key, sep, tenant = spec.rpartition(":") if ":" in spec else (spec, "", "")
             if sep and not TENANT_NAME.fullmatch(tenant):
-                raise ValueError(f"--api-key {spec[:4]}...: the tenant after the last ':' must be 1-64 letters, "
-                                 f"digits, '_', '.' or '-' (got {tenant!r})")
+                raise ValueError(
+                    f"--api-key {spec[:4]}...: the tenant after the last ':' must be 1-64 letters, "
+                    f"digits, '_', '.' or '-' (got {tenant!r})"
+                )
             if not key:
                 raise ValueError("--api-key: the key must not be empty")
             if key in tenants:

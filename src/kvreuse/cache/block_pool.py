@@ -332,10 +332,15 @@ class BlockPool:
 
     def view(self) -> PoolView:
         """The bookkeeping, read-only (``integrity.PoolView``); valid until the pool changes."""
-        return PoolView(num_blocks=self.num_blocks, blocks=tuple(self.blocks), free=tuple(self._free),
-                        cached=MappingProxyType(self._index.blocks), children=MappingProxyType(self._index.children),
-                        held_by_priority=MappingProxyType(self._index.held_by_priority),
-                        num_cached_free=self._num_cached_free)
+        return PoolView(
+            num_blocks=self.num_blocks,
+            blocks=tuple(self.blocks),
+            free=tuple(self._free),
+            cached=MappingProxyType(self._index.blocks),
+            children=MappingProxyType(self._index.children),
+            held_by_priority=MappingProxyType(self._index.held_by_priority),
+            num_cached_free=self._num_cached_free,
+        )
 
     # ------------------------------------------------------------------ internals
     def _next_tick(self) -> int:

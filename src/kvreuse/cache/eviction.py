@@ -134,8 +134,9 @@ class LogFrequencyPolicy(EvictionPolicy):
 
     name = "logfreq"
 
-    def __init__(self, num_blocks: int = DEFAULT_NUM_BLOCKS, *, protect_ticks: int = 8 * DEFAULT_NUM_BLOCKS,
-                 max_uses: int = 8) -> None:
+    def __init__(
+        self, num_blocks: int = DEFAULT_NUM_BLOCKS, *, protect_ticks: int = 8 * DEFAULT_NUM_BLOCKS, max_uses: int = 8
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if protect_ticks < 0 or max_uses < 1:

@@ -65,8 +65,13 @@ def root_extra_keys(model_id: str, cache_salt: str | None = None) -> tuple:
 
 
 def _chain(
-    parent: BlockHash | None, token_ids: Sequence[int], block_size: int, first_extra: tuple, algorithm: str,
-    *, partial_tail: bool,
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    first_extra: tuple,
+    algorithm: str,
+    *,
+    partial_tail: bool,
 ) -> Iterator[BlockHash]:
     """The chain walk itself: keys of consecutive blocks of ``token_ids`` after ``parent``,
     ``first_extra`` folded into the first of them only."""
@@ -100,8 +105,9 @@ def extend_chain(
     end = len(token_ids) if upto_tokens is None else min(upto_tokens, len(token_ids))
     done = len(hashes)
     parent = hashes[-1] if hashes else None
-    hashes.extend(_chain(parent, token_ids[done * bs : end], bs, () if done else root_extra, algorithm,
-                         partial_tail=partial_tail))
+    hashes.extend(
+        _chain(parent, token_ids[done * bs : end], bs, () if done else root_extra, algorithm, partial_tail=partial_tail)
+    )
     return hashes
 
 

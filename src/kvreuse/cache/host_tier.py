@@ -84,8 +84,9 @@ class Stores(Protocol):
 
     def writes_through(self, priority: int) -> bool: ...
 
-    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
-              depth: int = 0) -> Sequence[LoadedBlock]: ...
+    def match(
+        self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None, depth: int = 0
+    ) -> Sequence[LoadedBlock]: ...
 
     def take_changes(self) -> list[StoreChange]: ...
 
@@ -138,12 +139,21 @@ class HostTier:
         timer: Callable[[], float] = time.perf_counter,
         below: Stores | None = None,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size, policy=policy, clock=clock, events=events,
-                              cache_level=HOST_LEVEL, record_evictions=below is not None)
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            policy=policy,
+            clock=clock,
+            events=events,
+            cache_level=HOST_LEVEL,
+            record_evictions=below is not None,
+        )
         self.below = below  # disk / remote: host evictions spill there, admission reads there last
         # what the stores hold, as this executor announces it: one ledger per store level
-        self.ledgers = {level: StoreLedger(level, block_size, events=events)
-                        for level in (below.levels if below is not None else ())}
+        self.ledgers = {
+            level: StoreLedger(level, block_size, events=events)
+            for level in (below.levels if below is not None else ())
+        }
         self.offload_policy = offload_policy
         self.mover = mover
         self.stats = TierStats()
@@ -178,8 +188,15 @@ class HostTier:
         if self.mover is not None:
             self.mover.offload([e.block_id for e in wanted], [b.block_id for b in host])
         for block, e in zip(host, wanted):
-            kept = self.pool.register(block, e.block_hash, e.parent_hash, e.token_ids, depth=e.depth,
-                                      priority=e.priority, duration_s=e.duration_s)
+            kept = self.pool.register(
+                block,
+                e.block_hash,
+                e.parent_hash,
+                e.token_ids,
+                depth=e.depth,
+                priority=e.priority,
+                duration_s=e.duration_s,
+            )
             assert kept is block  # filtered above: the key was not on the host
         self.pool.release(reversed(host))
         self.stats.offloaded_blocks += len(host)
@@ -224,8 +241,9 @@ class HostTier:
         return moved
 
     # ------------------------------------------------------------------ stores -> device
-    def match_stores(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
-                     depth: int = 0) -> list[LoadedBlock]:
+    def match_stores(
+        self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None, depth: int = 0
+    ) -> list[LoadedBlock]:
         """The stores' continuation of a chain after ``parent`` (``keys[0]`` at chain position
         ``depth``): verified blocks, or ``[]``."""
         if self.below is None or not keys:

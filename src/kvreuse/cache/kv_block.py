@@ -73,5 +73,12 @@ class EvictedBlock:
     @staticmethod
     def of(block: KVBlock) -> EvictedBlock:
         assert block.block_hash is not None  # only cached (hashed) blocks are evicted
-        return EvictedBlock(block.block_id, block.block_hash, block.parent_hash, block.token_ids,
-                            block.depth, block.priority, block.duration_s)
+        return EvictedBlock(
+            block.block_id,
+            block.block_hash,
+            block.parent_hash,
+            block.token_ids,
+            block.depth,
+            block.priority,
+            block.duration_s,
+        )

@@ -66,14 +66,16 @@ class Admission:
     loaded_levels: tuple[str, ...] = ()  # the store level of each loaded block (DISK / REMOTE)
 
 
-def tokens_by_level(admission: Admission, block_size: int, device_level: str,
-                    context: dict[str, int] | None = None) -> dict[str, int]:
+def tokens_by_level(
+    admission: Admission, block_size: int, device_level: str, context: dict[str, int] | None = None
+) -> dict[str, int]:
     """Cached tokens of one admission per tier (levels with none left out), plus ``context``:
     the reused tokens of a request's assembled context by the tier they were found in."""
     from_host = admission.num_onboarded * block_size
     out = dict(context or {})
-    out[device_level] = out.get(device_level, 0) + (
-        admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
+    out[device_level] = (
+        out.get(device_level, 0) + (admission.num_hits - admission.num_onboarded - admission.num_loaded) * block_size
+    )
     if from_host:
         out[HOST_LEVEL] = out.get(HOST_LEVEL, 0) + from_host
     for level in admission.loaded_levels:
@@ -166,8 +168,9 @@ class KVCacheManager:
             below = self.lower.match(keys[n:limit], (token_blocks[j] for j in range(n, limit)))
             j = n + len(below)
             if j < limit:  # store IO only now that the admission goes through
-                stored = self.lower.match_stores(keys[j:limit], (token_blocks[i] for i in range(j, limit)),
-                                                 keys[j - 1] if j else None, j)
+                stored = self.lower.match_stores(
+                    keys[j:limit], (token_blocks[i] for i in range(j, limit)), keys[j - 1] if j else None, j
+                )
         # worked out before anything is held, so a failure here leaks no block
         wanted = [retention(i) or (None, None) for i in range(n + len(below) + len(stored))]
         self.pool.acquire(hits)
@@ -179,8 +182,9 @@ class KVCacheManager:
             ids = [b.block_id for b in blocks]
             moved = self.lower.onboard(below, ids[n:j]) + self.lower.load(stored, ids[j : j + len(stored)])  # type: ignore[union-attr]  # blocks from below imply a lower tier
             self._register_moved(blocks, keys, token_blocks, n, moved, wanted)
-        return Admission(tuple(blocks), n + len(below) + len(stored), len(below), len(stored),
-                         tuple(s.level for s in stored))
+        return Admission(
+            tuple(blocks), n + len(below) + len(stored), len(below), len(stored), tuple(s.level for s in stored)
+        )
 
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` fresh blocks (``BlockPool.allocate``: check capacity first); what it evicted
@@ -223,8 +227,13 @@ class KVCacheManager:
             wanted = retention(j)
             priority, duration = wanted if wanted is not None else (None, None)
             kept = self.pool.register(
-                blocks[j], keys[j], keys[j - 1] if j else None, token_blocks[j], depth=j,
-                priority=default_priority if priority is None else priority, duration_s=duration,
+                blocks[j],
+                keys[j],
+                keys[j - 1] if j else None,
+                token_blocks[j],
+                depth=j,
+                priority=default_priority if priority is None else priority,
+                duration_s=duration,
             )
             if kept is not blocks[j]:
                 self.pool.acquire([kept])
@@ -238,9 +247,14 @@ class KVCacheManager:
     # ------------------------------------------------------------------ sequences
     def _extend_hashes(self, seq: CachedSequence, upto_tokens: int) -> None:
         """Make ``seq.block_hashes`` cover every full block within the first ``upto_tokens``."""
-        extend_chain(seq.block_hashes, seq.token_ids, self.block_size,
-                     root_extra=root_extra_keys(self.model_id, seq.cache_salt), algorithm=self.hash_algorithm,
-                     upto_tokens=upto_tokens)
+        extend_chain(
+            seq.block_hashes,
+            seq.token_ids,
+            self.block_size,
+            root_extra=root_extra_keys(self.model_id, seq.cache_salt),
+            algorithm=self.hash_algorithm,
+            upto_tokens=upto_tokens,
+        )
 
     def _token_blocks(self, seq: CachedSequence) -> _TokenBlocks:
         return _TokenBlocks(seq.token_ids, self.block_size)
@@ -259,7 +273,10 @@ class KVCacheManager:
             max_hits = (num_tokens - 1) // bs
             keys = seq.block_hashes[:max_hits]
         admission = self.admit_blocks(
-            keys, self._token_blocks(seq), num_blocks=self.blocks_needed(num_tokens), max_hits=max_hits,
+            keys,
+            self._token_blocks(seq),
+            num_blocks=self.blocks_needed(num_tokens),
+            max_hits=max_hits,
             retention=lambda i: self.retention_fn(seq, i, bs),
         )
         if admission is None:
@@ -270,8 +287,12 @@ class KVCacheManager:
         seq.num_computed_tokens = admission.num_hits * bs
         if first_time:
             reused_context = 0 if seq.context is None else seq.context.num_reused
-            by_level = tokens_by_level(admission, bs, self.pool.cache_level,
-                                       None if seq.context is None else seq.context.reused_by_level(self.pool.cache_level))
+            by_level = tokens_by_level(
+                admission,
+                bs,
+                self.pool.cache_level,
+                None if seq.context is None else seq.context.reused_by_level(self.pool.cache_level),
+            )
             seq.cached_tokens_by_tier = by_level
             for level, n in by_level.items():
                 self.hits_tokens_by_level[level] = self.hits_tokens_by_level.get(level, 0) + n
@@ -303,8 +324,14 @@ class KVCacheManager:
             return
         self._extend_hashes(seq, full * bs)
         blocks = list(seq.blocks)  # register_blocks may put a shared copy in place of one of ours
-        self.register_blocks(blocks, seq.block_hashes, self._token_blocks(seq), seq.num_registered_blocks,
-                             full, retention=lambda i: self.retention_fn(seq, i, bs))
+        self.register_blocks(
+            blocks,
+            seq.block_hashes,
+            self._token_blocks(seq),
+            seq.num_registered_blocks,
+            full,
+            retention=lambda i: self.retention_fn(seq, i, bs),
+        )
         for i in range(seq.num_registered_blocks, full):
             if blocks[i] is not seq.blocks[i]:
                 seq.replace_block(i, blocks[i])

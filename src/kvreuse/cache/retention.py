@@ -62,7 +62,9 @@ class KvCacheRetentionConfig:
     def from_dict(cls, d: object, path: str = FIELD) -> KvCacheRetentionConfig:
         """Parse the JSON request field. Raises ``ValueError`` whose message starts with
         the offending field path, e.g. ``kv_cache_retention_config.token_range_retention_configs[1].token_start``."""
-        obj = _expect_mapping(d, path, {"token_range_retention_configs", "decode_retention_priority", "decode_duration_ms"})
+        obj = _expect_mapping(
+            d, path, {"token_range_retention_configs", "decode_retention_priority", "decode_duration_ms"}
+        )
         raw_ranges = obj.get("token_range_retention_configs", [])
         if not isinstance(raw_ranges, list):
             raise ValueError(f"{path}.token_range_retention_configs: expected a list, got {type(raw_ranges).__name__}")
@@ -75,8 +77,14 @@ class KvCacheRetentionConfig:
                     raise ValueError(f"{rp}.{required}: required")
             fields = {k: item.get(k) for k in ("token_start", "token_end", "priority", "duration_ms")}
             _check_range_fields(fields, rp)
-            ranges.append(TokenRangeRetentionConfig(token_start=item["token_start"], token_end=item.get("token_end"),
-                                                    priority=item["priority"], duration_ms=item.get("duration_ms")))
+            ranges.append(
+                TokenRangeRetentionConfig(
+                    token_start=item["token_start"],
+                    token_end=item.get("token_end"),
+                    priority=item["priority"],
+                    duration_ms=item.get("duration_ms"),
+                )
+            )
         decode_priority = obj.get("decode_retention_priority", DEFAULT_PRIORITY)
         if decode_priority is None:
             decode_priority = DEFAULT_PRIORITY
@@ -104,8 +112,10 @@ def checked_retention(value: KvCacheRetentionConfig | None) -> KvCacheRetentionC
     ``kv_cache_retention_config`` for anything else."""
     if value is None or isinstance(value, KvCacheRetentionConfig):
         return value
-    raise ValueError(f"{FIELD}: expected a KvCacheRetentionConfig, got {type(value).__name__} "
-                     "(convert the JSON form with kvreuse.cache.retention.as_retention)")
+    raise ValueError(
+        f"{FIELD}: expected a KvCacheRetentionConfig, got {type(value).__name__} "
+        "(convert the JSON form with kvreuse.cache.retention.as_retention)"
+    )
 
 
 def decode_retention_priority(config: KvCacheRetentionConfig | None) -> int:
@@ -264,7 +274,9 @@ def _check_range_fields(f: Mapping, path: str) -> None:
         raise ValueError(f"{path}.token_start: must be an integer >= 0, got {f['token_start']!r}")
     end = f["token_end"]
     if end is not None and (not _is_int(end) or end <= f["token_start"]):
-        raise ValueError(f"{path}.token_end: must be an integer > token_start ({f['token_start']}) or null, got {end!r}")
+        raise ValueError(
+            f"{path}.token_end: must be an integer > token_start ({f['token_start']}) or null, got {end!r}"
+        )
     _check_priority(f["priority"], f"{path}.priority")
     _check_duration(f["duration_ms"], f"{path}.duration_ms")
 

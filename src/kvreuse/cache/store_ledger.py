@@ -106,8 +106,10 @@ class StoreLedger:
             if block.block_hash != key or block.ref_count or len(block.token_ids) > self.block_size:
                 raise RuntimeError(f"{self.cache_level} ledger entry {bytes(key).hex()[:16]} is inconsistent: {block}")
         if self.num_stored - self.num_removed != len(self._blocks):
-            raise RuntimeError(f"{self.cache_level} ledger: {self.num_stored} stored - {self.num_removed} removed "
-                               f"!= {len(self._blocks)} held")
+            raise RuntimeError(
+                f"{self.cache_level} ledger: {self.num_stored} stored - {self.num_removed} removed "
+                f"!= {len(self._blocks)} held"
+            )
 
     # ------------------------------------------------------------------ internals
     def _store(self, change: StoreChange) -> None:

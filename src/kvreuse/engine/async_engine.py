@@ -68,10 +68,17 @@ class ExecutorFacts:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> ExecutorFacts:
-        return cls(engine.model_name, engine.model_id, engine.loaded.path, engine.config.hash_algorithm,
-                   engine.config.enable_prefix_caching, engine.pool.num_blocks,
-                   tuple(pool.cache_level for pool in engine.cache.pools()), engine.cache.remote_store_id,
-                   tuple(sorted(engine.eos_token_ids)))
+        return cls(
+            engine.model_name,
+            engine.model_id,
+            engine.loaded.path,
+            engine.config.hash_algorithm,
+            engine.config.enable_prefix_caching,
+            engine.pool.num_blocks,
+            tuple(pool.cache_level for pool in engine.cache.pools()),
+            engine.cache.remote_store_id,
+            tuple(sorted(engine.eos_token_ids)),
+        )
 
 
 def _loop_future() -> tuple[asyncio.Future, Callable[[Any, bool], None]]:

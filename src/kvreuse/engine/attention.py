@@ -28,8 +28,16 @@ from kvreuse.engine.flash import attend_alone, flash, merge
 from kvreuse.engine.forward_batch import DecodeBatch, ForwardContext, KeyTable, PrefillItem  # also exported here
 from kvreuse.engine.key_frames import KeyFrames
 
-__all__ = ["ATTN_NAME", "paged_attention", "attend", "register",
-           "KeyTable", "PrefillItem", "DecodeBatch", "ForwardContext"]
+__all__ = [
+    "ATTN_NAME",
+    "paged_attention",
+    "attend",
+    "register",
+    "KeyTable",
+    "PrefillItem",
+    "DecodeBatch",
+    "ForwardContext",
+]
 
 ATTN_NAME = "kvreuse"
 
@@ -57,12 +65,26 @@ def paged_attention(
             k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
             attention_mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)  # [q, k]
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-            sliding_window=sliding_window, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **kwargs,
         )
     layer_idx = cast("int", module.layer_idx)  # transformers' attention modules carry their layer index
-    out = attend(layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                 kv_context, scaling, sliding_window)  # [T, heads, d]
+    out = attend(
+        layer_idx,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kv_context,
+        scaling,
+        sliding_window,
+    )  # [T, heads, d]
     return out.unsqueeze(0), None
 
 
@@ -88,13 +110,15 @@ def attend(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     t = query.shape[0]
     if len(ctx.prefills) == 1 and ctx.decodes is None and ctx.prefills[0].num_new == t:
-        return _attend_item(ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window, layer_idx,
-                            ctx.invariant)
+        return _attend_item(
+            ctx.prefills[0], query, key, value, k_cache, v_cache, scale, sliding_window, layer_idx, ctx.invariant
+        )
     out = torch.empty_like(query)  # [T, heads, d]
     for item in ctx.prefills:
         span = slice(item.start, item.start + item.num_new)
-        out[span] = _attend_item(item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window,
-                                 layer_idx, ctx.invariant)
+        out[span] = _attend_item(
+            item, query[span], key[span], value[span], k_cache, v_cache, scale, sliding_window, layer_idx, ctx.invariant
+        )
     if ctx.decodes is not None:
         d = ctx.decodes
         b, lmax = d.kv_slots.shape
@@ -129,22 +153,31 @@ def _attend_item(
         return invariant_attention.attend(q, k_cache.index_select(1, slots), v_cache.index_select(1, slots), scale)
     if item.frames is not None:
         if sliding_window:
-            raise RuntimeError("attention: keys in several RoPE frames on a sliding-window layer "
-                               "(the runner copies such documents instead)")
+            raise RuntimeError(
+                "attention: keys in several RoPE frames on a sliding-window layer "
+                "(the runner copies such documents instead)"
+            )
         return _flash_over_frames(item.frames, layer, q, k, v, k_cache, v_cache, scale)
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
     if item.masked:  # keys by position (seam repair): gather, then the mask decides alone
         kk = k_cache.index_select(1, item.kv_slots)[None]  # [1, kv_heads, L, d]
         vv = v_cache.index_select(1, item.kv_slots)[None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)  # [1, heads, n, d]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [1, heads, n, d]
         return o[0].transpose(0, 1)
     if item.mask_full is None and mask is None:
         # Fresh prompt, no context: the same causal SDPA call plain transformers makes. 4-D: with
         # 3-D inputs and enable_gqa, CPU SDPA falls back to its math path (bf16, 9 heads over 3,
         # 4,096 tokens: 0.92 s a layer against 0.026 s through the flash kernel).
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           is_causal=True, scale=scale, enable_gqa=True)  # [1, heads, n, d]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, heads, n, d]
         return o[0].transpose(0, 1)
     if not sliding_window:
         return _flash_over_pool(item, q, k, v, k_cache, v_cache, scale)
@@ -160,8 +193,9 @@ def _attend_item(
     vv = v_cache.index_select(1, item.kv_slots)
     if item.num_new <= SMALL_QUERY:
         return _grouped_attention(qh, [kk], [vv], mask, scale).transpose(0, 1)
-    o = F.scaled_dot_product_attention(qh.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), attn_mask=mask, scale=scale,
-                                       enable_gqa=True)  # [1, heads, n, d]
+    o = F.scaled_dot_product_attention(
+        qh.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [1, heads, n, d]
     return o[0].transpose(0, 1)
 
 
@@ -197,13 +231,12 @@ def _flash_over_pool(
         qg = q.view(1, kv_heads, heads // kv_heads, d)  # [1, kv, groups, d]: head h uses kv head h // groups
         runs = item.kv_runs
         if len(runs) == 1:
-            (a, length), = runs
+            ((a, length),) = runs
             o = attend_alone(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
             # long runs: read each in place (a gather would copy the whole context per layer)
-            pieces = [flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
-                      for a, m in runs]
+            pieces = [flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale) for a, m in runs]
             return merge(pieces).view(1, heads, d)
         slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
         o = attend_alone(qg, k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None], scale)
@@ -211,7 +244,7 @@ def _flash_over_pool(
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d] (a view; the kernel takes strides)
     runs = item.context_runs
     if len(runs) == 1:
-        (a, length), = runs
+        ((a, length),) = runs
         kc, vc = k_cache[None, :, a : a + length], v_cache[None, :, a : a + length]  # views [1, kv, c, d]
     else:
         slots = item.context_slots_tensor
@@ -253,21 +286,29 @@ def _flash_over_frames(
         if group.mask is not None:  # by position: [1, heads, n, d] against the group's keys, the mask decides
             assert group.slots is not None and group.blind is not None  # by_position groups carry both
             qm = qf.unsqueeze(0)
-            o, lse = flash(qm, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
-                            scale, mask=group.mask)  # [1, heads, n, d], [1, heads, n]
+            o, lse = flash(
+                qm,
+                k_cache.index_select(1, group.slots)[None],
+                v_cache.index_select(1, group.slots)[None],
+                scale,
+                mask=group.mask,
+            )  # [1, heads, n, d], [1, heads, n]
             pieces.append((o, lse.masked_fill(group.blind, float("-inf"))))
             continue
         qg = qf.view(1, kv_heads, heads // kv_heads * n, d)
         if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
-            pieces.append(flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None],
-                                 scale))
+            pieces.append(
+                flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None], scale)
+            )
         else:
-            pieces.extend(flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale)
-                          for a, m in group.runs)
+            pieces.extend(
+                flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale) for a, m in group.runs
+            )
     pieces = [(o.view(1, heads, n, d), lse.reshape(1, heads, n)) for o, lse in pieces]
     if n > 1 and not frames.masked:
-        pieces.append(flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale,
-                             causal=True))
+        pieces.append(
+            flash(qh.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), scale, causal=True)
+        )
     return merge(pieces)[0].transpose(0, 1)  # [n, heads, d]
 
 

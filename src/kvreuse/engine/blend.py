@@ -51,11 +51,18 @@ class Blend:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"blend.{name} must be an integer >= 0, got {value!r}")
-        if (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
-                or not math.isfinite(self.ratio) or not 0.0 <= self.ratio <= 1.0):
+        if (
+            isinstance(self.ratio, bool)
+            or not isinstance(self.ratio, (int, float))
+            or not math.isfinite(self.ratio)
+            or not 0.0 <= self.ratio <= 1.0
+        ):
             raise ValueError(f"blend.ratio must be a number in [0, 1], got {self.ratio!r}")
-        if (isinstance(self.deviation_layer, bool) or not isinstance(self.deviation_layer, int)
-                or self.deviation_layer < 1):  # layer 0's K/V is the token's and position's alone: it never deviates
+        if (
+            isinstance(self.deviation_layer, bool)
+            or not isinstance(self.deviation_layer, int)
+            or self.deviation_layer < 1
+        ):  # layer 0's K/V is the token's and position's alone: it never deviates
             raise ValueError(f"blend.deviation_layer must be an integer >= 1, got {self.deviation_layer!r}")
 
     @classmethod

@@ -45,8 +45,14 @@ class BlendPass:
         return self.runner.block_size
 
     @torch.inference_mode()
-    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                       layer: int = DEVIATION_LAYER, shifts: np.ndarray | None = None) -> np.ndarray:
+    def seam_deviation(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        layer: int = DEVIATION_LAYER,
+        shifts: np.ndarray | None = None,
+    ) -> np.ndarray:
         """How far each assembled token's cached KV (in ``slots``) is from its KV recomputed
         against the whole assembled context: layers ``0..layer`` are run over every token
         at its RoPE position, each attending to the keys at or before its position, into a
@@ -66,8 +72,15 @@ class BlendPass:
         fresh = scratch[layer].float()  # [2, kv_heads, n, d]
         return ((fresh - cached) ** 2).sum(dim=(0, 1, 3)).cpu().numpy().astype(np.float64)  # [n]
 
-    def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                  selected: np.ndarray, chunk_tokens: int | None = None, shifts: np.ndarray | None = None) -> None:
+    def recompute(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        selected: np.ndarray,
+        chunk_tokens: int | None = None,
+        shifts: np.ndarray | None = None,
+    ) -> None:
         """Recompute the assembled tokens ``selected`` (``[m]`` ascending indices) through
         every layer, writing their new KV over their ``slots`` (which the caller owns: blend
         gives them private slots). Each attends to every assembled key at or before its
@@ -94,7 +107,12 @@ class BlendPass:
             others[part] = False
             keys = np.flatnonzero(others)  # [<= n - k]
             key_shifts = None if moved is None or not moved[keys].any() else moved[keys]
-            chunk = SeqChunk(ids[part].tolist(), pos[part].tolist(),
-                             KeyTable(slot_arr[keys], slot_arr[part], 1, len(part), key_shifts), pos[keys], False,
-                             by_position=True)
+            chunk = SeqChunk(
+                ids[part].tolist(),
+                pos[part].tolist(),
+                KeyTable(slot_arr[keys], slot_arr[part], 1, len(part), key_shifts),
+                pos[keys],
+                False,
+                by_position=True,
+            )
             self.runner.execute([chunk])

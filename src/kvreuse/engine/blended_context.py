@@ -65,10 +65,23 @@ class BlendMechanics(Protocol):
     @property
     def block_size(self) -> int: ...
 
-    def seam_deviation(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                       layer: int = ..., shifts: np.ndarray | None = ...) -> np.ndarray: ...
-    def recompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                  selected: np.ndarray, *, shifts: np.ndarray | None = ...) -> None: ...
+    def seam_deviation(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        layer: int = ...,
+        shifts: np.ndarray | None = ...,
+    ) -> np.ndarray: ...
+    def recompute(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        selected: np.ndarray,
+        *,
+        shifts: np.ndarray | None = ...,
+    ) -> None: ...
 
 
 class BlockSource(Protocol):
@@ -100,8 +113,14 @@ class BlendedSource:
     """``inner``'s context, blended by ``blend`` on each acquisition (see the module
     docstring). ``on_blend(n)`` is told each acquisition's recomputed count (metrics)."""
 
-    def __init__(self, inner: SegmentedSource, blend: Blend, passes: BlendMechanics, kv: BlockSource,
-                 on_blend: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        inner: SegmentedSource,
+        blend: Blend,
+        passes: BlendMechanics,
+        kv: BlockSource,
+        on_blend: Callable[[int], None] | None = None,
+    ) -> None:
         self.inner = inner
         self.blend = blend
         self.passes = passes
@@ -178,8 +197,13 @@ class BlendedSource:
             # room and acquires again does not run the deviation pass again.
             deviation = None
             if self.blend.num_by_deviation(len(slots)):  # a ratio that picks no token needs no pass
-                deviation = self.passes.seam_deviation(token_ids.tolist(), positions.tolist(), slots.tolist(),
-                                                       layer=self.blend.deviation_layer, shifts=shifts)
+                deviation = self.passes.seam_deviation(
+                    token_ids.tolist(),
+                    positions.tolist(),
+                    slots.tolist(),
+                    layer=self.blend.deviation_layer,
+                    shifts=shifts,
+                )
             self._chosen = self.blend.select(starts, len(slots), deviation)  # [m]
         chosen = self._chosen
         blocks = tuple(held.blocks)
@@ -209,8 +233,9 @@ class BlendedSource:
         except BaseException:
             pool.release(reversed(private))
             raise
-        return BlendedKV(blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused,
-                          by_level, shifts)
+        return BlendedKV(
+            blocks + tuple(private), tuple(slots.tolist()), tuple(held.positions), len(chosen), reused, by_level, shifts
+        )
 
 
 def _cached_among(held: HeldKV, chosen: np.ndarray) -> int:

@@ -72,17 +72,21 @@ class EngineConfig:
     @property
     def document_blend(self) -> Blend:
         """The blend a documents request gets when it asks for none (``--document-blend-*``)."""
-        return Blend(self.document_blend_first_tokens, self.document_blend_ratio,
-                     last_tokens=self.document_blend_last_tokens)
+        return Blend(
+            self.document_blend_first_tokens, self.document_blend_ratio, last_tokens=self.document_blend_last_tokens
+        )
 
     def __post_init__(self) -> None:
         for prefix, attr in (("--blend-", "blend"), ("--document-blend-", "document_blend")):
             try:
                 getattr(self, attr)
             except ValueError as exc:  # name the flags, not the request field
-                raise ValueError(str(exc).replace("blend.first_tokens", prefix + "first-tokens")
-                                 .replace("blend.ratio", prefix + "ratio")
-                                 .replace("blend.last_tokens", prefix + "last-tokens")) from None
+                raise ValueError(
+                    str(exc)
+                    .replace("blend.first_tokens", prefix + "first-tokens")
+                    .replace("blend.ratio", prefix + "ratio")
+                    .replace("blend.last_tokens", prefix + "last-tokens")
+                ) from None
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
         if self.block_size < 1 or self.block_size > 1024:
@@ -92,28 +96,38 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
-            raise ValueError("--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got "
-                             f"{self.max_prefill_tokens_while_decoding}")
+            raise ValueError(
+                "--max-prefill-tokens-while-decoding must be >= 0 (0: no cap), got "
+                f"{self.max_prefill_tokens_while_decoding}"
+            )
         if self.schema_slice_tokens < 1:
             raise ValueError(f"--schema-slice-tokens must be >= 1, got {self.schema_slice_tokens}")
-        for flag, value in (("--schema-max-tokens", self.schema_max_tokens), ("--schema-max-bytes", self.schema_max_bytes)):
+        for flag, value in (
+            ("--schema-max-tokens", self.schema_max_tokens),
+            ("--schema-max-bytes", self.schema_max_bytes),
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if not self.host_cache_memory_gib >= 0:
             raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
         if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:
-            raise ValueError("--disk-cache-dir and --remote-cache sit below the host tier: "
-                             "set --host-cache-memory GIB > 0 as well")
+            raise ValueError(
+                "--disk-cache-dir and --remote-cache sit below the host tier: set --host-cache-memory GIB > 0 as well"
+            )
         if not self.disk_cache_size_gib > 0:
             raise ValueError(f"--disk-cache-size must be > 0 GiB, got {self.disk_cache_size_gib}")
         if not 0 <= self.tier_write_through_min_priority <= 101:
-            raise ValueError("--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
-                             f"tier evicts), got {self.tier_write_through_min_priority}")
+            raise ValueError(
+                "--tier-write-through-min-priority must be in [0, 101] (101: only blocks the host "
+                f"tier evicts), got {self.tier_write_through_min_priority}"
+            )
         if not 0 <= self.speculative_tokens <= 32:
             raise ValueError(f"--speculative-tokens must be in [0, 32] (0 = off), got {self.speculative_tokens}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
-            raise ValueError("--speculative-ngram-min must be >= 1 and <= --speculative-ngram-max, got "
-                             f"{self.speculative_ngram_min} and {self.speculative_ngram_max}")
+            raise ValueError(
+                "--speculative-ngram-min must be >= 1 and <= --speculative-ngram-max, got "
+                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
+            )
         StepFaults.parse(self.debug_step_faults)  # raises naming --debug-step-fault
         if not 0 <= self.host_offload_min_priority <= 101:
             raise ValueError(

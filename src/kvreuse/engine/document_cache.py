@@ -81,8 +81,9 @@ class DocumentContext:
 class DocumentCache:
     """Document KV in ``kv``'s pool, computed and copied through ``runner`` (the model runner)."""
 
-    def __init__(self, kv: KVCacheManager, runner, *, model_id: str, hash_algorithm: str = "sha256",
-                 chunk_tokens: int = 8192) -> None:
+    def __init__(
+        self, kv: KVCacheManager, runner, *, model_id: str, hash_algorithm: str = "sha256", chunk_tokens: int = 8192
+    ) -> None:
         self.kv = kv
         self.pool = kv.pool
         self.runner = runner
@@ -96,8 +97,9 @@ class DocumentCache:
         """Block keys of ``document`` encoded after ``after`` under ``salt`` (last block partial)."""
         digest = hashlib.sha256(struct.pack(f"<{len(after)}q", *after)).hexdigest()
         root = ("doc", *root_extra_keys(self.model_id, salt), digest)
-        return extend_chain([], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm,
-                            partial_tail=True)
+        return extend_chain(
+            [], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm, partial_tail=True
+        )
 
     def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> DocumentSource:
         """The request's ``ContextSource``; ``in_place``: reference the documents' own blocks
@@ -106,8 +108,9 @@ class DocumentCache:
         return DocumentSource(self, layout, salt, in_place)
 
     # ------------------------------------------------------------------ one document
-    def fill(self, document: Sequence[int], after: Sequence[int],
-             salt: str | None) -> tuple[list[KVBlock], dict[str, int]]:
+    def fill(
+        self, document: Sequence[int], after: Sequence[int], salt: str | None
+    ) -> tuple[list[KVBlock], dict[str, int]]:
         """The document's blocks, held (one reference each for the caller), computed where not
         cached; returns them and its cached tokens by the tier they were found in. Raises
         ``DocumentPoolBusy`` (nothing held) when the pool cannot hold them now."""
@@ -116,15 +119,22 @@ class DocumentCache:
         pieces = [tuple(document[i : i + bs]) for i in range(0, len(document), bs)]
         admission = self.kv.admit_blocks(keys, pieces, num_blocks=len(keys))
         if admission is None:
-            raise DocumentPoolBusy(f"documents: the KV pool has {self.pool.num_free_blocks} free blocks, too few for "
-                                   f"a document of {len(document)} tokens now: retry later or raise --kv-cache-memory")
+            raise DocumentPoolBusy(
+                f"documents: the KV pool has {self.pool.num_free_blocks} free blocks, too few for "
+                f"a document of {len(document)} tokens now: retry later or raise --kv-cache-memory"
+            )
         blocks, hits = list(admission.blocks), admission.num_hits
         by_level = tokens_by_level(admission, bs, self.pool.cache_level)
         if hits == len(keys):
             if len(document) % bs:  # the last block (partial) holds fewer than block_size tokens
                 # blocks come device hits, then onboarded (host), then loaded (stores): the last one's tier
-                level = (admission.loaded_levels[-1] if admission.num_loaded else
-                         HOST_LEVEL if admission.num_onboarded else self.pool.cache_level)
+                level = (
+                    admission.loaded_levels[-1]
+                    if admission.num_loaded
+                    else HOST_LEVEL
+                    if admission.num_onboarded
+                    else self.pool.cache_level
+                )
                 by_level[level] -= hits * bs - len(document)
             return blocks, {k: v for k, v in by_level.items() if v}
         fresh = block_slots([b.block_id for b in blocks], hits * bs, len(document), bs)  # doc tokens to keep
@@ -132,8 +142,10 @@ class DocumentCache:
         scratch = []
         try:
             if not self.pool.can_allocate(cdiv(num_scratch, bs)):
-                raise DocumentPoolBusy("documents: the KV pool has no room to compute a document now: retry later "
-                                       "or raise --kv-cache-memory")
+                raise DocumentPoolBusy(
+                    "documents: the KV pool has no room to compute a document now: retry later "
+                    "or raise --kv-cache-memory"
+                )
             scratch = self.kv.allocate(cdiv(num_scratch, bs))
             slots = block_slots([b.block_id for b in scratch], 0, num_scratch, bs) + fresh
             tokens = list(after) + list(document)
@@ -146,7 +158,6 @@ class DocumentCache:
         finally:
             self.pool.release(reversed(scratch))
         return blocks, by_level
-
 
     def moved_copy(self, slots: np.ndarray, positions: np.ndarray, shifts: np.ndarray) -> DocumentContext | None:
         """One copy of a context read in place (``[c]`` int64 ``slots``, ``positions`` and
@@ -242,8 +253,13 @@ class DocumentSource:
         own = sum(cdiv(len(d), bs) for d in layout.documents)
         if not self.in_place:
             return own + cdiv(self.num_tokens, bs)
-        scratch = max((cdiv(len(after) + (cdiv(len(doc), bs) - 1) * bs, bs)
-                       for doc, after in zip(layout.documents, layout.encoded_after)), default=0)
+        scratch = max(
+            (
+                cdiv(len(after) + (cdiv(len(doc), bs) - 1) * bs, bs)
+                for doc, after in zip(layout.documents, layout.encoded_after)
+            ),
+            default=0,
+        )
         return own + scratch
 
     def acquire(self) -> DocumentContext | None:
@@ -273,34 +289,52 @@ class DocumentSource:
                 return None
             own, dst = moved
             cache.tokens_reused += reused
-            return DocumentContext(tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level,
-                                   tuple(spans))
+            return DocumentContext(
+                tuple(own), tuple(dst.tolist()), tuple(positions.tolist()), reused, by_level, tuple(spans)
+            )
         except DocumentPoolBusy:
             return None
         finally:
             for blocks in reversed(held):
                 cache.pool.release(reversed(blocks))
 
-    def _in_place(self, held: list[list[KVBlock]], reused: int, by_level: dict[str, int],
-                  spans: tuple[tuple[int, int], ...]) -> DocumentContext:
+    def _in_place(
+        self, held: list[list[KVBlock]], reused: int, by_level: dict[str, int], spans: tuple[tuple[int, int], ...]
+    ) -> DocumentContext:
         """The documents' own blocks as the context: keys where they were computed, each with
         its shift (request position - encoded position)."""
         slots, positions, shifts = self._placement(held)
         self.cache.tokens_reused += reused
         blocks = tuple(b for chain in held for b in chain)
-        return DocumentContext(blocks, tuple(slots.tolist()), tuple(positions.tolist()), reused, by_level, spans,
-                               shifts if shifts.any() else None)
+        return DocumentContext(
+            blocks,
+            tuple(slots.tolist()),
+            tuple(positions.tolist()),
+            reused,
+            by_level,
+            spans,
+            shifts if shifts.any() else None,
+        )
 
     def _placement(self, held: list[list[KVBlock]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``([n] slots the pieces' keys lie in, [n] their request positions, [n] request
         position - encoded position)``, int64, in request order."""
         layout, bs = self.layout, self.cache.pool.block_size
-        src = np.concatenate([np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
-                              for blocks, doc in zip(held, layout.documents)])  # [n]
-        positions = np.concatenate([np.arange(p, p + len(doc), dtype=np.int64)
-                                    for p, doc in zip(layout.document_positions, layout.documents)])  # [n]
-        encoded = np.concatenate([np.arange(len(after), len(after) + len(doc), dtype=np.int64)
-                                  for doc, after in zip(layout.documents, layout.encoded_after)])  # [n] where computed
+        src = np.concatenate(
+            [
+                np.asarray(block_slots([b.block_id for b in blocks], 0, len(doc), bs), np.int64)
+                for blocks, doc in zip(held, layout.documents)
+            ]
+        )  # [n]
+        positions = np.concatenate(
+            [np.arange(p, p + len(doc), dtype=np.int64) for p, doc in zip(layout.document_positions, layout.documents)]
+        )  # [n]
+        encoded = np.concatenate(
+            [
+                np.arange(len(after), len(after) + len(doc), dtype=np.int64)
+                for doc, after in zip(layout.documents, layout.encoded_after)
+            ]
+        )  # [n] where computed
         return src, positions, positions - encoded
 
     def release(self, held: DocumentContext) -> None:

@@ -58,8 +58,13 @@ class EngineParts:
     restored_schemas: list[SchemaInfo]  # schemas a schema store restored at start
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, events: EventBuffer | None = None,
-                 retention_fn: RetentionFn | None = None) -> EngineParts:
+def build_engine(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    *,
+    events: EventBuffer | None = None,
+    retention_fn: RetentionFn | None = None,
+) -> EngineParts:
     """Every part of an engine for ``config`` (``loaded``: a model already loaded; ``events``:
     an event buffer to report to, else one of ``--event-buffer-max-size`` unless that is 0;
     ``retention_fn``: how a request's retention maps to block priorities). Seeds torch's RNG
@@ -79,24 +84,35 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, eve
     bytes_per_block = kv_bytes_per_token * config.block_size
     num_blocks = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds no block of "
-                         f"{bytes_per_block} bytes")
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory_gib} GiB holds no block of {bytes_per_block} bytes"
+        )
     if events is None and config.event_buffer_max_size > 0:
         events = EventBuffer(config.event_buffer_max_size)  # None = events off (TensorRT-LLM's default)
     host = build_host_tier(config, layout, loaded, events, bytes_per_block)
     pool = BlockPool(
-        num_blocks, config.block_size, policy=make_policy(config.eviction_policy, num_blocks=num_blocks), events=events,
+        num_blocks,
+        config.block_size,
+        policy=make_policy(config.eviction_policy, num_blocks=num_blocks),
+        events=events,
         record_evictions=host is not None,
     )
     kv = KVCacheManager(
-        pool, lower=host, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
-        enable_prefix_caching=config.enable_prefix_caching, retention_fn=retention_fn or request_retention,
+        pool,
+        lower=host,
+        model_id=loaded.model_id,
+        hash_algorithm=config.hash_algorithm,
+        enable_prefix_caching=config.enable_prefix_caching,
+        retention_fn=retention_fn or request_retention,
     )
     runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size, deterministic=config.deterministic)
     scheduler = Scheduler(
-        kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_prefill_tokens_while_decoding=default_prefill_cap(config.max_prefill_tokens_while_decoding,
-                                                              runner.device.type),
+        kv,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=default_prefill_cap(
+            config.max_prefill_tokens_while_decoding, runner.device.type
+        ),
     )
     if host is not None:  # its bytes move through the runner's KV tensor
         host.mover = HostKVTransfer(runner.kv_cache, host.pool.num_blocks, config.block_size)
@@ -105,25 +121,48 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None, *, eve
     gc.freeze()  # the model's objects never die: keep them out of every later GC pass (as vLLM does)
     max_model_len = config.max_model_len or shape.max_model_len
     modules = ModuleCache(
-        kv, runner, loaded.tokenizer, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
+        kv,
+        runner,
+        loaded.tokenizer,
+        model_id=loaded.model_id,
+        hash_algorithm=config.hash_algorithm,
         chunk_tokens=min(config.schema_slice_tokens, config.max_num_batched_tokens),
         store=None if config.schema_dir is None else SchemaStore(config.schema_dir, loaded.model_id),
-        src_dir=config.schema_src_dir, max_model_len=max_model_len,
+        src_dir=config.schema_src_dir,
+        max_model_len=max_model_len,
         limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
         kv_bytes_per_token=kv_bytes_per_token,
     )
-    documents = DocumentCache(kv, runner, model_id=loaded.model_id, hash_algorithm=config.hash_algorithm,
-                              chunk_tokens=config.max_num_batched_tokens)
+    documents = DocumentCache(
+        kv,
+        runner,
+        model_id=loaded.model_id,
+        hash_algorithm=config.hash_algorithm,
+        chunk_tokens=config.max_num_batched_tokens,
+    )
     registrations = RegistrationQueue(config.schema_slice_tokens)
     restored = modules.load_store()  # schemas persisted by an earlier run
-    parts = EngineParts(loaded, max_model_len, layout, kv_bytes_per_token, CacheStack(kv, host, events), scheduler,
-                        runner, BlendPass(runner), modules, documents, registrations, restored)
+    parts = EngineParts(
+        loaded,
+        max_model_len,
+        layout,
+        kv_bytes_per_token,
+        CacheStack(kv, host, events),
+        scheduler,
+        runner,
+        BlendPass(runner),
+        modules,
+        documents,
+        registrations,
+        restored,
+    )
     torch.manual_seed(config.seed)
     return parts
 
 
-def build_host_tier(config: EngineConfig, layout: KVLayout, loaded: Any, events: EventBuffer | None,
-                    bytes_per_block: int) -> HostTier | None:
+def build_host_tier(
+    config: EngineConfig, layout: KVLayout, loaded: Any, events: EventBuffer | None, bytes_per_block: int
+) -> HostTier | None:
     """The host tier (with the disk / remote stores below it), or ``None`` when
     ``--host-cache-memory`` holds no block. Its ``mover`` is set once the runner exists.
     Raises ``ValueError`` for a malformed ``--remote-cache`` URL."""
@@ -131,7 +170,10 @@ def build_host_tier(config: EngineConfig, layout: KVLayout, loaded: Any, events:
     if num_host_blocks <= 0:
         return None
     return HostTier(
-        num_host_blocks, config.block_size, events=events, below=build_stores(config, layout, loaded),
+        num_host_blocks,
+        config.block_size,
+        events=events,
+        below=build_stores(config, layout, loaded),
         policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
         offload_policy=OffloadPolicy(config.host_offload_min_priority),
     )
@@ -147,10 +189,23 @@ def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any) -> Persist
     from kvreuse.tiers.remote_store import RemoteStore
 
     namespace = TierNamespace(loaded.fingerprint, config.hash_algorithm, config.block_size)
-    disk = None if config.disk_cache_dir is None else DiskStore(
-        config.disk_cache_dir, int(config.disk_cache_size_gib * 2**30), namespace=namespace,
-        ttl_s=config.disk_cache_ttl_s)
+    disk = (
+        None
+        if config.disk_cache_dir is None
+        else DiskStore(
+            config.disk_cache_dir,
+            int(config.disk_cache_size_gib * 2**30),
+            namespace=namespace,
+            ttl_s=config.disk_cache_ttl_s,
+        )
+    )
     remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
     shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
-    return PersistentTiers(namespace, shape, loaded.dtype, disk=disk, remote=remote,
-                           write_through_min_priority=config.tier_write_through_min_priority)
+    return PersistentTiers(
+        namespace,
+        shape,
+        loaded.dtype,
+        disk=disk,
+        remote=remote,
+        write_through_min_priority=config.tier_write_through_min_priority,
+    )

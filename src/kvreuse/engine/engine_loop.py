@@ -172,7 +172,11 @@ class EngineLoop:
         try:
             if cmd.prepared is not None:
                 self.engine.add_prepared_request(
-                    cmd.request_id, cmd.prepared, cmd.params, cache_salt=cmd.cache_salt, retention=cmd.retention,
+                    cmd.request_id,
+                    cmd.prepared,
+                    cmd.params,
+                    cache_salt=cmd.cache_salt,
+                    retention=cmd.retention,
                     blend=cmd.blend,
                 )
             else:

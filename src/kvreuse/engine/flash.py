@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 
 
-def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention ``softmax(q k^T * scale) v`` and each row's log-sum-exp of the scaled scores:
     ``([B, H, n, d], [B, H, n] fp32)`` for ``q [B, H, n, d]``, ``k, v [B, kv, L, d]``
     (``H`` a multiple of ``kv``, head ``h`` using kv head ``h // (H / kv)``); ``causal``
@@ -23,8 +29,9 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causa
     entirely comes out 0 with an undefined log-sum-exp (the caller drops it)."""
     if q.device.type != "cpu":
         return math_attention(q, k, v, scale, causal, mask)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                          scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
     return out, lse
 
 
@@ -38,8 +45,9 @@ def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return math_attention(q, k, v, scale, False)[0]
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash``'s contract with plain matmuls (any device): fp32 scores ``[B, kv, g*n, L]``."""
     b, heads, n, d = q.shape
     kv = k.shape[1]

@@ -58,8 +58,9 @@ def isolate(forward: Forward, plan: list[ScheduledChunk], chunks: list[SeqChunk]
         if len(plan) == 1:
             result.failed.append((plan[0], first))
             return result
-        logger.warning("forward of %d chunks failed (%s); retrying split to find the failing request(s)",
-                       len(plan), first)
+        logger.warning(
+            "forward of %d chunks failed (%s); retrying split to find the failing request(s)", len(plan), first
+        )
         _bisect(forward, plan, chunks, result)
         if not result.plan:
             raise first

@@ -55,8 +55,12 @@ def engine_stats(engine: EngineView) -> EngineStats:
         evictions_by_priority=dict(pool.evictions_by_priority),
         blocks_by_priority=dict(pool.blocks_by_priority()),
         num_preemptions=engine.scheduler.num_preemptions,
-        tokens_computed=(outputs.tokens_computed + engine.intake.blend_tokens + modules.tokens_computed
-                         + engine.documents.tokens_computed),
+        tokens_computed=(
+            outputs.tokens_computed
+            + engine.intake.blend_tokens
+            + modules.tokens_computed
+            + engine.documents.tokens_computed
+        ),
         events_dropped=None if cache.events is None else cache.events.num_dropped,
         prefix_cache_hits_tokens_by_tier=dict(kv.hits_tokens_by_level),
         tiers=cache.tier_stats(engine.kv_bytes_per_token * engine.block_size),

@@ -58,8 +58,15 @@ class KeyFrames:
     sin: torch.Tensor  # [layers, frames, d]
 
     @classmethod
-    def build(cls, slots: np.ndarray, shifts: np.ndarray, own_starts: np.ndarray, own_lengths: np.ndarray,
-              rope: RopeShift, device: torch.device | str) -> KeyFrames:
+    def build(
+        cls,
+        slots: np.ndarray,
+        shifts: np.ndarray,
+        own_starts: np.ndarray,
+        own_lengths: np.ndarray,
+        rope: RopeShift,
+        device: torch.device | str,
+    ) -> KeyFrames:
         """``slots``/``shifts`` (``[c]`` int64 each): context keys and the positions each must
         move by; ``own_starts``/``own_lengths`` (``[k]`` int64): the item's own keys as slot
         intervals, shift 0. Keys of one shift are attended together, so the order does not
@@ -91,9 +98,16 @@ class KeyFrames:
         return any(g.mask is not None for g in self.groups)
 
     @classmethod
-    def by_position(cls, slots: np.ndarray, shifts: np.ndarray, key_positions: np.ndarray,
-                    query_positions: np.ndarray, rope: RopeShift, dtype: torch.dtype,
-                    device: torch.device | str) -> KeyFrames:
+    def by_position(
+        cls,
+        slots: np.ndarray,
+        shifts: np.ndarray,
+        key_positions: np.ndarray,
+        query_positions: np.ndarray,
+        rope: RopeShift,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KeyFrames:
         """Every key (``[L]`` int64 ``slots``, ``shifts``, RoPE ``key_positions``; the new
         tokens' own keys included, shift 0) grouped by shift and gathered, each group with the
         mask of query ``i`` (at ``query_positions[i]``) seeing key ``j`` iff ``key_positions[j]
@@ -110,8 +124,9 @@ class KeyFrames:
                 continue
             mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             frame = -1 if shift == 0 else int(np.searchsorted(moved, shift))
-            groups.append(KeyGroup(frame, (), torch.from_numpy(slots[mine]).to(device), mask,
-                                   ~visible.any(dim=1)))  # [n]
+            groups.append(
+                KeyGroup(frame, (), torch.from_numpy(slots[mine]).to(device), mask, ~visible.any(dim=1))
+            )  # [n]
         return cls(tuple(groups), *_rotations(moved, rope, device))
 
     def queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,13 @@ class HostKVTransfer:
         self.device_kv = device_kv
         pin = device_kv.device.type == "cuda"
         self.host_kv = torch.zeros(  # [layers, 2, kv_heads, host_slots, head_dim]
-            layers, two, heads, num_host_blocks * block_size, head_dim, dtype=device_kv.dtype, device="cpu",
+            layers,
+            two,
+            heads,
+            num_host_blocks * block_size,
+            head_dim,
+            dtype=device_kv.dtype,
+            device="cpu",
             pin_memory=pin,
         )
         self.bytes_moved = 0

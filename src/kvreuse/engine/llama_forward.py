@@ -135,7 +135,9 @@ class _Layer:
         self.input_norm = _NormWeight(layer.input_layernorm.weight)
         self.post_norm = _NormWeight(layer.post_attention_layernorm.weight)
         self.scaling = attn.scaling
-        self.qkv = fused_projection(attn, ("q_proj", "k_proj", "v_proj")) or _Concat(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv = fused_projection(attn, ("q_proj", "k_proj", "v_proj")) or _Concat(
+            attn.q_proj, attn.k_proj, attn.v_proj
+        )
         self.o_proj = attn.o_proj
         self.inter = mlp.gate_proj.out_features
         self.gate_up = fused_projection(mlp, ("gate_proj", "up_proj")) or _Concat(mlp.gate_proj, mlp.up_proj)

@@ -51,8 +51,14 @@ __all__ = ["EngineConfig", "EngineStats", "LLMEngine", "RequestOutput"]
 class LLMEngine:
     """One executor. Not thread-safe: one thread calls ``add_request``/``step``/``abort``."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, events: EventBuffer | None = None,
-                 retention_fn: RetentionFn | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        *,
+        events: EventBuffer | None = None,
+        retention_fn: RetentionFn | None = None,
+    ) -> None:
         parts = build_engine(config, loaded, events=events, retention_fn=retention_fn)
         self.config = config
         self.loaded = parts.loaded
@@ -65,7 +71,12 @@ class LLMEngine:
         self.kv_bytes_per_token = parts.kv_bytes_per_token
         self.cache = parts.cache
         self.kv, self.pool, self.host, self.stores, self.events = (
-            parts.cache.kv, parts.cache.pool, parts.cache.host, parts.cache.stores, parts.cache.events)
+            parts.cache.kv,
+            parts.cache.pool,
+            parts.cache.host,
+            parts.cache.stores,
+            parts.cache.events,
+        )
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.blend_pass = parts.blend_pass
@@ -74,12 +85,26 @@ class LLMEngine:
         self.registrations = parts.registrations
         self.schemas = SchemaService(parts.modules, parts.registrations)
         self.restored_schemas = parts.restored_schemas  # schemas persisted by an earlier run
-        self.intake = PromptIntake(config, parts.modules, parts.documents, parts.runner, parts.blend_pass, self.kv,
-                                   tokenizer=self.tokenizer, vocab_size=parts.loaded.shape.vocab_size,
-                                   max_model_len=self.max_model_len)
+        self.intake = PromptIntake(
+            config,
+            parts.modules,
+            parts.documents,
+            parts.runner,
+            parts.blend_pass,
+            self.kv,
+            tokenizer=self.tokenizer,
+            vocab_size=parts.loaded.shape.vocab_size,
+            max_model_len=self.max_model_len,
+        )
         self.faults = StepFaults.parse(config.debug_step_faults)  # test-only (engine/step_faults.py)
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.kv, self._finish,
-                                       by_tier=parts.cache.host is not None, faults=self.faults)
+        self.outputs = OutputProcessor(
+            self.tokenizer,
+            self.eos_token_ids,
+            self.kv,
+            self._finish,
+            by_tier=parts.cache.host is not None,
+            faults=self.faults,
+        )
         self._requests: dict[str, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
@@ -105,10 +130,18 @@ class LLMEngine:
         if isinstance(prompt, AssembledPrompt):
             prompt_positions = prompt.positions
         try:
-            check_request(request_id, token_ids, params, prompt_positions, in_use=self._requests,
-                          max_model_len=self.max_model_len, vocab_size=self.loaded.shape.vocab_size,
-                          pool_blocks=self.pool.num_blocks, blocks_needed=self.kv.blocks_needed,
-                          context_blocks=(0, 0) if context is None else context.capacity_blocks)
+            check_request(
+                request_id,
+                token_ids,
+                params,
+                prompt_positions,
+                in_use=self._requests,
+                max_model_len=self.max_model_len,
+                vocab_size=self.loaded.shape.vocab_size,
+                pool_blocks=self.pool.num_blocks,
+                blocks_needed=self.kv.blocks_needed,
+                context_blocks=(0, 0) if context is None else context.capacity_blocks,
+            )
             retention = checked_retention(retention)
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -116,9 +149,16 @@ class LLMEngine:
             if context is not None:
                 context.release()
             raise
-        seq = Sequence(request_id, list(token_ids), params, cache_salt=cache_salt, retention=retention,
-                       prompt_positions=prompt_positions, generator=make_generator(params.seed, self.runner.device),
-                       context=context)
+        seq = Sequence(
+            request_id,
+            list(token_ids),
+            params,
+            cache_salt=cache_salt,
+            retention=retention,
+            prompt_positions=prompt_positions,
+            generator=make_generator(params.seed, self.runner.device),
+            context=context,
+        )
         if isinstance(prompt, AssembledPrompt):
             seq.arrival_time = prompt.arrival_time
         if self.config.speculative_tokens and params.greedy and params.speculative:
@@ -132,8 +172,13 @@ class LLMEngine:
         return self.intake.prepare_pml(pml_text)
 
     def add_prepared_request(
-        self, request_id: str, prompt: PreparedPrompt | DocumentPrompt, params: SamplingParams, *,
-        cache_salt: str | None = None, retention: KvCacheRetentionConfig | None = None,
+        self,
+        request_id: str,
+        prompt: PreparedPrompt | DocumentPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        retention: KvCacheRetentionConfig | None = None,
         blend: BlendOverride | Blend | Mapping | None = None,
     ) -> None:
         """``add_request`` of ``intake.assemble(prompt)``: a PML prompt (``prepare_prompt``) or a
@@ -200,8 +245,12 @@ class LLMEngine:
         reacquire_head(self.scheduler.waiting)
         self.documents.move_framed(self.scheduler.running)
         if self.config.speculative_tokens:
-            draft_for(self.scheduler.running, k_max=self.config.speculative_tokens,
-                      min_n=self.config.speculative_ngram_min, max_n=self.config.speculative_ngram_max)
+            draft_for(
+                self.scheduler.running,
+                k_max=self.config.speculative_tokens,
+                min_n=self.config.speculative_ngram_min,
+                max_n=self.config.speculative_ngram_max,
+            )
         plan = self.scheduler.schedule()
         waiting = self.scheduler.waiting
         if not plan and waiting and not self.scheduler.running and release_behind_head(waiting):
@@ -269,4 +318,3 @@ class LLMEngine:
         """Finish the disk / remote writes already queued and close the remote connections
         (``CacheStack.close``). Call when no step runs any more (a graceful stop)."""
         self.cache.close()
-

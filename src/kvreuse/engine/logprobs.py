@@ -50,13 +50,16 @@ def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequenc
     ]
 
 
-def requested_logprobs(logits: torch.Tensor, rows: Sequence[tuple[Any, int, int]]) -> dict[tuple[str, int], TokenLogprobs]:
+def requested_logprobs(
+    logits: torch.Tensor, rows: Sequence[tuple[Any, int, int]]
+) -> dict[tuple[str, int], TokenLogprobs]:
     """Logprobs of the chosen tokens of ``rows`` (``(sequence, logits row, token)``), keyed by
     (request id, logits row), for the sequences whose params asked for them (none: no work)."""
     wanted = [(seq, row, token) for seq, row, token in rows if seq.params.logprobs is not None]
     if not wanted:
         return {}
     index = torch.tensor([row for _, row, _ in wanted], dtype=torch.long, device=logits.device)
-    found = compute_logprobs(logits.index_select(0, index), [t for _, _, t in wanted],
-                             [seq.params.logprobs for seq, _, _ in wanted])
+    found = compute_logprobs(
+        logits.index_select(0, index), [t for _, _, t in wanted], [seq.params.logprobs for seq, _, _ in wanted]
+    )
     return {(seq.request_id, row): lp for (seq, row, _), lp in zip(wanted, found)}

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 class ModelRunner:
     """Owns the model and the KV storage; not thread-safe (engine thread only)."""
 
-    def __init__(self, model: PreTrainedModel, layout: KVLayout, num_blocks: int, block_size: int,
-                 deterministic: bool = False) -> None:
+    def __init__(
+        self, model: PreTrainedModel, layout: KVLayout, num_blocks: int, block_size: int, deterministic: bool = False
+    ) -> None:
         """``deterministic``: every token's logits independent of what shares its step (the
         batch-invariant forward and attention, ``--deterministic``); a plain Llama model only."""
         self.model = model
@@ -46,8 +47,10 @@ class ModelRunner:
         # other families keep the transformers forward with our attention plugged in.
         self._llama = llama.LlamaForward(model, invariant=deterministic) if llama.supports(model) else None
         if deterministic and self._llama is None:
-            raise ValueError(f"--deterministic needs a plain Llama model (kvreuse's own forward); "
-                             f"{getattr(model.config, 'model_type', type(model).__name__)} runs the transformers forward")
+            raise ValueError(
+                f"--deterministic needs a plain Llama model (kvreuse's own forward); "
+                f"{getattr(model.config, 'model_type', type(model).__name__)} runs the transformers forward"
+            )
         # A decode over a long context reads its keys in place (as a one-token prefill item)
         # instead of joining the padded batch, whose gather copies the whole context per step.
         # Deterministic: 0, so no decode joins a padded batch (each is its own item, as alone).
@@ -85,8 +88,11 @@ class ModelRunner:
                 sample_index.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
             if chunk.by_position:
                 prefills.append(self._positional_item(start, chunk))
-            elif (len(chunk.token_ids) == 1 and 0 < chunk.num_context < self.decode_in_place_min
-                  and chunk.keys.context_shifts is None):  # moved keys are read in place, never padded
+            elif (
+                len(chunk.token_ids) == 1
+                and 0 < chunk.num_context < self.decode_in_place_min
+                and chunk.keys.context_shifts is None
+            ):  # moved keys are read in place, never padded
                 decode_rows.append((start, chunk))
             else:
                 prefills.append(self._prefill_item(start, chunk))
@@ -107,28 +113,44 @@ class ModelRunner:
             assert logits is not None  # every layer ran (no num_layers): the logits are there
             return logits.float()  # [num_sampled, vocab]
         out = self.model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_index, kv_context=ctx,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=logits_index,
+            kv_context=ctx,
         )
         return out.logits[0].float()  # [num_sampled, vocab]
 
     # ------------------------------------------------------------------ KV in and out
-    def precompute(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                   chunk_tokens: int) -> None:
+    def precompute(
+        self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], chunk_tokens: int
+    ) -> None:
         """One causal pass over ``token_ids`` at RoPE ``positions``, writing token ``i``'s KV
         to ``slots[i]``; no logits. Runs in chunks of ``chunk_tokens``, each attending to the
         chunks before it (the keys already written), so the result is that of one pass."""
         for start in range(0, len(token_ids), chunk_tokens):
             self.precompute_chunk(token_ids, positions, slots, start, start + chunk_tokens)
 
-    def precompute_chunk(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                         start: int, end: int) -> None:
+    def precompute_chunk(
+        self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], start: int, end: int
+    ) -> None:
         """Tokens ``start..end`` of a ``precompute`` pass (one forward): they attend to the
         keys of tokens ``..start`` (already written) and causally to each other. Running the
         chunks of a pass one after another, at any time, gives exactly what ``precompute``
         with the same chunk size gives (a schema registered in slices between steps)."""
         # slices only: from_slots copies them into its own lists / arrays (no full-pass copy per chunk)
-        self.execute([SeqChunk.from_slots(token_ids[start:end], positions[start:end], slots[start:end], slots[:start],
-                                          positions[:start], sample=False)])
+        self.execute(
+            [
+                SeqChunk.from_slots(
+                    token_ids[start:end],
+                    positions[start:end],
+                    slots[start:end],
+                    slots[:start],
+                    positions[:start],
+                    sample=False,
+                )
+            ]
+        )
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
         """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,
@@ -170,8 +192,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ scratch passes
     @torch.inference_mode()
-    def forward_by_position(self, token_ids: Sequence[int], positions: Sequence[int],
-                            through_layer: int) -> torch.Tensor:
+    def forward_by_position(
+        self, token_ids: Sequence[int], positions: Sequence[int], through_layer: int
+    ) -> torch.Tensor:
         """One pass over ``token_ids`` at RoPE ``positions``, each token attending to the tokens
         at or before its position, into a scratch KV tensor (the pool is only read): returns
         ``[depth, 2, kv_heads, n, head_dim]`` with token ``i``'s K/V at index ``i``, valid for
@@ -187,8 +210,9 @@ class ModelRunner:
         # Positions rising in token order (documents, most plans) make "visible by position" the
         # plain causal mask: the causal kernel skips the hidden half the masked one computes.
         ordered = bool(np.all(pos[1:] > pos[:-1]))
-        chunk = SeqChunk(list(token_ids), list(positions), KeyTable(own[:0], own, 1, n), None, False,
-                         by_position=not ordered)
+        chunk = SeqChunk(
+            list(token_ids), list(positions), KeyTable(own[:0], own, 1, n), None, False, by_position=not ordered
+        )
         item = self._prefill_item(0, chunk) if ordered else self._positional_item(0, chunk)
         ctx = ForwardContext(scratch, torch.from_numpy(own).to(self.device), [item], None)
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
@@ -197,8 +221,9 @@ class ModelRunner:
         if self._llama is not None:
             self._llama(input_ids, position_ids, none, ctx, num_layers=depth)
         else:
-            self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none,
-                       kv_context=ctx)
+            self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=none, kv_context=ctx
+            )
         return scratch
 
     def _positional_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
@@ -209,12 +234,20 @@ class ModelRunner:
         dev = self.device
         if chunk.keys.context_shifts is not None:
             if self.layout.sliding_windows:
-                raise RuntimeError("model runner: keys by position over moved keys on a sliding-window model "
-                                   "(documents are copied there)")
+                raise RuntimeError(
+                    "model runner: keys by position over moved keys on a sliding-window model "
+                    "(documents are copied there)"
+                )
             own = np.zeros(chunk.keys.num_own, dtype=np.int64)  # the own keys' shift: computed where they are
-            frames = KeyFrames.by_position(chunk.keys.slots(), np.concatenate((chunk.keys.context_shifts, own)),
-                                           _key_positions(chunk), np.asarray(chunk.positions, dtype=np.int64),
-                                           self.rope_shift(), self.dtype, dev)
+            frames = KeyFrames.by_position(
+                chunk.keys.slots(),
+                np.concatenate((chunk.keys.context_shifts, own)),
+                _key_positions(chunk),
+                np.asarray(chunk.positions, dtype=np.int64),
+                self.rope_shift(),
+                self.dtype,
+                dev,
+            )
             return PrefillItem(start, len(chunk.token_ids), chunk.keys, None, {}, (), dev, masked=True, frames=frames)
         k_pos = torch.from_numpy(_key_positions(chunk)).to(dev)[None, :]  # [1, L]
         q_pos = torch.tensor(chunk.positions, dtype=torch.long, device=dev)[:, None]  # [n, 1]
@@ -255,13 +288,16 @@ class ModelRunner:
         causal among themselves (a lone decode token's own key joins the groups). Refused on
         models with sliding-window layers (their masks need keys in one frame)."""
         if self.layout.sliding_windows:
-            raise RuntimeError("model runner: moved keys on a model with sliding-window layers (documents are copied there)")
+            raise RuntimeError(
+                "model runner: moved keys on a model with sliding-window layers (documents are copied there)"
+            )
         keys, n = chunk.keys, len(chunk.token_ids)
         own_end = keys.num_own if n == 1 else keys.num_own - n  # own keys the groups hold
         own_starts, own_lengths = keys.own_intervals(0, own_end)
         assert keys.context_shifts is not None  # only moved keys (documents in place) come here
-        frames = KeyFrames.build(keys.context_slots, keys.context_shifts, own_starts, own_lengths, self.rope_shift(),
-                                 self.device)
+        frames = KeyFrames.build(
+            keys.context_slots, keys.context_shifts, own_starts, own_lengths, self.rope_shift(), self.device
+        )
         return PrefillItem(start, n, keys, None, {}, (), self.device, frames=frames)
 
     def _decode_batch(self, rows: list[tuple[int, SeqChunk]]) -> DecodeBatch:

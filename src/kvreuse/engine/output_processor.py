@@ -53,8 +53,16 @@ class OutputProcessor:
     each request that ends (the engine frees it). Counts what every step computed
     (``tokens_computed``) and drafted (``spec_draft_tokens``, ``spec_accepted_tokens``)."""
 
-    def __init__(self, tokenizer: object, eos_token_ids: frozenset[int], kv: KVCacheManager,
-                 finish: Callable[[Sequence], None], *, by_tier: bool, faults: StepFaults | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: object,
+        eos_token_ids: frozenset[int],
+        kv: KVCacheManager,
+        finish: Callable[[Sequence], None],
+        *,
+        by_tier: bool,
+        faults: StepFaults | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.faults = faults or StepFaults()  # test-only (engine/step_faults.py): none unless asked
         self.eos_token_ids = eos_token_ids
@@ -98,8 +106,9 @@ class OutputProcessor:
         output.error = f"{type(exc).__name__}: {exc}"
         return output
 
-    def _append(self, got: SampledTokens, new_logprobs: dict[tuple[str, int], TokenLogprobs],
-                now: float) -> RequestOutput:
+    def _append(
+        self, got: SampledTokens, new_logprobs: dict[tuple[str, int], TokenLogprobs], now: float
+    ) -> RequestOutput:
         """Append one chunk's tokens to its request, stopping where a stop says; its output."""
         seq = got.item.seq
         if seq.first_token_time is None:
@@ -123,8 +132,9 @@ class OutputProcessor:
             self.finish(seq)
         return self._output(seq, kept, new_text, kept_logprobs if seq.params.logprobs is not None else None)
 
-    def _sample(self, plan: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor,
-                failed: Failures) -> list[SampledTokens]:
+    def _sample(
+        self, plan: list[ScheduledChunk], chunks: list[SeqChunk], logits: torch.Tensor, failed: Failures
+    ) -> list[SampledTokens]:
         """Each chunk's tokens (in plan order), its computed tokens committed: a verified draft
         is committed once the kept tokens are known (``_settle_draft``). A chunk whose
         sampling raises goes to ``failed``."""
@@ -157,8 +167,9 @@ class OutputProcessor:
             return seq.draft_token_ids[:accepted] + [targets[accepted]]
         return [sample_one(logits[first_row], seq.params, seq.generator)]
 
-    def _logprobs(self, logits: torch.Tensor, sampled: list[SampledTokens],
-                  failed: Failures) -> dict[tuple[str, int], TokenLogprobs]:
+    def _logprobs(
+        self, logits: torch.Tensor, sampled: list[SampledTokens], failed: Failures
+    ) -> dict[tuple[str, int], TokenLogprobs]:
         """``requested_logprobs`` of every sampled token, in one call; if that raises, one call
         per request, a request whose call raises going to ``failed``."""
 
@@ -189,8 +200,9 @@ class OutputProcessor:
         self.spec_draft_tokens += drafted
         self.spec_accepted_tokens += accepted
 
-    def _output(self, seq: Sequence, new_ids: list[int], new_text: str,
-                new_logprobs: list[TokenLogprobs] | None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, new_ids: list[int], new_text: str, new_logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,

@@ -55,9 +55,19 @@ class PromptIntake:
     documents). ``blend_tokens`` counts the assembled tokens blend recomputed, every
     acquisition included."""
 
-    def __init__(self, config: EngineConfig, modules: ModuleCache, documents: DocumentCache, runner: ModelRunner,
-                 blend_pass: BlendPass, kv: KVCacheManager, *, tokenizer: object, vocab_size: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        modules: ModuleCache,
+        documents: DocumentCache,
+        runner: ModelRunner,
+        blend_pass: BlendPass,
+        kv: KVCacheManager,
+        *,
+        tokenizer: object,
+        vocab_size: int,
+        max_model_len: int,
+    ) -> None:
         self.modules = modules
         self.tokenizer = tokenizer
         self.documents = documents
@@ -79,8 +89,14 @@ class PromptIntake:
         schema replaced or removed before the request is queued still serves it."""
         return prepare_prompt(pml_text, self.modules.schemas, self.tokenizer)
 
-    def assemble(self, prompt: PreparedPrompt | DocumentPrompt, params: SamplingParams, *,
-                 cache_salt: str | None = None, blend: BlendOverride | None = None) -> AssembledPrompt:
+    def assemble(
+        self,
+        prompt: PreparedPrompt | DocumentPrompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        blend: BlendOverride | None = None,
+    ) -> AssembledPrompt:
         """The ``AssembledPrompt`` of a PML prompt (its new tokens at their positions, after the
         KV of the modules it selects) or of a documents prompt (its text parts, each
         document's KV computed once per model, salt, token ids and the text before the first
@@ -91,8 +107,13 @@ class PromptIntake:
         arrival = time.perf_counter()  # the TTFT includes the context's acquisition and blend
         if isinstance(prompt, DocumentPrompt):
             layout = prompt.layout()
-            check_documents(layout.documents, prompt.num_tokens, params.max_tokens,  # before any of it runs
-                            vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+            check_documents(
+                layout.documents,
+                prompt.num_tokens,
+                params.max_tokens,  # before any of it runs
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+            )
             self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
             context = PromptContext(self._document_source(layout, cache_salt, blend), None)
             token_ids, positions = list(layout.token_ids), list(layout.positions)
@@ -110,14 +131,14 @@ class PromptIntake:
         source = self._document_source(prompt.layout(), None, blend)
         return getattr(source, "held_blocks", source.num_blocks)
 
-    def _document_source(self, layout: DocumentLayout, cache_salt: str | None,
-                         blend: BlendOverride | None) -> ContextSource:
+    def _document_source(
+        self, layout: DocumentLayout, cache_salt: str | None, blend: BlendOverride | None
+    ) -> ContextSource:
         """The context source of a documents request: read where computed (no copy; queries
         rotated per document, blend's recomputed tokens in private blocks), or moved copies on
         a model with sliding windows (a window masks keys by position in one frame). Pure."""
         in_place = not self.runner.layout.sliding_windows
-        return self._blended(self.documents.source(layout, cache_salt, in_place=in_place), blend,
-                             self.document_blend)
+        return self._blended(self.documents.source(layout, cache_salt, in_place=in_place), blend, self.document_blend)
 
     def _blended(self, source: SegmentedSource, blend: BlendOverride | None, default: Blend) -> ContextSource:
         """``source`` blended as ``blend`` asks over ``default`` (``None``: ``default``), or

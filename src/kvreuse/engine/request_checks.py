@@ -8,9 +8,17 @@ from kvreuse.sampling_params import SamplingParams
 
 
 def check_request(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_positions: list[int] | None, *,
-    in_use: Container[str], max_model_len: int, vocab_size: int, pool_blocks: int,
-    blocks_needed: Callable[[int], int], context_blocks: tuple[int, int] = (0, 0),
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    prompt_positions: list[int] | None,
+    *,
+    in_use: Container[str],
+    max_model_len: int,
+    vocab_size: int,
+    pool_blocks: int,
+    blocks_needed: Callable[[int], int],
+    context_blocks: tuple[int, int] = (0, 0),
 ) -> None:
     """Refuse a request the engine could never run, before anything is allocated: a reused id,
     an empty prompt, one that (with ``max_tokens``) overflows the model's context, token ids
@@ -57,8 +65,9 @@ def check_request(
         )
 
 
-def check_documents(documents: Sequence[Sequence[int]], num_tokens: int, max_tokens: int, *, vocab_size: int,
-                    max_model_len: int | None) -> None:
+def check_documents(
+    documents: Sequence[Sequence[int]], num_tokens: int, max_tokens: int, *, vocab_size: int, max_model_len: int | None
+) -> None:
     """Refuse a documents prompt (``DocumentPrompt``) the engine could never run: a document
     with token ids outside the vocabulary, or a prompt of ``num_tokens`` that with
     ``max_tokens`` overflows the context. Pure. Raises ValueError naming the part to change."""
@@ -66,5 +75,7 @@ def check_documents(documents: Sequence[Sequence[int]], num_tokens: int, max_tok
         if any(not 0 <= t < vocab_size for t in piece):
             raise ValueError(f"documents: part {i} holds token ids outside the vocabulary [0, {vocab_size})")
     if max_model_len is not None and num_tokens + max_tokens > max_model_len:
-        raise ValueError(f"documents: the prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) "
-                         f"exceeds the context length {max_model_len}; shorten it or lower max_tokens")
+        raise ValueError(
+            f"documents: the prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) "
+            f"exceeds the context length {max_model_len}; shorten it or lower max_tokens"
+        )

@@ -90,5 +90,7 @@ def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 def _check_type(rope_type: str, where: str) -> None:
     if rope_type not in _SHIFTABLE:
-        raise ValueError(f"{where}: rope type {rope_type!r} changes its frequencies with the length, so cached "
-                         "keys cannot be moved to other positions; documents need a fixed-frequency rope type")
+        raise ValueError(
+            f"{where}: rope type {rope_type!r} changes its frequencies with the length, so cached "
+            "keys cannot be moved to other positions; documents need a fixed-frequency rope type"
+        )

@@ -44,8 +44,14 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_tokens_while_decoding: int | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_tokens_while_decoding: int | None = None,
+    ) -> None:
         """``max_prefill_tokens_while_decoding``: prefill tokens a step may carry when at least
         one running sequence decodes in it (None: no cap beyond ``max_num_batched_tokens``).
         Raises ``ValueError`` when it is below 1."""
@@ -139,8 +145,12 @@ class Scheduler:
             draft = seq.draft_token_ids
             if not draft:
                 continue
-            if (item.num_new_tokens == 1 and seq.num_tokens - seq.num_computed_tokens == 1
-                    and budget >= len(draft) and self.kv.grow(seq, len(draft))):
+            if (
+                item.num_new_tokens == 1
+                and seq.num_tokens - seq.num_computed_tokens == 1
+                and budget >= len(draft)
+                and self.kv.grow(seq, len(draft))
+            ):
                 plan[i] = ScheduledChunk(seq, 1 + len(draft), len(draft))
                 budget -= len(draft)
             else:

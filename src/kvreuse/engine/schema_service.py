@@ -29,8 +29,12 @@ class Registering:
     modules_total: int
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "schema_hash": self.schema_hash, "modules_done": self.modules_done,
-                "modules_total": self.modules_total}
+        return {
+            "name": self.name,
+            "schema_hash": self.schema_hash,
+            "modules_done": self.modules_done,
+            "modules_total": self.modules_total,
+        }
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,10 @@ class SchemaService:
         modules = self.modules
         return SchemaListing(
             [modules.info(name) for name in sorted(modules.schemas)],
-            [Registering(job.schema.name, job.schema.schema_hash, job.modules_done, len(job.todo))
-             for job in self.registrations],
+            [
+                Registering(job.schema.name, job.schema.schema_hash, job.modules_done, len(job.todo))
+                for job in self.registrations
+            ],
         )
 
     def remove(self, name: str) -> bool:

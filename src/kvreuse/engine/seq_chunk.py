@@ -37,14 +37,23 @@ class SeqChunk:
 
     @classmethod
     def from_slots(
-        cls, token_ids: Sequence[int], positions: Sequence[int], new_slots: Sequence[int], context_slots: Sequence[int],
-        context_positions: Sequence[int] | None, sample: bool,
+        cls,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        new_slots: Sequence[int],
+        context_slots: Sequence[int],
+        context_positions: Sequence[int] | None,
+        sample: bool,
     ) -> SeqChunk:
         """A chunk whose keys lie in arbitrary slots (module precompute, tests): the keys
         before the new tokens are fixed context slots, the new tokens a table of one-slot
         blocks."""
-        keys = KeyTable(np.asarray(context_slots, dtype=np.int64).reshape(-1),
-                        np.asarray(new_slots, dtype=np.int64).reshape(-1), 1, len(new_slots))
+        keys = KeyTable(
+            np.asarray(context_slots, dtype=np.int64).reshape(-1),
+            np.asarray(new_slots, dtype=np.int64).reshape(-1),
+            1,
+            len(new_slots),
+        )
         ctx_pos = None if context_positions is None else np.asarray(context_positions, dtype=np.int64).reshape(-1)
         return cls(list(token_ids), list(positions), keys, ctx_pos, sample)
 

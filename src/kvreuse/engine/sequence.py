@@ -74,7 +74,9 @@ class Sequence:
     _block_ids: np.ndarray = field(default_factory=lambda: np.zeros(8, np.int64), init=False, repr=False)  # [capacity]
     _key_positions: np.ndarray | None = field(default=None, init=False, repr=False)  # [capacity] context + own
     _num_key_positions: int = field(default=0, init=False, repr=False)  # valid leading entries of _key_positions
-    _key_context: object = field(default=None, init=False, repr=False)  # the context positions _key_positions starts with
+    _key_context: object = field(
+        default=None, init=False, repr=False
+    )  # the context positions _key_positions starts with
     _prompt_position_array: np.ndarray | None = field(default=None, init=False, repr=False)  # [prompt] int64
 
     def __post_init__(self) -> None:

@@ -47,8 +47,10 @@ class StepFaults:
             head, at, count = prefix.rpartition("@")
             prefix, after = (head, int(count)) if at and count.isdigit() else (prefix, 0)
             if not sep or stage not in by_stage or not prefix:
-                raise ValueError(f"--debug-step-fault must be STAGE:REQUEST_ID_PREFIX[@N] with STAGE one of "
-                                 f"{', '.join(STAGES)} and a non-empty prefix, got {spec!r}")
+                raise ValueError(
+                    f"--debug-step-fault must be STAGE:REQUEST_ID_PREFIX[@N] with STAGE one of "
+                    f"{', '.join(STAGES)} and a non-empty prefix, got {spec!r}"
+                )
             by_stage[stage].append((prefix, after))
         return cls(tuple(by_stage["forward"]), tuple(by_stage["sample"]))
 

@@ -100,7 +100,9 @@ class EventBuffer:
             }
 
     # ------------------------------------------------------------------ consumers
-    def get_events(self, after_id: int | None = None, timeout: float = 0.0, max_events: int | None = None) -> list[Event]:
+    def get_events(
+        self, after_id: int | None = None, timeout: float = 0.0, max_events: int | None = None
+    ) -> list[Event]:
         """Events with ``event_id > after_id`` still held, oldest first, at most
         ``max_events`` (default ``max_batch``). ``after_id=None`` means "everything held".
 
@@ -113,7 +115,9 @@ class EventBuffer:
                 self._cond.wait_for(lambda: self._next_id - 1 > after, timeout)
             return self._since(after, max_events)
 
-    async def wait_events(self, after_id: int | None = None, timeout: float = 0.0, max_events: int | None = None) -> list[Event]:
+    async def wait_events(
+        self, after_id: int | None = None, timeout: float = 0.0, max_events: int | None = None
+    ) -> list[Event]:
         """``get_events`` for asyncio code: waits without blocking the event loop or
         holding a thread."""
         loop = asyncio.get_running_loop()

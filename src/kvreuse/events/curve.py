@@ -44,17 +44,24 @@ class CurveServer:
         try:
             public, secret = zmq.auth.load_certificate(secret_key_file)
         except (ValueError, OSError) as exc:
-            raise ValueError(f"--kv-events-curve-secret-key: {secret_key_file!r} is not a zmq.auth "
-                             f"certificate ({exc})") from None
+            raise ValueError(
+                f"--kv-events-curve-secret-key: {secret_key_file!r} is not a zmq.auth certificate ({exc})"
+            ) from None
         if secret is None:
-            raise ValueError(f"--kv-events-curve-secret-key: {secret_key_file!r} holds no secret key "
-                             "(give the .key_secret file, not the public .key)")
+            raise ValueError(
+                f"--kv-events-curve-secret-key: {secret_key_file!r} holds no secret key "
+                "(give the .key_secret file, not the public .key)"
+            )
         if clients_dir is None:
-            raise ValueError("--kv-events-curve-secret-key needs --kv-events-curve-clients-dir: the public keys "
-                             "of the subscribers allowed to connect")
+            raise ValueError(
+                "--kv-events-curve-secret-key needs --kv-events-curve-clients-dir: the public keys "
+                "of the subscribers allowed to connect"
+            )
         if not os.path.isdir(clients_dir) or not any(n.endswith(".key") for n in os.listdir(clients_dir)):
-            raise ValueError(f"--kv-events-curve-clients-dir: {clients_dir!r} holds no subscriber public key "
-                             "(*.key files made by zmq.auth.create_certificates)")
+            raise ValueError(
+                f"--kv-events-curve-clients-dir: {clients_dir!r} holds no subscriber public key "
+                "(*.key files made by zmq.auth.create_certificates)"
+            )
         return cls(public, secret, clients_dir)
 
     def secure(self, sock: zmq.Socket) -> None:

@@ -61,7 +61,11 @@ class UnknownEvent:
 # The wire's AllBlocksCleared carries nothing, so it decodes straight to the record.
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
 
-_MESSAGES: dict[str, type] = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+_MESSAGES: dict[str, type] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
 
 
 @dataclass(frozen=True, slots=True)

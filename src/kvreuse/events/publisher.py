@@ -63,7 +63,6 @@ def is_local(endpoint: str) -> bool:
     return host.startswith("127.") or host in _LOCAL_HOSTS
 
 
-
 def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[dict]:
     """vLLM events (as field dicts with a ``type`` tag) for a run of our events, merging a
     stored chain that continues the previous stored event and consecutive removals."""
@@ -76,9 +75,12 @@ def to_vllm_events(events: Sequence[Event], hash_format: str = "int") -> list[di
             for b in data.blocks:
                 h = wire_hash(b.block_hash, hash_format)
                 p = None if parent is None else wire_hash(parent, hash_format)
-                same_kind = prev is not None and prev["type"] == "BlockStored" and (
-                    prev["medium"], prev["lora_id"], prev["block_size"]
-                ) == (b.cache_level, b.lora_id, data.block_size)
+                same_kind = (
+                    prev is not None
+                    and prev["type"] == "BlockStored"
+                    and (prev["medium"], prev["lora_id"], prev["block_size"])
+                    == (b.cache_level, b.lora_id, data.block_size)
+                )
                 if prev is not None and same_kind and prev["block_hashes"][-1] == p:
                     prev["block_hashes"].append(h)
                     prev["token_ids"].extend(b.token_ids)
@@ -103,8 +105,16 @@ def snapshot_to_vllm_events(snapshot: KVSnapshot, hash_format: str = "int") -> l
     out: list[dict] = [{"type": "AllBlocksCleared"}]
     for b in snapshot.blocks:
         parent = None if b.parent_hash is None else wire_hash(b.parent_hash, hash_format)
-        out.append(stored_message([wire_hash(b.block_hash, hash_format)], parent, list(b.token_ids),
-                                  snapshot.block_size, None, b.cache_level))
+        out.append(
+            stored_message(
+                [wire_hash(b.block_hash, hash_format)],
+                parent,
+                list(b.token_ids),
+                snapshot.block_size,
+                None,
+                b.cache_level,
+            )
+        )
     return out
 
 
@@ -258,6 +268,7 @@ class ZmqEventPublisher:
             return endpoint
         host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
         return f"tcp://{host}:{endpoint.removeprefix('tcp://*:')}"
+
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         cursor = -1

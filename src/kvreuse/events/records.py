@@ -28,7 +28,12 @@ DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compat
 HOST_LEVEL = "CPU"
 DISK_LEVEL = "DISK"
 REMOTE_LEVEL = "REMOTE"
-TIER_NAMES = {DEVICE_LEVEL: "device", HOST_LEVEL: "host", DISK_LEVEL: "disk", REMOTE_LEVEL: "remote"}  # level -> what users read
+TIER_NAMES = {
+    DEVICE_LEVEL: "device",
+    HOST_LEVEL: "host",
+    DISK_LEVEL: "disk",
+    REMOTE_LEVEL: "remote",
+}  # level -> what users read
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +133,11 @@ def record_to_json(data: KVEvent) -> dict:
             ],
         }
     if isinstance(data, BlocksRemoved):
-        return {"type": "removed", "block_hashes": [h.hex() for h in data.block_hashes], "cache_level": data.cache_level}
+        return {
+            "type": "removed",
+            "block_hashes": [h.hex() for h in data.block_hashes],
+            "cache_level": data.cache_level,
+        }
     if isinstance(data, BlockUpdated):
         return {
             "type": "updated",
@@ -220,8 +229,13 @@ class KVSnapshot:
     def from_json(cls, d: dict) -> KVSnapshot:
         blocks = tuple(
             SnapshotBlock(
-                _key(b["block_hash"]), _unhex(b["parent_hash"]), tuple(b["token_ids"]),
-                b["priority"], b["cache_level"], b["depth"], b["in_use"],
+                _key(b["block_hash"]),
+                _unhex(b["parent_hash"]),
+                tuple(b["token_ids"]),
+                b["priority"],
+                b["cache_level"],
+                b["depth"],
+                b["in_use"],
             )
             for b in d["blocks"]
         )

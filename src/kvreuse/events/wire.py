@@ -49,10 +49,21 @@ def hash_from_wire(h: object) -> BlockHash:
     raise ValueError(f"not a block hash (expected an int or bytes): {h!r:.50}")
 
 
-def stored_message(block_hashes: list[WireHash], parent_block_hash: WireHash | None, token_ids: list[int],
-                   block_size: int, lora_id: int | None, medium: str) -> dict:
+def stored_message(
+    block_hashes: list[WireHash],
+    parent_block_hash: WireHash | None,
+    token_ids: list[int],
+    block_size: int,
+    lora_id: int | None,
+    medium: str,
+) -> dict:
     """A ``BlockStored`` message as the publisher sends it (a dict tagged by ``type``)."""
     return {
-        "type": "BlockStored", "block_hashes": block_hashes, "parent_block_hash": parent_block_hash,
-        "token_ids": token_ids, "block_size": block_size, "lora_id": lora_id, "medium": medium,
+        "type": "BlockStored",
+        "block_hashes": block_hashes,
+        "parent_block_hash": parent_block_hash,
+        "token_ids": token_ids,
+        "block_size": block_size,
+        "lora_id": lora_id,
+        "medium": medium,
     }

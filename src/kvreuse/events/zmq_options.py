@@ -23,23 +23,42 @@ if TYPE_CHECKING:  # the CLI imports zmq only when events are on
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-events-endpoint", default=None,
-                   help="ZMQ PUB endpoint, e.g. tcp://*:5557 (a * host binds --kv-events-bind-host)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="ZMQ PUB endpoint, e.g. tcp://*:5557 (a * host binds --kv-events-bind-host)",
+    )
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
-    p.add_argument("--kv-events-bind-host", default="127.0.0.1", metavar="HOST",
-                   help="the interface a * host in the event endpoints binds (default 127.0.0.1: events stay "
-                        "on this host; 0.0.0.0 for every interface)")
-    p.add_argument("--kv-events-curve-secret-key", default=None, metavar="FILE",
-                   help="encrypt and authenticate the event sockets with ZeroMQ CURVE: this publisher's "
-                        "zmq.auth secret certificate (needs --kv-events-curve-clients-dir)")
-    p.add_argument("--kv-events-curve-clients-dir", default=None, metavar="DIR",
-                   help="CURVE: folder of the *.key public keys of the subscribers allowed to connect")
-    p.add_argument("--kv-events-no-token-ids", action="store_true",
-                   help="send BlockStored events without token ids (block hashes only)")
+    p.add_argument(
+        "--kv-events-bind-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the interface a * host in the event endpoints binds (default 127.0.0.1: events stay "
+        "on this host; 0.0.0.0 for every interface)",
+    )
+    p.add_argument(
+        "--kv-events-curve-secret-key",
+        default=None,
+        metavar="FILE",
+        help="encrypt and authenticate the event sockets with ZeroMQ CURVE: this publisher's "
+        "zmq.auth secret certificate (needs --kv-events-curve-clients-dir)",
+    )
+    p.add_argument(
+        "--kv-events-curve-clients-dir",
+        default=None,
+        metavar="DIR",
+        help="CURVE: folder of the *.key public keys of the subscribers allowed to connect",
+    )
+    p.add_argument(
+        "--kv-events-no-token-ids",
+        action="store_true",
+        help="send BlockStored events without token ids (block hashes only)",
+    )
 
 
-def publisher_from_args(args: argparse.Namespace, buffer: EventBuffer,
-                        snapshot_fn: Callable[[], KVSnapshot]) -> ZmqEventPublisher:
+def publisher_from_args(
+    args: argparse.Namespace, buffer: EventBuffer, snapshot_fn: Callable[[], KVSnapshot]
+) -> ZmqEventPublisher:
     """The publisher the flags describe. Raises ``ValueError`` naming the flag for bad CURVE
     keys, for CURVE flags without ``--kv-events-endpoint`` (checked by the caller first), and
     for an endpoint its socket cannot bind or connect (a port in use, a malformed address)."""
@@ -47,9 +66,15 @@ def publisher_from_args(args: argparse.Namespace, buffer: EventBuffer,
 
     curve = _curve(args)
     try:
-        return ZmqEventPublisher(buffer, args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-                                 snapshot_fn=snapshot_fn, bind_host=args.kv_events_bind_host, curve=curve,
-                                 include_token_ids=not args.kv_events_no_token_ids)
+        return ZmqEventPublisher(
+            buffer,
+            args.kv_events_endpoint,
+            replay_endpoint=args.kv_events_replay_endpoint,
+            snapshot_fn=snapshot_fn,
+            bind_host=args.kv_events_bind_host,
+            curve=curve,
+            include_token_ids=not args.kv_events_no_token_ids,
+        )
     except EndpointError as exc:
         flag = "--kv-events-replay-endpoint" if exc.replay else "--kv-events-endpoint"
         raise ValueError(f"{flag}: {exc}") from None
@@ -73,9 +98,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.kv_events_curve_secret_key is not None or args.kv_events_curve_clients_dir is not None:
             _curve(args)
         return
-    for flag, value in (("--kv-events-curve-secret-key", args.kv_events_curve_secret_key),
-                        ("--kv-events-curve-clients-dir", args.kv_events_curve_clients_dir),
-                        ("--kv-events-no-token-ids", args.kv_events_no_token_ids or None)):
+    for flag, value in (
+        ("--kv-events-curve-secret-key", args.kv_events_curve_secret_key),
+        ("--kv-events-curve-clients-dir", args.kv_events_curve_clients_dir),
+        ("--kv-events-no-token-ids", args.kv_events_no_token_ids or None),
+    ):
         if value is not None:
             raise ValueError(f"{flag} needs --kv-events-endpoint (the events are off without it)")
 
@@ -87,6 +114,8 @@ def seal_warning(publisher: ZmqEventPublisher, api_keys: bool) -> str | None:
         return None
     what = "block hashes" if not publisher.include_token_ids else "token ids"
     where = ", ".join(e for e in (publisher.endpoint, publisher.replay_endpoint) if e)
-    return (f"KV events on {where} can leave this host unencrypted and unauthenticated while --api-key is set: "
-            f"any subscriber there reads every tenant's {what}. Bind them to loopback (--kv-events-bind-host "
-            "127.0.0.1), or set --kv-events-curve-secret-key and --kv-events-curve-clients-dir")
+    return (
+        f"KV events on {where} can leave this host unencrypted and unauthenticated while --api-key is set: "
+        f"any subscriber there reads every tenant's {what}. Bind them to loopback (--kv-events-bind-host "
+        "127.0.0.1), or set --kv-events-curve-secret-key and --kv-events-curve-clients-dir"
+    )

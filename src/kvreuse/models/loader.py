@@ -53,17 +53,24 @@ __all__ = [
 _END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # --------------------------------------------------------------------------- dtype / device
 
-def parse_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None, *,
-                quantized: bool = False) -> torch.dtype:
+
+def parse_dtype(
+    dtype: str | torch.dtype, device: str | torch.device | None = None, *, quantized: bool = False
+) -> torch.dtype:
     """Map ``float32|fp32|bfloat16|bf16|float16|fp16|auto`` (or a torch dtype) to a torch dtype.
 
     ``auto`` is bfloat16 on a CPU that multiplies bf16 natively (AMX or AVX512-BF16, see
@@ -111,6 +118,7 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 # --------------------------------------------------------------------------- shape
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -161,14 +169,19 @@ def shape_from_config(config: Any) -> ModelShape:
     else:
         windows = (None,) * layers
     return ModelShape(
-        num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
         max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0),
         sliding_window=windows,
     )
 
 
 # --------------------------------------------------------------------------- loaded model
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -206,6 +219,7 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------- loading
+
 
 def prepare_folder(spec: str, cache_dir: str | Path | None = None) -> tuple[ModelSource, Path]:
     """Resolve ``spec`` and return ``(source, HF folder)``, converting a GGUF once if needed.
@@ -248,10 +262,19 @@ def eos_token_ids_of(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, tokenizer_hash: str,
-                 dtype: torch.dtype, device: torch.device, path: Path | None,
-                 attn_implementation: str | None = None,
-                 quantization: str | QuantMode = QuantMode.NONE) -> LoadedModel:
+def finish_model(
+    model: Any,
+    tokenizer: Any,
+    *,
+    name: str,
+    weights_hash: str,
+    tokenizer_hash: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    path: Path | None,
+    attn_implementation: str | None = None,
+    quantization: str | QuantMode = QuantMode.NONE,
+) -> LoadedModel:
     """Put ``model`` in eval mode on ``device``/``dtype``, quantize its weights if asked, and
     wrap it in a :class:`LoadedModel`. Quantization runs on ``device`` from the weights as
     given (pass fp32 weights), before the cast to ``dtype``.
@@ -266,13 +289,22 @@ def finish_model(model: Any, tokenizer: Any, *, name: str, weights_hash: str, to
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
-    model_id, full = compute_model_id(name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype),
-                                      quantization=SCHEMES[quant])
+    model_id, full = compute_model_id(
+        name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=SCHEMES[quant]
+    )
     return LoadedModel(
-        model=model, tokenizer=tokenizer, name=name, model_id=model_id, fingerprint=full,
-        dtype=dtype, device=device, shape=shape_from_config(model.config),
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        model_id=model_id,
+        fingerprint=full,
+        dtype=dtype,
+        device=device,
+        shape=shape_from_config(model.config),
         eos_token_ids=eos_token_ids_of(model, tokenizer),
-        has_chat_template=bool(getattr(tokenizer, "chat_template", None)), path=path, quantization=quant,
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        path=path,
+        quantization=quant,
     )
 
 
@@ -283,8 +315,9 @@ _INT8_FTYPES = {7, 8, 9, 16, 17, 18}  # Q8_0, Q5_0, Q5_1, Q5_K_S, Q5_K_M, Q6_K
 _FLOAT_TENSOR_TYPES = {0, 1, 30}  # GGMLQuantizationType F32, F16, BF16
 
 
-def auto_quantization(src: ModelSource, device: torch.device | None = None,
-                      dtype: torch.dtype | None = None) -> QuantMode:
+def auto_quantization(
+    src: ModelSource, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> QuantMode:
     """The quantization ``--quantization auto`` picks for ``src`` on ``device`` (None: cpu):
     none off the CPU (the int4 / int8 kernels are CPU ones; elsewhere the layers dequantize on
     the fly), with ``dtype`` float32 asked for by name (fp32 is the exact reference, and the
@@ -304,14 +337,26 @@ def auto_quantization(src: ModelSource, device: torch.device | None = None,
             field = reader.fields.get("general.file_type")
             if field is not None:
                 ftype = int(field.parts[field.data[0]][0])
-                return (QuantMode.NONE if ftype in _FLOAT_FTYPES else QuantMode.INT8 if ftype in _INT8_FTYPES
-                        else QuantMode.INT4)
+                return (
+                    QuantMode.NONE
+                    if ftype in _FLOAT_FTYPES
+                    else QuantMode.INT8
+                    if ftype in _INT8_FTYPES
+                    else QuantMode.INT4
+                )
             kinds = {int(t.tensor_type) for t in reader.tensors if len(t.shape) > 1}
             if kinds <= _FLOAT_TENSOR_TYPES:
                 return QuantMode.NONE
-            eight = {int(q) for q in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0,
-                                      gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q5_K,
-                                      gguf.GGMLQuantizationType.Q6_K)}
+            eight = {
+                int(q)
+                for q in (
+                    gguf.GGMLQuantizationType.Q8_0,
+                    gguf.GGMLQuantizationType.Q5_0,
+                    gguf.GGMLQuantizationType.Q5_1,
+                    gguf.GGMLQuantizationType.Q5_K,
+                    gguf.GGMLQuantizationType.Q6_K,
+                )
+            }
             return QuantMode.INT8 if kinds & eight else QuantMode.INT4
         except Exception:  # noqa: BLE001 - a header we cannot read falls back to the name
             pass
@@ -323,9 +368,15 @@ def auto_quantization(src: ModelSource, device: torch.device | None = None,
     return QuantMode.INT4
 
 
-def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: str | Path | None = None, attn_implementation: str | None = None,
-               quantization: str | QuantMode = "none") -> LoadedModel:
+def load_model(
+    spec: str = "default",
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+    attn_implementation: str | None = None,
+    quantization: str | QuantMode = "none",
+) -> LoadedModel:
     """Load a model by ``--model`` spec (see :func:`resolve_source`) for inference.
 
     GGUF sources are converted once into ``cache_dir`` (default ``$KVREUSE_CACHE_DIR`` or
@@ -355,6 +406,15 @@ def load_model(spec: str = "default", *, dtype: str | torch.dtype = "float32", d
         kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kw)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    return finish_model(model, tokenizer, name=src.name, weights_hash=weights_digest(folder, root),
-                        tokenizer_hash=tokenizer_digest(folder), dtype=torch_dtype, device=dev,
-                        path=folder, attn_implementation=attn_implementation, quantization=quant)
+    return finish_model(
+        model,
+        tokenizer,
+        name=src.name,
+        weights_hash=weights_digest(folder, root),
+        tokenizer_hash=tokenizer_digest(folder),
+        dtype=torch_dtype,
+        device=dev,
+        path=folder,
+        attn_implementation=attn_implementation,
+        quantization=quant,
+    )

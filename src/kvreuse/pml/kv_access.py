@@ -17,8 +17,9 @@ ModuleKV = Any  # one module's KV [layers, 2, tokens, kv_heads, head_dim]: the r
 class KVAccess(Protocol):
     """What the module cache needs from the engine's runner (``ModelRunner`` has these methods)."""
 
-    def precompute_chunk(self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-                         start: int, end: int) -> None:
+    def precompute_chunk(
+        self, token_ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], start: int, end: int
+    ) -> None:
         """Tokens ``start..end`` of one causal pass writing token ``i``'s KV to ``slots[i]``
         (no logits), attending to the keys of tokens ``..start`` already written."""
         ...

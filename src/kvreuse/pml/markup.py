@@ -98,13 +98,9 @@ class _Builder:
         line, column = self._where()
         self._count += 1
         if self._count > self._limits.max_elements:
-            raise PMLSyntaxError(
-                f"more than {self._limits.max_elements} elements", line, column
-            )
+            raise PMLSyntaxError(f"more than {self._limits.max_elements} elements", line, column)
         if len(self._stack) + 1 > self._limits.max_depth:
-            raise PMLSyntaxError(
-                f"elements nested deeper than {self._limits.max_depth}", line, column
-            )
+            raise PMLSyntaxError(f"elements nested deeper than {self._limits.max_depth}", line, column)
         pairs = tuple(zip(attrs[0::2], attrs[1::2]))
         self._stack.append((tag, pairs, [], line, column))
 
@@ -214,8 +210,11 @@ def _escape_literals(text: str) -> tuple[str, _Shifts]:
             i = stop
             continue
         following = text[i + 1] if i + 1 < n else ""
-        literal = (not (_starts_name(following) or following in "/!?")) if char == "<" else \
-            (not (_starts_name(following) or following == "#"))
+        literal = (
+            (not (_starts_name(following) or following in "/!?"))
+            if char == "<"
+            else (not (_starts_name(following) or following == "#"))
+        )
         if literal:
             out.append(text[copied:i])
             out.append("&lt;" if char == "<" else "&amp;")

@@ -65,6 +65,7 @@ from kvreuse.pml.schema_store import SchemaStore
 
 log = logging.getLogger(__name__)
 
+
 class ModuleCache:
     """Registered schemas and their module blocks in ``kv``'s pool, which they enter through
     its admission path. Engine thread only, except ``compile`` (any thread)."""
@@ -123,14 +124,17 @@ class ModuleCache:
     def cost(self, schema: CompiledSchema) -> SchemaCost:
         return SchemaCost.of(schema, self.pool.block_size, self.kv_bytes_per_token)
 
-    def start(self, schema: CompiledSchema, pml_text: str, *, progress: Progress | None = None,
-              settle: Settle | None = None) -> Registration:
+    def start(
+        self, schema: CompiledSchema, pml_text: str, *, progress: Progress | None = None, settle: Settle | None = None
+    ) -> Registration:
         """A registration of ``schema`` (from ``compile``; ``pml_text`` is kept for the
         store), nothing computed yet: ``advance`` it, or hand it to the engine's queue.
         ``settle(info, False)`` / ``settle(exc, True)`` is called when it ends."""
         return Registration(self, schema, pml_text, progress=progress, settle=settle)
 
-    def register(self, pml_text: str, *, src_dir: str | Path | None = None, progress: Progress | None = None) -> SchemaInfo:
+    def register(
+        self, pml_text: str, *, src_dir: str | Path | None = None, progress: Progress | None = None
+    ) -> SchemaInfo:
         """Compile and precompute every module of a schema now (replacing one of the same
         name), in one call. Raises ``PMLError`` (a ``ValueError``) for bad markup or a
         schema over a limit, ``PoolBusy`` (a ``ValueError``) when the pool cannot hold a module."""
@@ -161,8 +165,11 @@ class ModuleCache:
                 self.store.save(schema, pml_text, kv)
             except OSError as exc:
                 # The store is a cache: the schema serves from the pool all the same.
-                log.warning("schema dir: cannot save schema %r (%s): it serves now but will not be "
-                            "restored after a restart", schema.name, exc)
+                log.warning(
+                    "schema dir: cannot save schema %r (%s): it serves now but will not be restored after a restart",
+                    schema.name,
+                    exc,
+                )
 
     def load_store(self) -> list[SchemaInfo]:
         """Register every schema persisted for this model (restart); never raises. A file
@@ -177,8 +184,13 @@ class ModuleCache:
             except Exception as exc:  # noqa: BLE001 - a start must never fail on the cache
                 log.warning("schema dir: skipping a stored schema that cannot be restored: %s", exc)
                 continue
-            log.info("schema dir: restored schema %r (%d modules: %d loaded, %d computed)", info.name,
-                     len(info.modules), info.loaded, info.computed)
+            log.info(
+                "schema dir: restored schema %r (%d modules: %d loaded, %d computed)",
+                info.name,
+                len(info.modules),
+                info.loaded,
+                info.computed,
+            )
             out.append(info)
         return out
 
@@ -204,8 +216,16 @@ class ModuleCache:
         if cost is None:
             cost = self._costs[name] = self.cost(schema)
         return SchemaInfo(
-            schema.name, schema.schema_hash, schema.length, tuple(m.qualified_name for m in mods),
-            sum(len(m.stored_token_ids) for m in mods), cost.tokens, cost.bytes, computed, loaded, present,
+            schema.name,
+            schema.schema_hash,
+            schema.length,
+            tuple(m.qualified_name for m in mods),
+            sum(len(m.stored_token_ids) for m in mods),
+            cost.tokens,
+            cost.bytes,
+            computed,
+            loaded,
+            present,
             None if self.store is None else self.store.path(schema).exists(),
         )
 
@@ -220,8 +240,13 @@ class ModuleCache:
         prepared = prepare_prompt(pml_text, self.schemas, self.tokenizer)
         if not acquire:
             return prepared
-        return PreparedPrompt(prepared.token_ids, prepared.position_ids, self.acquire(prepared.plan),
-                              prepared.plan, prepared.next_position)
+        return PreparedPrompt(
+            prepared.token_ids,
+            prepared.position_ids,
+            self.acquire(prepared.plan),
+            prepared.plan,
+            prepared.next_position,
+        )
 
     def source(self, plan: ModulePlan) -> ModuleSource:
         """``plan`` bound to this cache: the ``engine.context.ContextSource`` of a request's context."""
@@ -281,7 +306,9 @@ class ModuleCache:
         return compile_prompt(parse_prompt(pml_text), self.schemas, self.tokenizer).next_position
 
     # ------------------------------------------------------------------ blocks
-    def module_hashes(self, schema: CompiledSchema, module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
+    def module_hashes(
+        self, schema: CompiledSchema, module: CompiledModule
+    ) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
         """Keys and token lists of the module's blocks (the last may be partial)."""
         tokens = module.stored_token_ids
         bs = self.pool.block_size

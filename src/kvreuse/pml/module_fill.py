@@ -71,8 +71,9 @@ class FillHost(Protocol):
     runner: KVAccess
     chunk_tokens: int  # the grid precompute passes run on
 
-    def module_hashes(self, schema: CompiledSchema,
-                      module: CompiledModule) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
+    def module_hashes(
+        self, schema: CompiledSchema, module: CompiledModule
+    ) -> tuple[list[BlockHash], list[tuple[int, ...]]]:
         """Keys and token lists of the module's blocks (the last may be partial)."""
         ...
 
@@ -80,8 +81,16 @@ class FillHost(Protocol):
 class ModuleFill:
     """The blocks of one module, held from ``begin`` to ``finish`` or ``abandon``."""
 
-    def __init__(self, cache: FillHost, schema: CompiledSchema, module: CompiledModule,
-                 hashes: list[BlockHash], pieces: list[tuple[int, ...]], blocks: list[KVBlock], num_hits: int) -> None:
+    def __init__(
+        self,
+        cache: FillHost,
+        schema: CompiledSchema,
+        module: CompiledModule,
+        hashes: list[BlockHash],
+        pieces: list[tuple[int, ...]],
+        blocks: list[KVBlock],
+        num_hits: int,
+    ) -> None:
         self.cache = cache
         self.schema = schema
         self.module = module
@@ -97,8 +106,15 @@ class ModuleFill:
         self._next = 0  # tokens of the pass done so far
 
     @classmethod
-    def begin(cls, cache: FillHost, schema: CompiledSchema, module: CompiledModule, *,
-              promote: bool = False, use_cached: bool = True) -> ModuleFill:
+    def begin(
+        cls,
+        cache: FillHost,
+        schema: CompiledSchema,
+        module: CompiledModule,
+        *,
+        promote: bool = False,
+        use_cached: bool = True,
+    ) -> ModuleFill:
         """Hold the module's blocks and fill what the pool or the store can; what is left to
         compute is ``tokens_left``. ``promote`` (registration) lifts blocks already cached
         back to the module priority. ``use_cached=False``: take no cached block of the chain
@@ -112,8 +128,13 @@ class ModuleFill:
         to (``ModuleCache.peak_blocks_of``): a pool that cannot hold both copies of the
         cached part must not keep a request waiting for ever."""
         hashes, pieces = cache.module_hashes(schema, module)
-        admission = cache.kv.admit_blocks(hashes, pieces, num_blocks=len(hashes), max_hits=None if use_cached else 0,
-                                          retention=_module_retention if promote else _keep_retention)
+        admission = cache.kv.admit_blocks(
+            hashes,
+            pieces,
+            num_blocks=len(hashes),
+            max_hits=None if use_cached else 0,
+            retention=_module_retention if promote else _keep_retention,
+        )
         if admission is None:
             needed = len(hashes) - len(cache.pool.match_prefix(hashes, pieces))
             raise PoolBusy(
@@ -169,8 +190,14 @@ class ModuleFill:
         assert self.tokens_left == 0, "finish() before the precompute pass ran"
         self._release_scratch()
         if self._num_hits < len(self._hashes):
-            self.cache.kv.register_blocks(self.blocks, self._hashes, self._pieces, self._num_hits, len(self.blocks),
-                                          default_priority=MODULE_PRIORITY)
+            self.cache.kv.register_blocks(
+                self.blocks,
+                self._hashes,
+                self._pieces,
+                self._num_hits,
+                len(self.blocks),
+                default_priority=MODULE_PRIORITY,
+            )
         blocks, self.blocks = self.blocks, []
         return blocks
 
@@ -193,8 +220,9 @@ class ModuleFill:
         """Slots of the stored tokens from block ``num_hits`` on (those below are cached)."""
         bs = self.cache.pool.block_size
         lo = self._num_hits * bs
-        return block_slots([b.block_id for b in self.blocks[self._num_hits:]], 0,
-                           len(self.module.stored_token_ids) - lo, bs)
+        return block_slots(
+            [b.block_id for b in self.blocks[self._num_hits :]], 0, len(self.module.stored_token_ids) - lo, bs
+        )
 
     def _load(self) -> bool:
         """Fill the fresh blocks from the store; False (compute instead) when the file is

@@ -78,7 +78,10 @@ def _arguments(module: CompiledModule, ref: ModuleRef | None, encoder: TextEncod
     for name in args:
         if module.slot(name) is None:
             raise _error(
-                f"module {module.qualified_name!r} has no parameter {name!r}", ref, module=module.qualified_name, parameter=name
+                f"module {module.qualified_name!r} has no parameter {name!r}",
+                ref,
+                module=module.qualified_name,
+                parameter=name,
             )
     segments = []
     for slot in module.slots:
@@ -119,7 +122,9 @@ def _uncached(module: CompiledModule, arguments: list[NewSegment]) -> NewSegment
     )
 
 
-def _text(tail: tuple[PromptText, ...], schema: CompiledSchema, encoder: TextEncoder, add_generation_prompt: bool) -> NewSegment | None:
+def _text(
+    tail: tuple[PromptText, ...], schema: CompiledSchema, encoder: TextEncoder, add_generation_prompt: bool
+) -> NewSegment | None:
     token_ids: list[int] = []
     for piece in tail:
         if piece.role is None:

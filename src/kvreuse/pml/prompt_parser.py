@@ -32,9 +32,7 @@ def _ref(element: Element) -> ModuleRef:
     for child in element.children:
         if isinstance(child, CharData):
             if child.text.strip():
-                raise PMLSyntaxError(
-                    f"module reference <{element.tag}> cannot contain text", child.line, child.column
-                )
+                raise PMLSyntaxError(f"module reference <{element.tag}> cannot contain text", child.line, child.column)
             continue
         children.append(_ref(child))
     args = tuple((key, value.strip()) for key, value in element.attrs)

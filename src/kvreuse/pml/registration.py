@@ -69,8 +69,15 @@ class RegistrationHost(FillHost, Protocol):
 class Registration:
     """One schema's modules put into the pool, a budget of precompute tokens at a time."""
 
-    def __init__(self, cache: RegistrationHost, schema: CompiledSchema, pml_text: str, *,
-                 progress: Progress | None = None, settle: Settle | None = None) -> None:
+    def __init__(
+        self,
+        cache: RegistrationHost,
+        schema: CompiledSchema,
+        pml_text: str,
+        *,
+        progress: Progress | None = None,
+        settle: Settle | None = None,
+    ) -> None:
         self.cache = cache
         self.schema = schema
         self.pml_text = pml_text
@@ -153,9 +160,12 @@ class Registration:
         computed = self._counts[FillSource.COMPUTED.value]
         self.cache.install(self.schema, self.pml_text, self._kv, save=computed > 0)
         self._kv = {}
-        self.info = self.cache.info(self.schema.name, computed=computed,
-                                    loaded=self._counts[FillSource.LOADED.value],
-                                    present=self._counts[FillSource.PRESENT.value])
+        self.info = self.cache.info(
+            self.schema.name,
+            computed=computed,
+            loaded=self._counts[FillSource.LOADED.value],
+            present=self._counts[FillSource.PRESENT.value],
+        )
         if self._settle is not None:
             self._settle(self.info, False)
 

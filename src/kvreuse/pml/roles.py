@@ -53,9 +53,7 @@ class RoleFormat:
         """Markers for ``role``. Raises ``PMLSemanticError`` when the format has none."""
         found = getattr(self, role.value)
         if found is None:
-            raise PMLSemanticError(
-                f"the chat template cannot render a <{role.value}> turn on its own", module=module
-            )
+            raise PMLSemanticError(f"the chat template cannot render a <{role.value}> turn on its own", module=module)
         return found
 
     @classmethod
@@ -78,9 +76,7 @@ class RoleFormat:
         def render(roles: list[str], *, generation: bool = False) -> str | None:
             messages = [{"role": r, "content": _FILLER[r]} for r in roles]
             try:
-                return tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=generation
-                )
+                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
             except Exception:  # noqa: BLE001 - templates raise arbitrary errors for unsupported roles
                 return None
 

@@ -117,9 +117,7 @@ class _Layout:
 
     def _parameter(self, draft: _Draft, parameter: Parameter, offset: int) -> int:
         if draft.qualified_name == ROOT_MODULE:  # trees built in code skip the parser's check
-            raise PMLSemanticError(
-                f"parameter {parameter.name!r} is outside any module", parameter=parameter.name
-            )
+            raise PMLSemanticError(f"parameter {parameter.name!r} is outside any module", parameter=parameter.name)
         lead_tokens = len(self._encoder.text(parameter.lead)) if parameter.lead else 0
         size = parameter.length + lead_tokens  # the separator does not eat into the value's length
         scaffold = self._encoder.text(parameter.lead + parameter.scaffold) if parameter.scaffold else ()

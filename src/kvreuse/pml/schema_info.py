@@ -23,9 +23,15 @@ class SchemaInfo:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "schema_hash": self.schema_hash, "length": self.length,
-            "modules": list(self.modules), "stored_tokens": self.stored_tokens,
-            "precompute_tokens": self.precompute_tokens, "kv_bytes": self.kv_bytes,
-            "computed": self.computed, "loaded": self.loaded, "present": self.present,
+            "name": self.name,
+            "schema_hash": self.schema_hash,
+            "length": self.length,
+            "modules": list(self.modules),
+            "stored_tokens": self.stored_tokens,
+            "precompute_tokens": self.precompute_tokens,
+            "kv_bytes": self.kv_bytes,
+            "computed": self.computed,
+            "loaded": self.loaded,
+            "present": self.present,
             "persisted": self.persisted,
         }

@@ -221,7 +221,10 @@ class _SchemaReader:
 
         def refuse(reason: str) -> PMLSemanticError:
             return PMLSemanticError(
-                f"module {qualified!r}: src {src!r} {reason}", module=qualified, line=element.line, column=element.column
+                f"module {qualified!r}: src {src!r} {reason}",
+                module=qualified,
+                line=element.line,
+                column=element.column,
             )
 
         if any(isinstance(c, Element) or c.text.strip() for c in element.children):

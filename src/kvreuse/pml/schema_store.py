@@ -94,8 +94,12 @@ class SchemaStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         tensors = {_PREFIX + name: t.contiguous() for name, t in kv.items()}
         meta = {
-            "format": FORMAT, "model_id": self.model_id, "schema_name": schema.name,
-            "schema_hash": schema.schema_hash, "checksum": _checksum(tensors), "source": source,
+            "format": FORMAT,
+            "model_id": self.model_id,
+            "schema_name": schema.name,
+            "schema_hash": schema.schema_hash,
+            "checksum": _checksum(tensors),
+            "source": source,
         }
         target = self.path(schema)
         tmp = target.with_suffix(".tmp")
@@ -185,7 +189,8 @@ class SchemaStore:
         if meta.get("model_id") != self.model_id or meta.get("schema_hash") != schema.schema_hash:
             raise StoreMismatch(
                 f"it is keyed to model {meta.get('model_id')!r} / schema {meta.get('schema_hash', '')[:16]!r}, "
-                f"not {self.model_id!r} / {schema.schema_hash[:16]!r}", "foreign"
+                f"not {self.model_id!r} / {schema.schema_hash[:16]!r}",
+                "foreign",
             )
         if meta.get("checksum") != _checksum(tensors):
             raise StoreMismatch("it fails its checksum", "checksum")

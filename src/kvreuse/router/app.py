@@ -74,9 +74,14 @@ from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
 
 
-def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, limiter: TenantLimiter | None = None,
-                     metrics_tenant_labels: bool = False) -> FastAPI:
+def build_router_app(
+    router: Router,
+    *,
+    api_key: str | Sequence[str] | APIKeys | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limiter: TenantLimiter | None = None,
+    metrics_tenant_labels: bool = False,
+) -> FastAPI:
     """An app serving ``router``; its lifespan starts and stops the router's tasks.
     ``api_key``: the keys clients must send (None: the router checks none). ``limiter``:
     per-tenant limits (they need keys). ``metrics_tenant_labels`` (``--metrics-tenant-labels``):
@@ -132,8 +137,20 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
-        return _for_client(request, await forward(router, path, raw, upstream_headers(request), chat=chat,
-                                                  request=request, body=body, keys=keys, usage=tap))
+        return _for_client(
+            request,
+            await forward(
+                router,
+                path,
+                raw,
+                upstream_headers(request),
+                chat=chat,
+                request=request,
+                body=body,
+                keys=keys,
+                usage=tap,
+            ),
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -150,13 +167,28 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
             return exc.response()  # in Anthropic's shape (AnthropicErrorMiddleware)
         keys = await asyncio.to_thread(messages_keys, router, body)
         lease, usage = lease_of(request.scope), None
-        if (lease is not None and lease.limits_tokens and path == "/v1/messages"
-                and (cost := messages_cost(body, keys)) is not None):
+        if (
+            lease is not None
+            and lease.limits_tokens
+            and path == "/v1/messages"
+            and (cost := messages_cost(body, keys)) is not None
+        ):
             lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
             usage = MessagesUsage(lease)
-        return _for_client(request, await forward_messages(router, path, raw, upstream_headers(request),
-                                                           request=request, body=body, keys=keys,
-                                                           affinity=prompt_cache_key(body), usage=usage))
+        return _for_client(
+            request,
+            await forward_messages(
+                router,
+                path,
+                raw,
+                upstream_headers(request),
+                request=request,
+                body=body,
+                keys=keys,
+                affinity=prompt_cache_key(body),
+                usage=usage,
+            ),
+        )
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
@@ -182,16 +214,24 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
     async def health() -> JSONResponse:
         # open to probes: whether each executor is healthy, in --executor order; never their addresses
         healthy = [e.healthy for e in router.executors.values()]
-        return JSONResponse({"status": "ok" if any(healthy) else "error", "policy": router.policy.name,
-                             "executors": [{"healthy": h} for h in healthy]},
-                            status_code=200 if any(healthy) else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if any(healthy) else "error",
+                "policy": router.policy.name,
+                "executors": [{"healthy": h} for h in healthy],
+            },
+            status_code=200 if any(healthy) else 503,
+        )
 
     @app.get("/v1/route/executors")
     async def executors(request: Request) -> JSONResponse:
         """Each executor's URL, health, load and last error (an admin key's, with keys)."""
         if keys is not None and tenant_of(request.scope) is not None:
-            return error_response("GET /v1/route/executors needs an admin key (one given without ':tenant'): it "
-                                  "names the executors", status=403, code="admin_key_required")
+            return error_response(
+                "GET /v1/route/executors needs an admin key (one given without ':tenant'): it names the executors",
+                status=403,
+                code="admin_key_required",
+            )
         return JSONResponse({"executors": [e.status() for e in router.executors.values()]})
 
     @app.get("/metrics")
@@ -220,19 +260,29 @@ def build_router_app(router: Router, *, api_key: str | Sequence[str] | APIKeys |
         executors = []
         for e in router.executors.values():
             c = overlaps.get(e.name)
-            executors.append({
-                "executor": e.name, "healthy": e.healthy,
-                "overlap_blocks": c.overlap_blocks if c else router.index.overlaps(keys.keys, [e.name])[e.name],
-                "overlap_tokens": (c.overlap_blocks if c else 0) * router.block_size,
-                "load_blocks": e.load_blocks, "in_flight": e.in_flight,
-                "score": routed.decision.scores.get(e.name) if routed else None,
-            })
-        return JSONResponse({
-            "endpoint": "chat" if chat else "completions", "policy": router.policy.name,
-            "overlap_weight": getattr(router.policy, "overlap_weight", None),
-            "prompt_tokens": keys.num_tokens, "prompt_blocks": len(keys.keys), "block_size": router.block_size,
-            "executors": executors, "choice": routed.decision.choice if routed else None,
-        })
+            executors.append(
+                {
+                    "executor": e.name,
+                    "healthy": e.healthy,
+                    "overlap_blocks": c.overlap_blocks if c else router.index.overlaps(keys.keys, [e.name])[e.name],
+                    "overlap_tokens": (c.overlap_blocks if c else 0) * router.block_size,
+                    "load_blocks": e.load_blocks,
+                    "in_flight": e.in_flight,
+                    "score": routed.decision.scores.get(e.name) if routed else None,
+                }
+            )
+        return JSONResponse(
+            {
+                "endpoint": "chat" if chat else "completions",
+                "policy": router.policy.name,
+                "overlap_weight": getattr(router.policy, "overlap_weight", None),
+                "prompt_tokens": keys.num_tokens,
+                "prompt_blocks": len(keys.keys),
+                "block_size": router.block_size,
+                "executors": executors,
+                "choice": routed.decision.choice if routed else None,
+            }
+        )
 
     # Added last = outermost: the size limit runs first, then the key, then the tenant's
     # in-flight slot, then the routes.

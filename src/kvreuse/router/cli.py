@@ -70,40 +70,89 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvreuse route", description="KV-aware router in front of kvreuse executors")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--executor", action="append", required=True, metavar="URL",
-                   help="base URL of a kvreuse serve process (repeat for each)")
+    p.add_argument(
+        "--executor",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a kvreuse serve process (repeat for each)",
+    )
     p.add_argument("--routing-policy", default="kv", choices=sorted(POLICIES))
-    p.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
-                   help="cost of one uncached prompt block, in blocks of load (kv policy)")
-    p.add_argument("--tier-weights", default=None, metavar="LEVEL=W,...",
-                   help="how much a block cached in each tier counts in the overlap, e.g. "
-                        "device=1,host=0.5 (default: measured by bench/tiers.py: 1, 0.997, 0.992, 0.970)")
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help="cost of one uncached prompt block, in blocks of load (kv policy)",
+    )
+    p.add_argument(
+        "--tier-weights",
+        default=None,
+        metavar="LEVEL=W,...",
+        help="how much a block cached in each tier counts in the overlap, e.g. "
+        "device=1,host=0.5 (default: measured by bench/tiers.py: 1, 0.997, 0.992, 0.970)",
+    )
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health probes")
-    p.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
-                   help="wait this long for at least one executor to answer")
-    p.add_argument("--executor-api-key", default=os.environ.get(EXECUTOR_API_KEY_ENV) or None, metavar="KEY",
-                   help="API key of executors started with --api-key, for the router's own calls (health, "
-                        f"info, KV events); default ${EXECUTOR_API_KEY_ENV}. Clients' requests keep their own key")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY[:TENANT]",
-                   help="require 'Authorization: Bearer KEY' from clients on /v1/* and /openapi.json (repeat for "
-                        "more keys; KEY:TENANT keys get the tenant's cache salt; default: the --executor-api-key)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get a 413 (as on the executor)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="wait this long for at least one executor to answer",
+    )
+    p.add_argument(
+        "--executor-api-key",
+        default=os.environ.get(EXECUTOR_API_KEY_ENV) or None,
+        metavar="KEY",
+        help="API key of executors started with --api-key, for the router's own calls (health, "
+        f"info, KV events); default ${EXECUTOR_API_KEY_ENV}. Clients' requests keep their own key",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY[:TENANT]",
+        help="require 'Authorization: Bearer KEY' from clients on /v1/* and /openapi.json (repeat for "
+        "more keys; KEY:TENANT keys get the tenant's cache salt; default: the --executor-api-key)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get a 413 (as on the executor)",
+    )
     add_tenant_limit_arguments(p)  # --tenant-limits, --tenant-max-in-flight, --tenant-tokens-per-minute
-    p.add_argument("--metrics-tenant-labels", action="store_true",
-                   help="show tenant names and usage on /metrics to every scraper (default: only with an admin "
-                        "key; others see sums over tenants, tenant=\"(all)\")")
-    p.add_argument("--migration-limit", type=int, default=DEFAULT_MIGRATION_LIMIT, metavar="N",
-                   help="executors a stream may be continued on when its executor fails mid-response "
-                        f"(default {DEFAULT_MIGRATION_LIMIT}; 0: off, the stream ends with an error event)")
-    p.add_argument("--upstream-progress-timeout", type=float, default=DEFAULT_PROGRESS_TIMEOUT_S, metavar="S",
-                   help="a stream that gets no byte from its executor for S seconds after its first one is "
-                        "continued on another executor (or ended with an error event); the executor is marked "
-                        f"down (default {DEFAULT_PROGRESS_TIMEOUT_S:g}; 0: no limit)")
-    p.add_argument("--upstream-first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
-                   help="a streamed request whose executor sends no byte for S seconds (queueing and prefill "
-                        "included) is retried on another executor (default "
-                        f"{DEFAULT_FIRST_BYTE_TIMEOUT_S:g}; 0: no limit; non-streamed replies have none)")
+    p.add_argument(
+        "--metrics-tenant-labels",
+        action="store_true",
+        help="show tenant names and usage on /metrics to every scraper (default: only with an admin "
+        "key; others see sums over tenants, tenant=\"(all)\")",
+    )
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=DEFAULT_MIGRATION_LIMIT,
+        metavar="N",
+        help="executors a stream may be continued on when its executor fails mid-response "
+        f"(default {DEFAULT_MIGRATION_LIMIT}; 0: off, the stream ends with an error event)",
+    )
+    p.add_argument(
+        "--upstream-progress-timeout",
+        type=float,
+        default=DEFAULT_PROGRESS_TIMEOUT_S,
+        metavar="S",
+        help="a stream that gets no byte from its executor for S seconds after its first one is "
+        "continued on another executor (or ended with an error event); the executor is marked "
+        f"down (default {DEFAULT_PROGRESS_TIMEOUT_S:g}; 0: no limit)",
+    )
+    p.add_argument(
+        "--upstream-first-byte-timeout",
+        type=float,
+        default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
+        metavar="S",
+        help="a streamed request whose executor sends no byte for S seconds (queueing and prefill "
+        "included) is retried on another executor (default "
+        f"{DEFAULT_FIRST_BYTE_TIMEOUT_S:g}; 0: no limit; non-streamed replies have none)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -175,14 +224,31 @@ def route_main(argv: Sequence[str] | None = None) -> int:
     executors = [Executor(u, infos.get(u)) for u in urls]
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0, read=None))
-    router = Router(executors, PromptHasher(tokenizer, settings), policy, client=client,
-                    health_interval_s=args.health_interval, seed=args.seed, executor_api_key=args.executor_api_key,
-                    tier_weights=tier_weights, migration_limit=args.migration_limit, deadlines=deadlines)
-    print(f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
-          f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
-          f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}", file=sys.stderr)
+    router = Router(
+        executors,
+        PromptHasher(tokenizer, settings),
+        policy,
+        client=client,
+        health_interval_s=args.health_interval,
+        seed=args.seed,
+        executor_api_key=args.executor_api_key,
+        tier_weights=tier_weights,
+        migration_limit=args.migration_limit,
+        deadlines=deadlines,
+    )
+    print(
+        f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "
+        f"block size {settings.block_size}, {settings.hash_algorithm}; policy {policy.name} "
+        f"(overlap weight {args.overlap_weight}); listening on http://{args.host}:{args.port}",
+        file=sys.stderr,
+    )
     limiter = None if tenant_limits is None else TenantLimiter(tenant_limits)
-    app = build_router_app(router, api_key=keys, max_body_bytes=args.max_body_bytes, limiter=limiter,
-                           metrics_tenant_labels=args.metrics_tenant_labels)
+    app = build_router_app(
+        router,
+        api_key=keys,
+        max_body_bytes=args.max_body_bytes,
+        limiter=limiter,
+        metrics_tenant_labels=args.metrics_tenant_labels,
+    )
     uvicorn_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0

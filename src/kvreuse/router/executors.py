@@ -46,11 +46,22 @@ class ExecutorInfo:
     def from_json(cls, url: str, d: dict) -> ExecutorInfo:
         """Raises ``ValueError`` naming the field when the info is incomplete."""
         try:
-            return cls(url, d["model"], d.get("model_name") or d["model"], d["model_id"], int(d["block_size"]),
-                       d["hash_algorithm"], d.get("tokenizer_path"), int(d.get("max_model_len") or 0),
-                       dict(d.get("events") or {}), dict(d.get("tokenizer_probe") or {}), d.get("instance_id"),
-                       d.get("remote_store"), int(d.get("num_blocks") or 0),
-                       None if d.get("eos_token_ids") is None else tuple(int(t) for t in d["eos_token_ids"]))
+            return cls(
+                url,
+                d["model"],
+                d.get("model_name") or d["model"],
+                d["model_id"],
+                int(d["block_size"]),
+                d["hash_algorithm"],
+                d.get("tokenizer_path"),
+                int(d.get("max_model_len") or 0),
+                dict(d.get("events") or {}),
+                dict(d.get("tokenizer_probe") or {}),
+                d.get("instance_id"),
+                d.get("remote_store"),
+                int(d.get("num_blocks") or 0),
+                None if d.get("eos_token_ids") is None else tuple(int(t) for t in d["eos_token_ids"]),
+            )
         except KeyError as exc:
             raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None
 
@@ -80,8 +91,8 @@ def check_compatible(infos: Sequence[ExecutorInfo]) -> HashSettings:
     if len(settings) == 1:
         return infos[0].settings
     lines = "\n".join(
-        f"  {i.url}: model {i.model_name!r} (model_id {i.model_id}), block_size {i.block_size}, "
-        f"hash {i.hash_algorithm}" for i in infos
+        f"  {i.url}: model {i.model_name!r} (model_id {i.model_id}), block_size {i.block_size}, hash {i.hash_algorithm}"
+        for i in infos
     )
     raise IncompatibleExecutors(
         "executors disagree on model identity or hash settings, so their KV block keys cannot be "
@@ -145,8 +156,15 @@ class Executor:
             callback()
 
     def status(self) -> dict:
-        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight,
-                "in_flight_blocks": self.in_flight_blocks, "load_blocks": self.load_blocks,
-                "requests_routed": self.requests_routed, "failures": self.failures, "last_error": self.last_error,
-                "model_id": None if self.info is None else self.info.model_id,
-                "instance_id": None if self.info is None else self.info.instance_id}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "in_flight_blocks": self.in_flight_blocks,
+            "load_blocks": self.load_blocks,
+            "requests_routed": self.requests_routed,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "model_id": None if self.info is None else self.info.model_id,
+            "instance_id": None if self.info is None else self.info.instance_id,
+        }

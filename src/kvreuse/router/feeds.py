@@ -98,8 +98,16 @@ async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict]:
 class SSEFeed:
     """Follows ``url``'s SSE event stream into ``index`` under ``name``."""
 
-    def __init__(self, index: KVIndex, name: str, url: str, client: httpx.AsyncClient, *, retry_s: float = 0.5,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        name: str,
+        url: str,
+        client: httpx.AsyncClient,
+        *,
+        retry_s: float = 0.5,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.index, self.name, self.url, self.client, self.retry_s = index, name, url, client, retry_s
         self.headers = headers
         self.num_events = 0
@@ -122,8 +130,13 @@ class SSEFeed:
     async def _follow(self) -> None:
         after = self.index.mirror(self.name).last_event_id
         timeout = httpx.Timeout(10.0, read=None)
-        async with self.client.stream("GET", f"{self.url}/v1/kv_cache_events/stream", params={"after": after},
-                                      headers=self.headers, timeout=timeout) as resp:
+        async with self.client.stream(
+            "GET",
+            f"{self.url}/v1/kv_cache_events/stream",
+            params={"after": after},
+            headers=self.headers,
+            timeout=timeout,
+        ) as resp:
             resp.raise_for_status()
             async for event in sse_events(resp.aiter_lines()):
                 if not self.index.apply(self.name, event_from_json(event)):
@@ -135,8 +148,9 @@ class SSEFeed:
 class ZmqFeed:
     """Follows a vLLM-format ZMQ PUB socket into ``index``; snapshots come from ``snapshot``."""
 
-    def __init__(self, index: KVIndex, name: str, endpoint: str, snapshot: SnapshotFn, *, topic: str = "",
-                 retry_s: float = 0.5) -> None:
+    def __init__(
+        self, index: KVIndex, name: str, endpoint: str, snapshot: SnapshotFn, *, topic: str = "", retry_s: float = 0.5
+    ) -> None:
         self.index, self.name, self.endpoint, self.snapshot = index, name, endpoint, snapshot
         self.topic, self.retry_s = topic, retry_s
         self.num_batches = 0

@@ -129,8 +129,9 @@ class KVIndex:
         return len(self.holders)
 
     # ------------------------------------------------------------------ queries
-    def overlaps(self, keys: Sequence[IndexKey], names: Sequence[str],
-                 tier_weights: Mapping[str, float] | None = None) -> dict[str, float]:
+    def overlaps(
+        self, keys: Sequence[IndexKey], names: Sequence[str], tier_weights: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
         """For each executor in ``names``: how many leading ``keys`` it can reach (held at any
         cache level, or at ``REMOTE`` by an executor sharing its remote store); with
         ``tier_weights`` (cache level -> weight, 1.0 for a level not listed), each block
@@ -142,8 +143,9 @@ class KVIndex:
             return counts  # type: ignore[return-value]  # int counts are the scores without tier weights
         out: dict[str, float] = {}
         for name, n in counts.items():
-            out[name] = float(sum(max(tier_weights.get(level, 1.0) for level in self.reachable_levels(name, key))
-                                  for key in keys[:n]))
+            out[name] = float(
+                sum(max(tier_weights.get(level, 1.0) for level in self.reachable_levels(name, key)) for key in keys[:n])
+            )
         return out
 
     def reach(self, key: IndexKey) -> int:
@@ -265,10 +267,15 @@ class KVIndex:
                     remote[key] = remote.get(key, 0) | mirror.bit
             if mirror.store is not None:
                 stores[mirror.store] = stores.get(mirror.store, 0) | mirror.bit
-        for what, have, want in (("holders", self.holders, holders), ("remote_holders", self.remote_holders, remote),
-                                 ("store groups", self._stores, stores)):
+        for what, have, want in (
+            ("holders", self.holders, holders),
+            ("remote_holders", self.remote_holders, remote),
+            ("store groups", self._stores, stores),
+        ):
             if have != want:
-                raise RuntimeError(f"KVIndex {what} disagree with the mirrors: {len(have)} entries, {len(want)} expected")
+                raise RuntimeError(
+                    f"KVIndex {what} disagree with the mirrors: {len(have)} entries, {len(want)} expected"
+                )
 
     # ------------------------------------------------------------------ internals
     def _on_stored(self, name: str, record: BlocksStored) -> None:

@@ -32,20 +32,34 @@ class RouterMetrics:
         """``policy_name`` labels the decisions; ``executors`` (by name) and ``index`` are read
         at each scrape."""
         self.registry = CollectorRegistry()
-        self.decisions = Counter("kvreuse:router_decisions", "Routing decisions by executor and policy.",
-                                 ["executor", "policy"], registry=self.registry)
-        self.overlap_blocks = Counter("kvreuse:router_overlap_blocks", "Prompt blocks the chosen executor held.",
-                                      registry=self.registry)
-        self.prompt_blocks = Counter("kvreuse:router_prompt_blocks", "Full prompt blocks of routed requests.",
-                                     registry=self.registry)
-        self.retries = Counter("kvreuse:router_retries", "Requests retried on another executor before their first byte.",
-                               registry=self.registry)
-        self.streams_cut = Counter("kvreuse:router_streams_cut",
-                                   "Streams whose executor failed mid-response (ended with an error event).",
-                                   registry=self.registry)
-        self.migrations = Counter("kvreuse:router_migrations",
-                                  "Streams whose executor failed mid-response, by what the router did "
-                                  "(kvreuse.router.migration).", ["outcome"], registry=self.registry)
+        self.decisions = Counter(
+            "kvreuse:router_decisions",
+            "Routing decisions by executor and policy.",
+            ["executor", "policy"],
+            registry=self.registry,
+        )
+        self.overlap_blocks = Counter(
+            "kvreuse:router_overlap_blocks", "Prompt blocks the chosen executor held.", registry=self.registry
+        )
+        self.prompt_blocks = Counter(
+            "kvreuse:router_prompt_blocks", "Full prompt blocks of routed requests.", registry=self.registry
+        )
+        self.retries = Counter(
+            "kvreuse:router_retries",
+            "Requests retried on another executor before their first byte.",
+            registry=self.registry,
+        )
+        self.streams_cut = Counter(
+            "kvreuse:router_streams_cut",
+            "Streams whose executor failed mid-response (ended with an error event).",
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "kvreuse:router_migrations",
+            "Streams whose executor failed mid-response, by what the router did (kvreuse.router.migration).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(executors, index))
         self._policy = policy_name
 
@@ -70,10 +84,12 @@ class _StateCollector:
         self.index = index
 
     def collect(self):
-        up = GaugeMetricFamily("kvreuse:router_executor_up", "1 while the executor passes health checks.",
-                               labels=["executor"])
-        load = GaugeMetricFamily("kvreuse:router_executor_load_blocks", "Load blocks the policy sees.",
-                                 labels=["executor"])
+        up = GaugeMetricFamily(
+            "kvreuse:router_executor_up", "1 while the executor passes health checks.", labels=["executor"]
+        )
+        load = GaugeMetricFamily(
+            "kvreuse:router_executor_load_blocks", "Load blocks the policy sees.", labels=["executor"]
+        )
         inflight = GaugeMetricFamily("kvreuse:router_executor_in_flight", "Requests in flight.", labels=["executor"])
         for e in self.executors.values():
             up.add_metric([e.name], 1.0 if e.healthy else 0.0)
@@ -82,5 +98,6 @@ class _StateCollector:
         yield up
         yield load
         yield inflight
-        yield GaugeMetricFamily("kvreuse:router_index_keys", "Distinct block keys in the index.",
-                                value=self.index.num_keys)
+        yield GaugeMetricFamily(
+            "kvreuse:router_index_keys", "Distinct block keys in the index.", value=self.index.num_keys
+        )

@@ -74,8 +74,15 @@ async def relay_events(upstream: Upstream, ledger: StreamLedger) -> AsyncGenerat
             return
 
 
-async def migrating_stream(router: Router, first: Upstream, request: StreamRequest, keys: RequestKeys,
-                           path: str, headers: dict[str, str], tried: list[str]) -> AsyncGenerator[bytes, None]:
+async def migrating_stream(
+    router: Router,
+    first: Upstream,
+    request: StreamRequest,
+    keys: RequestKeys,
+    path: str,
+    headers: dict[str, str],
+    tried: list[str],
+) -> AsyncGenerator[bytes, None]:
     """The client's stream for ``first`` (the executor serving ``request`` at ``path``),
     continued on other executors (not in ``tried``) when it fails."""
     ledger = StreamLedger(request)
@@ -127,20 +134,29 @@ async def migrating_stream(router: Router, first: Upstream, request: StreamReque
                 if upstream is None:
                     router.metrics.migration("failed")
             router.metrics.migration("continued")
-            logger.info("stream from %s continued on %s after %d tokens", failed.url, upstream.executor.url,
-                        len(ledger.output_ids))
+            logger.info(
+                "stream from %s continued on %s after %d tokens",
+                failed.url,
+                upstream.executor.url,
+                len(ledger.output_ids),
+            )
     finally:
         if upstream is not None:
             await upstream.close()
 
 
-def _refusal(router: Router, request: StreamRequest, ledger: StreamLedger, origin: ExecutorInfo | None,
-             attempts: int, tried: list[str]) -> tuple[str, str] | None:
+def _refusal(
+    router: Router,
+    request: StreamRequest,
+    ledger: StreamLedger,
+    origin: ExecutorInfo | None,
+    attempts: int,
+    tried: list[str],
+) -> tuple[str, str] | None:
     """``(outcome, why)`` when the stream cannot be continued now; ``None`` when it can."""
     limit = router.migration_limit
     if attempts >= limit:
-        return "limit", (MIGRATION_OFF if limit == 0 else
-                         f"the migration limit is reached (--migration-limit {limit})")
+        return "limit", (MIGRATION_OFF if limit == 0 else f"the migration limit is reached (--migration-limit {limit})")
     if not router.candidates(RequestKeys(0, []), exclude=tried):
         return "no_executor", f"no other healthy executor (tried {', '.join(tried)})"
     if not ledger.sent:
@@ -149,16 +165,25 @@ def _refusal(router: Router, request: StreamRequest, ledger: StreamLedger, origi
     if ledger.several_choices:
         return "unsupported", "the stream has several choices"
     if ledger.prompt_ids is None:
-        return "unsupported", ("the executor sent no prompt_token_ids (a PML prompt has no token prompt to send "
-                               "again, and an executor without return_token_ids sends none)")
+        return "unsupported", (
+            "the executor sent no prompt_token_ids (a PML prompt has no token prompt to send "
+            "again, and an executor without return_token_ids sends none)"
+        )
     if router.hasher.tokenizer is None or origin is None or origin.eos_token_ids is None:
         return "unsupported", "the router lacks the executors' tokenizer or EOS ids (/v1/kvreuse/info eos_token_ids)"
     return None
 
 
-async def _continue(router: Router, request: StreamRequest, ledger: StreamLedger, origin: ExecutorInfo | None,
-                    keys: RequestKeys, path: str, headers: dict[str, str],
-                    tried: list[str]) -> tuple[Upstream | None, str | None]:
+async def _continue(
+    router: Router,
+    request: StreamRequest,
+    ledger: StreamLedger,
+    origin: ExecutorInfo | None,
+    keys: RequestKeys,
+    path: str,
+    headers: dict[str, str],
+    tried: list[str],
+) -> tuple[Upstream | None, str | None]:
     """The next executor's stream: ``(upstream, None)``; ``(None, None)`` when that executor
     failed before its first byte (``tried`` has it; try another); ``(None, why)`` when it
     answered with an error."""
@@ -170,7 +195,9 @@ async def _continue(router: Router, request: StreamRequest, ledger: StreamLedger
         assert origin is not None and ledger.prompt_ids is not None
         budget = request.max_tokens(len(ledger.prompt_ids), origin)
         if not ledger.continuing:
-            ledger.continue_with(request.stop_params(budget), router.hasher.tokenizer, frozenset(origin.eos_token_ids or ()))
+            ledger.continue_with(
+                request.stop_params(budget), router.hasher.tokenizer, frozenset(origin.eos_token_ids or ())
+            )
         raw = request.continuation_body(ledger.prompt_ids, ledger.output_ids, budget)
         target, blocks = CONTINUATION_PATH, cdiv(len(ledger.prompt_ids) + len(ledger.output_ids), router.block_size)
     else:

@@ -52,8 +52,10 @@ def parse_tier_weights(spec: str | None) -> dict[str, float]:
         except ValueError:
             weight = math.nan
         if not sep or level is None or not 0 <= weight <= 1:
-            raise ValueError(f"--tier-weights takes level=weight pairs (levels device, host, disk, remote; "
-                             f"weights in [0, 1]), got {item.strip()!r}")
+            raise ValueError(
+                f"--tier-weights takes level=weight pairs (levels device, host, disk, remote; "
+                f"weights in [0, 1]), got {item.strip()!r}"
+            )
         weights[level] = weight
     return weights
 
@@ -154,8 +156,9 @@ def make_policy(name: str, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> Ro
     return cls(overlap_weight)
 
 
-def choose(policy: RoutingPolicy, candidates: Sequence[Candidate], rng: random.Random, *,
-           dry_run: bool = False) -> Decision:
+def choose(
+    policy: RoutingPolicy, candidates: Sequence[Candidate], rng: random.Random, *, dry_run: bool = False
+) -> Decision:
     """The lowest-scoring candidate, ties at random. Raises ``ValueError`` with none.
     ``dry_run`` changes neither the policy's state nor ``rng``'s: it returns the choice the
     same call without it would make now."""

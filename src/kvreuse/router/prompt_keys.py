@@ -76,8 +76,12 @@ class PromptHasher:
 
         try:
             req = ChatCompletionRequest.model_validate(body)
-            prompt = render_chat(self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
-                                 template_kwargs=req.chat_template_kwargs)
+            prompt = render_chat(
+                self.tokenizer,
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                template_kwargs=req.chat_template_kwargs,
+            )
         except (ValueError, APIError):
             return None
         return prompt.token_ids
@@ -115,8 +119,14 @@ class PromptHasher:
         start = len(out)
         if start == n_full:
             return out
-        rest = hash_token_blocks(token_ids[start * bs : n_full * bs], bs, model_id=s.model_id, cache_salt=cache_salt,
-                                 algorithm=s.hash_algorithm, parent=parent)
+        rest = hash_token_blocks(
+            token_ids[start * bs : n_full * bs],
+            bs,
+            model_id=s.model_id,
+            cache_salt=cache_salt,
+            algorithm=s.hash_algorithm,
+            parent=parent,
+        )
         with self._memo_lock:
             for j, key in enumerate(rest, start):
                 memo[(parent if j else ("root", cache_salt), tuple(token_ids[j * bs : (j + 1) * bs]))] = key

@@ -66,9 +66,18 @@ def error(message: str, status: int, type_: str = "service_unavailable") -> JSON
     return error_response(message, status=status, type=type_)
 
 
-async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                  request: Request | None = None, body: Any = None, keys: RequestKeys | None = None,
-                  usage: UsageTap | None = None) -> Response:
+async def forward(
+    router: Router,
+    path: str,
+    raw: bytes,
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    request: Request | None = None,
+    body: Any = None,
+    keys: RequestKeys | None = None,
+    usage: UsageTap | None = None,
+) -> Response:
     """The executor's response to ``raw`` (a completions or chat body), or a 503 when no
     executor could take it. Records routing metrics on ``router``. ``request`` is the
     client's (its body already read): if its client disconnects before the response (or a
@@ -86,9 +95,18 @@ async def forward(router: Router, path: str, raw: bytes, headers: dict[str, str]
             gone.cancel()  # a streamed response watches the client itself from here
 
 
-async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str], *, chat: bool,
-                   gone: asyncio.Future | None, body: Any, keys: RequestKeys | None,
-                   usage: UsageTap | None) -> Response:
+async def _forward(
+    router: Router,
+    path: str,
+    raw: bytes,
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    gone: asyncio.Future | None,
+    body: Any,
+    keys: RequestKeys | None,
+    usage: UsageTap | None,
+) -> Response:
     if body is None:
         try:
             body = parse_json_body(raw)
@@ -116,8 +134,17 @@ async def _forward(router: Router, path: str, raw: bytes, headers: dict[str, str
         executor.begin(blocks)
         router.metrics.decision(routed.decision, routed.candidates)
         try:
-            result = await send(router.client, executor, path, upstream_raw, fwd, blocks, gone,
-                                stream=stream is not None, deadlines=router.deadlines)
+            result = await send(
+                router.client,
+                executor,
+                path,
+                upstream_raw,
+                fwd,
+                blocks,
+                gone,
+                stream=stream is not None,
+                deadlines=router.deadlines,
+            )
         except ClientGone:
             executor.end(blocks)
             logger.info("client left before %s answered; its request there was closed", executor.url)

@@ -61,10 +61,20 @@ class RoutedRequest:
 
 
 class Router:
-    def __init__(self, executors: list[Executor], hasher: PromptHasher, policy: RoutingPolicy, *,
-                 client: httpx.AsyncClient, health_interval_s: float = 1.0, seed: int | None = None,
-                 executor_api_key: str | None = None, tier_weights: dict[str, float] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
+    def __init__(
+        self,
+        executors: list[Executor],
+        hasher: PromptHasher,
+        policy: RoutingPolicy,
+        *,
+        client: httpx.AsyncClient,
+        health_interval_s: float = 1.0,
+        seed: int | None = None,
+        executor_api_key: str | None = None,
+        tier_weights: dict[str, float] | None = None,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        deadlines: Deadlines = DEFAULT_DEADLINES,
+    ) -> None:
         self.executors = {e.name: e for e in executors}
         # how long an upstream read may wait (kvreuse.router.deadline)
         self.deadlines = deadlines
@@ -100,18 +110,31 @@ class Router:
         from kvreuse.api.protocol import default_max_tokens
 
         infos = [e.info for e in self.executors.values() if e.info is not None]
-        return max([1] + [default_max_tokens(chat, prompt_tokens, i.max_model_len, i.pool_tokens or i.max_model_len)
-                          for i in infos])
+        return max(
+            [1]
+            + [
+                default_max_tokens(chat, prompt_tokens, i.max_model_len, i.pool_tokens or i.max_model_len)
+                for i in infos
+            ]
+        )
 
     # ------------------------------------------------------------------ decisions
     def candidates(self, keys: RequestKeys, exclude: Collection[str] = ()) -> list[Candidate]:
         names = [n for n, e in self.executors.items() if e.healthy and n not in exclude]
         overlaps = self.index.overlaps(keys.keys, names, self.tier_weights)
-        return [Candidate(n, overlaps[n], len(keys.keys), self.executors[n].load_blocks, self.executors[n].in_flight)
-                for n in names]
+        return [
+            Candidate(n, overlaps[n], len(keys.keys), self.executors[n].load_blocks, self.executors[n].in_flight)
+            for n in names
+        ]
 
-    def decide(self, keys: RequestKeys, exclude: Collection[str] = (), *,
-               dry_run: bool = False, affinity_key: str | None = None) -> RoutedRequest | None:
+    def decide(
+        self,
+        keys: RequestKeys,
+        exclude: Collection[str] = (),
+        *,
+        dry_run: bool = False,
+        affinity_key: str | None = None,
+    ) -> RoutedRequest | None:
         """The policy's choice among healthy executors not in ``exclude``; ``None`` if none.
         ``dry_run`` (``/v1/route/explain``) leaves the policy and the tie-break random state
         as they were, so it does not change what the next request gets. ``affinity_key`` (the
@@ -168,8 +191,13 @@ class Router:
         endpoint = info.zmq_endpoint if info else None
         endpoint = reachable_endpoint(endpoint, e.url) if endpoint else None
         if endpoint and info:  # an endpoint implies info
-            return ZmqFeed(self.index, e.name, endpoint, http_snapshot(self.client, e.url, self.control_headers),
-                           topic=info.events.get("zmq_topic") or "")
+            return ZmqFeed(
+                self.index,
+                e.name,
+                endpoint,
+                http_snapshot(self.client, e.url, self.control_headers),
+                topic=info.events.get("zmq_topic") or "",
+            )
         return SSEFeed(self.index, e.name, e.url, self.client, headers=self.control_headers)
 
     # ------------------------------------------------------------------ health
@@ -195,7 +223,8 @@ class Router:
                 info = await fetch_info(self.client, e.url, headers)
                 if info.settings != self.settings:
                     raise IncompatibleExecutors(
-                        f"{e.url} came back with {info.settings}, the router serves {self.settings}")
+                        f"{e.url} came back with {info.settings}, the router serves {self.settings}"
+                    )
                 e.info = info
                 e.healthy = True
                 e.last_error = None
@@ -227,9 +256,13 @@ async def fetch_info(client: httpx.AsyncClient, url: str, headers: dict[str, str
         raise ValueError(f"{url} has no /v1/kvreuse/info: is it a kvreuse executor of this version?")
     if resp.status_code == 401:
         if headers and "authorization" in headers:
-            raise ExecutorAuthError(f"{url} refused the router's API key (401): the key given with "
-                                    "--executor-api-key (or KVREUSE_EXECUTOR_API_KEY) is wrong")
-        raise ExecutorAuthError(f"{url} requires an API key (401): start the router with --executor-api-key KEY "
-                                "(or KVREUSE_EXECUTOR_API_KEY), the key the executor was started with (--api-key)")
+            raise ExecutorAuthError(
+                f"{url} refused the router's API key (401): the key given with "
+                "--executor-api-key (or KVREUSE_EXECUTOR_API_KEY) is wrong"
+            )
+        raise ExecutorAuthError(
+            f"{url} requires an API key (401): start the router with --executor-api-key KEY "
+            "(or KVREUSE_EXECUTOR_API_KEY), the key the executor was started with (--api-key)"
+        )
     resp.raise_for_status()
     return ExecutorInfo.from_json(url, resp.json())

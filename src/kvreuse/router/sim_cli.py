@@ -25,13 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True)
     p.add_argument("--executors", type=int, required=True, metavar="N")
     p.add_argument("--capacity-blocks", type=int, required=True, metavar="N", help="blocks per executor")
-    p.add_argument("--routing-policy", action="append", choices=sorted(POLICIES),
-                   help="repeatable; default: every policy")
+    p.add_argument(
+        "--routing-policy", action="append", choices=sorted(POLICIES), help="repeatable; default: every policy"
+    )
     p.add_argument("--overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT)
     p.add_argument("--eviction-policy", default="lru")
     p.add_argument("--window-s", type=float, default=60.0, help="imbalance window in trace seconds")
-    p.add_argument("--trace-block-tokens", "--block-size", dest="block_tokens", type=int, default=None,
-                   help="tokens per block (default 512 for Mooncake, 16 for JSONL)")
+    p.add_argument(
+        "--trace-block-tokens",
+        "--block-size",
+        dest="block_tokens",
+        type=int,
+        default=None,
+        help="tokens per block (default 512 for Mooncake, 16 for JSONL)",
+    )
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -79,28 +86,46 @@ def routed_main(argv: Sequence[str]) -> int:
     single = replay(trace, make_eviction_policy(args.eviction_policy), args.executors * args.capacity_blocks)
     results: list[RoutedResult] = []
     for name in dict.fromkeys(args.routing_policy or ["kv", "round_robin", "least_loaded"]):
-        results.append(simulate_routed(trace, make_policy(name, args.overlap_weight), executors=args.executors,
-                                       capacity_blocks=args.capacity_blocks, eviction_policy=args.eviction_policy,
-                                       window_s=args.window_s, seed=args.seed))
+        results.append(
+            simulate_routed(
+                trace,
+                make_policy(name, args.overlap_weight),
+                executors=args.executors,
+                capacity_blocks=args.capacity_blocks,
+                eviction_policy=args.eviction_policy,
+                window_s=args.window_s,
+                seed=args.seed,
+            )
+        )
     doc = {
-        "trace": trace.name, "block_size": block_tokens, "executors": args.executors,
-        "capacity_blocks_per_executor": args.capacity_blocks, "eviction_policy": args.eviction_policy,
-        "overlap_weight": args.overlap_weight, "window_s": args.window_s,
+        "trace": trace.name,
+        "block_size": block_tokens,
+        "executors": args.executors,
+        "capacity_blocks_per_executor": args.capacity_blocks,
+        "eviction_policy": args.eviction_policy,
+        "overlap_weight": args.overlap_weight,
+        "window_s": args.window_s,
         "single_pool": {"capacity_blocks": single.capacity_blocks, "hit_rate": single.hit_rate},
-        "policies": [{**r.to_dict(), "vs_single_pool": r.hit_rate / single.hit_rate if single.hit_rate else None}
-                     for r in results],
+        "policies": [
+            {**r.to_dict(), "vs_single_pool": r.hit_rate / single.hit_rate if single.hit_rate else None}
+            for r in results
+        ],
     }
     if args.plot:
         plot_routed(doc, args.plot)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"{trace.name}: {args.executors} executors x {args.capacity_blocks} blocks of {block_tokens} tokens "
-              f"({args.eviction_policy}); one pool of {single.capacity_blocks}: hit rate {single.hit_rate:.4f}")
+        print(
+            f"{trace.name}: {args.executors} executors x {args.capacity_blocks} blocks of {block_tokens} tokens "
+            f"({args.eviction_policy}); one pool of {single.capacity_blocks}: hit rate {single.hit_rate:.4f}"
+        )
         print(f"{'policy':<13} {'hit rate':>9} {'x single':>9} {'imbalance':>10} {'worst':>6}  requests per executor")
         for p in doc["policies"]:
-            print(f"{p['policy']:<13} {p['hit_rate']:>9.4f} {p['vs_single_pool']:>9.2f} {p['imbalance_mean']:>10.3f} "
-                  f"{p['imbalance_max']:>6.2f}  {p['requests_per_executor']}")
+            print(
+                f"{p['policy']:<13} {p['hit_rate']:>9.4f} {p['vs_single_pool']:>9.2f} {p['imbalance_mean']:>10.3f} "
+                f"{p['imbalance_max']:>6.2f}  {p['requests_per_executor']}"
+            )
     return 0
 
 
@@ -114,8 +139,12 @@ def plot_routed(doc: dict, path: str) -> None:
     names = [p["policy"] for p in doc["policies"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.bar(names, [p["hit_rate"] for p in doc["policies"]], color="tab:blue")
-    a.axhline(doc["single_pool"]["hit_rate"], color="k", ls="--",
-              label=f"one pool of {doc['single_pool']['capacity_blocks']} blocks")
+    a.axhline(
+        doc["single_pool"]["hit_rate"],
+        color="k",
+        ls="--",
+        label=f"one pool of {doc['single_pool']['capacity_blocks']} blocks",
+    )
     a.axhline(0.9 * doc["single_pool"]["hit_rate"], color="gray", ls=":", label="90% of it")
     a.set_ylabel("token hit rate")
     a.set_title(f"{doc['executors']} executors x {doc['capacity_blocks_per_executor']} blocks")

@@ -66,12 +66,18 @@ class RoutedResult:
 
     def to_dict(self) -> dict:
         return {
-            "policy": self.policy, "executors": self.executors, "capacity_blocks": self.capacity_blocks,
-            "hit_rate": self.hit_rate, "imbalance_mean": self.imbalance,
+            "policy": self.policy,
+            "executors": self.executors,
+            "capacity_blocks": self.capacity_blocks,
+            "hit_rate": self.hit_rate,
+            "imbalance_mean": self.imbalance,
             "imbalance_max": max(self.window_imbalance, default=1.0),
-            "requests": self.requests, "requests_rejected": self.requests_rejected,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "requests_per_executor": self.requests_per_executor, "windows": len(self.window_imbalance),
+            "requests": self.requests,
+            "requests_rejected": self.requests_rejected,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "requests_per_executor": self.requests_per_executor,
+            "windows": len(self.window_imbalance),
             "seconds": round(self.seconds, 3),
         }
 
@@ -89,12 +95,18 @@ class _IndexFeed:
 class SimExecutor:
     """One simulated executor: a pool, and the end times of its requests in flight."""
 
-    def __init__(self, name: str, capacity_blocks: int, block_size: int, eviction_policy: str, index: KVIndex,
-                 clock) -> None:
+    def __init__(
+        self, name: str, capacity_blocks: int, block_size: int, eviction_policy: str, index: KVIndex, clock
+    ) -> None:
         self.name = name
         index.add_executor(name)
-        self.pool = BlockPool(capacity_blocks, block_size, policy=make_eviction_policy(eviction_policy),
-                              clock=clock, events=_IndexFeed(index, name))
+        self.pool = BlockPool(
+            capacity_blocks,
+            block_size,
+            policy=make_eviction_policy(eviction_policy),
+            clock=clock,
+            events=_IndexFeed(index, name),
+        )
         self.cache = KVCacheManager(self.pool)
         self.in_flight: list[tuple[float, int]] = []  # heap of (end time, prompt blocks)
         self.load_blocks = 0
@@ -112,7 +124,9 @@ class SimExecutor:
         cached = serve_request(self.cache, req, index)
         result.prompt_tokens += req.prompt_tokens  # refused requests stay out of the hit rate
         result.cached_tokens += cached
-        busy = (req.prompt_tokens - cached) / service.prefill_tokens_per_s + req.output_tokens * service.decode_s_per_token
+        busy = (
+            req.prompt_tokens - cached
+        ) / service.prefill_tokens_per_s + req.output_tokens * service.decode_s_per_token
         prompt_blocks = cdiv(req.prompt_tokens, bs)
         heapq.heappush(self.in_flight, (now + busy, prompt_blocks))
         self.load_blocks += prompt_blocks
@@ -136,8 +150,10 @@ def simulate_routed(
     now = 0.0
     clock = lambda: now  # noqa: E731 - the pools' clock is the trace clock
     index = KVIndex()
-    sims = [SimExecutor(f"sim-{i}", capacity_blocks, trace.block_size, eviction_policy, index, clock)
-            for i in range(executors)]
+    sims = [
+        SimExecutor(f"sim-{i}", capacity_blocks, trace.block_size, eviction_policy, index, clock)
+        for i in range(executors)
+    ]
     names = [s.name for s in sims]
     by_name = dict(zip(names, sims))
     rng = random.Random(seed)

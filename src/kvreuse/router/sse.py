@@ -35,7 +35,7 @@ def payload(event: bytes) -> dict[str, Any] | None:
     if not event.startswith(_DATA) or event == SSE_DONE:
         return None
     try:
-        body = json.loads(event[len(_DATA):])
+        body = json.loads(event[len(_DATA) :])
     except ValueError:
         return None
     return body if isinstance(body, dict) else None

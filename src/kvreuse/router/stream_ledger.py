@@ -187,9 +187,12 @@ class StreamLedger:
         counted them, else as the continuation's did, up to the prompt's length) and every
         output token."""
         prompt = len(self.prompt_ids or ())
-        return {"prompt_tokens": prompt, "completion_tokens": len(self.output_ids),
-                "total_tokens": prompt + len(self.output_ids),
-                "prompt_tokens_details": self.details or {"cached_tokens": 0}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(self.output_ids),
+            "total_tokens": prompt + len(self.output_ids),
+            "prompt_tokens_details": self.details or {"cached_tokens": 0},
+        }
 
     def _sent(self, event: bytes) -> bytes:
         self.sent += 1

@@ -105,8 +105,13 @@ class StreamRequest:
         p = self.parsed
         assert p is not None
         body: dict[str, Any] = {
-            "prompt": [*prompt_ids, *output_ids], "max_tokens": max_tokens - len(output_ids), "stream": True,
-            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "ignore_eos": p.ignore_eos,
+            "prompt": [*prompt_ids, *output_ids],
+            "max_tokens": max_tokens - len(output_ids),
+            "stream": True,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "ignore_eos": p.ignore_eos,
             **_UPSTREAM_EXTRAS,
         }
         for name in ("model", "seed", "stop_token_ids", "cache_salt", "kv_cache_retention_config", "user"):

@@ -27,8 +27,9 @@ from kvreuse.router.prompt_keys import PromptHasher, RequestKeys
 from kvreuse.router.sse import SSE_SEPARATOR, payload
 
 
-def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys,
-                 default_max_tokens: Callable[[bool, int], int]) -> tuple[int, int] | None:
+def request_cost(
+    hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys, default_max_tokens: Callable[[bool, int], int]
+) -> tuple[int, int] | None:
     """``(prompt tokens, completion tokens)`` the request may use at most, or ``None`` when
     the body is not one the executor would run (it answers that itself, and nothing is
     reserved). ``keys`` are the request's (their ``num_tokens`` is the first prompt's);
@@ -44,8 +45,9 @@ def request_cost(hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys
             return keys.num_tokens, req.n * (req.max_tokens or default_max_tokens(True, keys.num_tokens))
         creq = CompletionRequest.model_validate(body)
         prompts = creq.prompts()
-        lengths = [keys.num_tokens] + [len(hasher.tokenizer.encode(p)) if isinstance(p, str) else len(p)
-                                       for p in prompts[1:]]
+        lengths = [keys.num_tokens] + [
+            len(hasher.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts[1:]
+        ]
     except (ValueError, APIError):
         return None
     completion = sum(creq.n * (creq.max_tokens or default_max_tokens(False, n)) for n in lengths)

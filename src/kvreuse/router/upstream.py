@@ -113,15 +113,23 @@ class Upstream:
     """A streamed response whose first chunk has arrived; it holds ``executor.begin``'s
     place until ``close`` (idempotent), which also closes the connection."""
 
-    def __init__(self, executor: Executor, resp: httpx.Response, first: bytes, rest: AsyncIterator[bytes],
-                 blocks: int, deadlines: Deadlines = DEFAULT_DEADLINES) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        resp: httpx.Response,
+        first: bytes,
+        rest: AsyncIterator[bytes],
+        blocks: int,
+        deadlines: Deadlines = DEFAULT_DEADLINES,
+    ) -> None:
         self.executor, self.resp, self.blocks = executor, resp, blocks
         self.status_code = resp.status_code
         self.content_type = resp.headers.get("content-type", "text/event-stream")
         self._first: bytes | None = first
         self._rest = rest
-        self._clock = ReadClock(executor, limit_s=deadlines.progress_s, setting=PROGRESS_SETTING,
-                                grace_s=deadlines.down_grace_s)
+        self._clock = ReadClock(
+            executor, limit_s=deadlines.progress_s, setting=PROGRESS_SETTING, grace_s=deadlines.down_grace_s
+        )
         self._closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -158,21 +166,40 @@ class Upstream:
             self.executor.end(self.blocks)
 
 
-async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: bytes, headers: dict[str, str],
-               blocks: int, gone: asyncio.Future | None, *, stream: bool = True,
-               deadlines: Deadlines = DEFAULT_DEADLINES) -> Response | Upstream:
+async def send(
+    client: httpx.AsyncClient,
+    executor: Executor,
+    path: str,
+    raw: bytes,
+    headers: dict[str, str],
+    blocks: int,
+    gone: asyncio.Future | None,
+    *,
+    stream: bool = True,
+    deadlines: Deadlines = DEFAULT_DEADLINES,
+) -> Response | Upstream:
     """``executor``'s response to ``raw`` at ``path``. Raises ``Retry`` or ``ClientGone``
     (``executor.end`` is then the caller's); a returned ``Response`` has ended its place,
     an ``Upstream`` ends it when closed. ``stream``: ``raw`` asks for a stream, so its
     first byte has ``deadlines.first_byte_s`` (a non-streamed reply has no deadline, only
     its executor's health)."""
-    request = client.build_request("POST", executor.url + path, content=raw, headers=headers,
-                                   timeout=httpx.Timeout(10.0, read=None))
+    request = client.build_request(
+        "POST", executor.url + path, content=raw, headers=headers, timeout=httpx.Timeout(10.0, read=None)
+    )
     start = time.monotonic()
 
     def watched(aw: Awaitable[T]) -> Awaitable[T]:
-        return unless_gone(within(aw, executor, since=start, limit_s=deadlines.first_byte_s if stream else None,
-                                  setting=FIRST_BYTE_SETTING, grace_s=deadlines.down_grace_s), gone)
+        return unless_gone(
+            within(
+                aw,
+                executor,
+                since=start,
+                limit_s=deadlines.first_byte_s if stream else None,
+                setting=FIRST_BYTE_SETTING,
+                grace_s=deadlines.down_grace_s,
+            ),
+            gone,
+        )
 
     try:
         # A non-streamed response's headers come when it is complete: the wait is here.
@@ -199,8 +226,10 @@ async def send(client: httpx.AsyncClient, executor: Executor, path: str, raw: by
             error = (payload(b"data: " + content + b"\n\n") or {}).get("error")
             if executor_fault(resp.status_code, error):
                 message = error.get("message") if isinstance(error, dict) else None
-                raise Retry(f"{executor.url} answered {resp.status_code}: {message or content[:200]!r}",
-                            Response(content, status_code=resp.status_code, headers=response_headers(executor, resp)))
+                raise Retry(
+                    f"{executor.url} answered {resp.status_code}: {message or content[:200]!r}",
+                    Response(content, status_code=resp.status_code, headers=response_headers(executor, resp)),
+                )
         executor.end(blocks)
         return Response(content, status_code=resp.status_code, headers=response_headers(executor, resp))
     chunks = resp.aiter_raw()

@@ -116,8 +116,14 @@ def build_app(
     keys = APIKeys.parse(api_key) if api_key else None
     if limiter is not None:
         limiter.limits.check_keys(keys)
-    ctx = build_context(engine, served_model_name=served_model_name, limits=limits, publisher=publisher,
-                        limiter=limiter, cache_policy=cache_policy)
+    ctx = build_context(
+        engine,
+        served_model_name=served_model_name,
+        limits=limits,
+        publisher=publisher,
+        limiter=limiter,
+        cache_policy=cache_policy,
+    )
     app = FastAPI(title="kvreuse", version=__version__, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)

@@ -74,9 +74,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if pml is not None:  # a PML prompt: its role tags render the chat template (docs/pml.md)
         return await _create_pml(ctx, body, model, pml, request_retention, blend, request)
     # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
-    prompt = await run_in_threadpool(render_chat, ctx.engine.tokenizer, body.messages,
-                                     add_generation_prompt=body.add_generation_prompt,
-                                     template_kwargs=body.chat_template_kwargs)
+    prompt = await run_in_threadpool(
+        render_chat,
+        ctx.engine.tokenizer,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        template_kwargs=body.chat_template_kwargs,
+    )
     retention = merge_retention(prompt.retention, request_retention)
     check_prompt(ctx, prompt.token_ids, body.max_tokens, param="messages")
     default_max = reply_room(ctx, len(prompt.token_ids), param="messages")
@@ -84,21 +88,31 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         default_max = document_reply_room(ctx, default_max, prompt.documents, blend, param="messages")
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
-        EngineRequest(j, prompt.token_ids, sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}",
-                      salt, retention, prompt.documents, blend=blend)  # documents: KV reused at any position
+        EngineRequest(
+            j,
+            prompt.token_ids,
+            sampling_params(body, default_max, seed_offset=j),
+            f"{base_id}-{j}",
+            salt,
+            retention,
+            prompt.documents,
+            blend=blend,
+        )  # documents: KV reused at any position
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
     meter = reserve_tokens(request, requests, [len(prompt.token_ids)], body.n)  # 429: tenant's tokens spent
     if body.stream:
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer, prompt.token_ids),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(body, header, streams, ctx.engine.tokenizer, prompt.token_ids), media_type="text/event-stream"
+        )
     finals = await run_to_completion(ctx, requests, request, meter)
     choices = _choices(finals, ctx.engine.tokenizer, body.return_token_ids)
     first = finals[0]
-    usage = usage_dict(first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens,
-                       [first], finals)
+    usage = usage_dict(
+        first.num_prompt_tokens, sum(len(o.output_token_ids) for o in finals), first.num_cached_tokens, [first], finals
+    )
     response = {**header, "object": "chat.completion", "choices": choices, "usage": usage}
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt.token_ids
@@ -113,8 +127,15 @@ def pml_message(messages) -> str | None:
     return messages[0].content if is_pml_prompt(messages[0].content) else None
 
 
-async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: str, pml: str,
-                      retention: KvCacheRetentionConfig | None, blend: BlendOverride | None, request: Request):
+async def _create_pml(
+    ctx: ServerContext,
+    body: ChatCompletionRequest,
+    model: str,
+    pml: str,
+    retention: KvCacheRetentionConfig | None,
+    blend: BlendOverride | None,
+    request: Request,
+):
     # Compiled once, on the engine thread (where the schemas live); the choices share it.
     try:
         prepared = await ctx.engine.prepare_pml(pml)
@@ -125,26 +146,44 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
     end = prepared.next_position  # as for plain chat, the reply may fill the context
     check_prompt_length(ctx, end, body.max_tokens, param="messages")
     # what the context and the pool leave: the new tokens go in blocks of their own, after the modules'
-    default_max = min(ctx.engine.max_model_len - end,
-                      reply_room(ctx, len(prepared.token_ids) + module_tokens, param="messages"))
+    default_max = min(
+        ctx.engine.max_model_len - end, reply_room(ctx, len(prepared.token_ids) + module_tokens, param="messages")
+    )
     salt = tenant_salt(tenant_of(request.scope), body.cache_salt)
     base_id = body.request_id or new_request_id("chatcmpl")
     requests = [
-        EngineRequest(j, [], sampling_params(body, default_max, seed_offset=j), f"{base_id}-{j}", salt,
-                      retention, prepared, blend=blend)
+        EngineRequest(
+            j,
+            [],
+            sampling_params(body, default_max, seed_offset=j),
+            f"{base_id}-{j}",
+            salt,
+            retention,
+            prepared,
+            blend=blend,
+        )
         for j in range(body.n)
     ]
     header = {"id": base_id, "created": now_s(), "model": model}
     meter = reserve_tokens(request, requests, [end], body.n)  # 429: tenant's tokens spent
     if body.stream:  # a PML prompt has no flat token prompt: prompt_token_ids is null
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(body, header, streams, ctx.engine.tokenizer, None),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(body, header, streams, ctx.engine.tokenizer, None), media_type="text/event-stream"
+        )
     finals = await run_to_completion(ctx, requests, request, meter)
-    response = {**header, "object": "chat.completion", "choices": _choices(finals, ctx.engine.tokenizer,
-                                                                             body.return_token_ids),
-                "usage": usage_dict(finals[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in finals),
-                                    finals[0].num_cached_tokens, finals[:1], finals)}
+    response = {
+        **header,
+        "object": "chat.completion",
+        "choices": _choices(finals, ctx.engine.tokenizer, body.return_token_ids),
+        "usage": usage_dict(
+            finals[0].num_prompt_tokens,
+            sum(len(o.output_token_ids) for o in finals),
+            finals[0].num_cached_tokens,
+            finals[:1],
+            finals,
+        ),
+    }
     if body.return_token_ids:
         response["prompt_token_ids"] = None
     return JSONResponse(response)
@@ -152,9 +191,12 @@ async def _create_pml(ctx: ServerContext, body: ChatCompletionRequest, model: st
 
 def _choices(finals, tokenizer, token_ids: bool) -> list[dict[str, Any]]:
     choices = [
-        {"index": j, "message": {"role": "assistant", "content": out.text},
-         "logprobs": None if out.logprobs is None else ChatLogprobs(tokenizer).build(out.logprobs),
-         "finish_reason": out.finish_reason}
+        {
+            "index": j,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None if out.logprobs is None else ChatLogprobs(tokenizer).build(out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
         for j, out in enumerate(finals)
     ]
     if token_ids:
@@ -163,14 +205,23 @@ def _choices(finals, tokenizer, token_ids: bool) -> list[dict[str, Any]]:
     return choices
 
 
-def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None,
-           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {**header, "object": "chat.completion.chunk",
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def _chunk(
+    header: dict[str, Any],
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        **header,
+        "object": "chat.completion.chunk",
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
 
 
-async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer,
-                  prompt_ids: list[int] | None) -> AsyncIterator[str]:
+async def _stream(
+    body: ChatCompletionRequest, header: dict[str, Any], streams, tokenizer, prompt_ids: list[int] | None
+) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]  # include_usage implies stream_options
     logprobs = ChatLogprobs(tokenizer)
@@ -191,17 +242,29 @@ async def _stream(body: ChatCompletionRequest, header: dict[str, Any], streams, 
             if not out.new_text and not out.finished:
                 continue
             lp = None if out.new_logprobs is None else logprobs.build(pending.pop(index, []))
-            chunk = _chunk(header, index, {"content": out.new_text} if out.new_text else {},
-                           out.finish_reason if out.finished else None, lp)
+            chunk = _chunk(
+                header,
+                index,
+                {"content": out.new_text} if out.new_text else {},
+                out.finish_reason if out.finished else None,
+                lp,
+            )
             if body.return_token_ids:
                 chunk["choices"][0]["token_ids"] = pending_ids.pop(index, [])
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out])
+                chunk["usage"] = usage_dict(
+                    out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out]
+                )
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
-            usage = usage_dict(outs[0].num_prompt_tokens, sum(len(o.output_token_ids) for o in outs),
-                               outs[0].num_cached_tokens, outs[:1], outs)
+            usage = usage_dict(
+                outs[0].num_prompt_tokens,
+                sum(len(o.output_token_ids) for o in outs),
+                outs[0].num_cached_tokens,
+                outs[:1],
+                outs,
+            )
             yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

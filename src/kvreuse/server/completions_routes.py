@@ -103,9 +103,18 @@ async def create_completion(body: CompletionRequest, request: Request):
             default_max = document_reply_room(ctx, default_max, documents, blend, param="documents")
         for j in range(body.n):
             index = i * body.n + j
-            requests.append(EngineRequest(index, ids, sampling_params(body, default_max, seed_offset=j),
-                                          f"{base_id}-{index}", salt, retention, prepared[i],
-                                          blend=blend))
+            requests.append(
+                EngineRequest(
+                    index,
+                    ids,
+                    sampling_params(body, default_max, seed_offset=j),
+                    f"{base_id}-{index}",
+                    salt,
+                    retention,
+                    prepared[i],
+                    blend=blend,
+                )
+            )
     echo_text = [(pml[i] or tokenizer.decode(ids)) if body.echo else "" for i, ids in enumerate(prompt_ids)]
     header = {"id": base_id, "object": "text_completion", "created": now_s(), "model": model}
     # what return_token_ids reports as each prompt's ids: none for PML (no flat prompt to resend)
@@ -113,13 +122,17 @@ async def create_completion(body: CompletionRequest, request: Request):
     meter = reserve_tokens(request, requests, lengths, body.n)  # a 429 when the tenant's tokens per minute are spent
     if body.stream:
         streams = await start_streams(ctx, requests, meter)
-        return StreamingResponse(_stream(ctx, body, header, streams, echo_text, reported),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(ctx, body, header, streams, echo_text, reported), media_type="text/event-stream"
+        )
     finals = await run_to_completion(ctx, requests, request, meter)
     choices: list[dict[str, Any]] = [
-        {"index": req.index, "text": echo_text[req.index // body.n] + out.text,
-         "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),
-         "finish_reason": out.finish_reason}
+        {
+            "index": req.index,
+            "text": echo_text[req.index // body.n] + out.text,
+            "logprobs": None if out.logprobs is None else CompletionLogprobs(tokenizer).build(out.logprobs),
+            "finish_reason": out.finish_reason,
+        }
         for req, out in zip(requests, finals)
     ]
     if body.return_token_ids:
@@ -127,8 +140,13 @@ async def create_completion(body: CompletionRequest, request: Request):
             choice["prompt_token_ids"] = reported[choice["index"] // body.n]
             choice["token_ids"] = list(out.output_token_ids)
     firsts = finals[:: body.n]  # one per prompt: prompt tokens are counted once per prompt
-    usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in finals),
-                       sum(o.num_cached_tokens for o in firsts), firsts, finals)
+    usage = usage_dict(
+        sum(o.num_prompt_tokens for o in firsts),
+        sum(len(o.output_token_ids) for o in finals),
+        sum(o.num_cached_tokens for o in firsts),
+        firsts,
+        finals,
+    )
     return JSONResponse({**header, "choices": choices, "usage": usage})
 
 
@@ -154,16 +172,23 @@ def _documents(ctx: ServerContext, body: CompletionRequest, prompts: list) -> Do
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(f"documents[{i}]: token ids must be in the vocabulary [0, {vocab})", param=f"documents[{i}]")
         parts.append((ids, True))
-    parts.append((list(tokenizer.encode(question, add_special_tokens=False)) if isinstance(question, str)
-                  else question, False))
+    parts.append(
+        (list(tokenizer.encode(question, add_special_tokens=False)) if isinstance(question, str) else question, False)
+    )
     try:
         return DocumentPrompt.of(parts)
     except ValueError as exc:
         raise APIError(str(exc), param="documents") from None
 
 
-async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str, Any], streams,
-                  echo_text: list[str], prompt_ids: list[list[int] | None]) -> AsyncIterator[str]:
+async def _stream(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    header: dict[str, Any],
+    streams,
+    echo_text: list[str],
+    prompt_ids: list[list[int] | None],
+) -> AsyncIterator[str]:
     last: dict[int, Any] = {}
     continuous = body.include_usage and body.stream_options.continuous_usage_stats  # type: ignore[union-attr]  # include_usage implies stream_options
     logprobs: dict[int, CompletionLogprobs] = {}  # per choice, when asked for
@@ -185,8 +210,12 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
             lp = None
             if out.new_logprobs is not None:
                 lp = logprobs.setdefault(index, CompletionLogprobs(ctx.engine.tokenizer)).build(pending.pop(index, []))
-            choice = {"index": index, "text": text, "logprobs": lp,
-                      "finish_reason": out.finish_reason if out.finished else None}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
             if body.return_token_ids:
                 if index not in opened:
                     opened.add(index)
@@ -194,13 +223,20 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, header: dict[str,
                 choice["token_ids"] = pending_ids.pop(index, [])
             chunk = {**header, "choices": [choice]}
             if continuous:
-                chunk["usage"] = usage_dict(out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out])
+                chunk["usage"] = usage_dict(
+                    out.num_prompt_tokens, len(out.output_token_ids), out.num_cached_tokens, [out], [out]
+                )
             yield sse(chunk)
         if body.include_usage:
             outs = [last[i] for i in sorted(last)]
             firsts = outs[:: body.n]
-            usage = usage_dict(sum(o.num_prompt_tokens for o in firsts), sum(len(o.output_token_ids) for o in outs),
-                               sum(o.num_cached_tokens for o in firsts), firsts, outs)
+            usage = usage_dict(
+                sum(o.num_prompt_tokens for o in firsts),
+                sum(len(o.output_token_ids) for o in outs),
+                sum(o.num_cached_tokens for o in firsts),
+                firsts,
+                outs,
+            )
             yield sse({**header, "choices": [], "usage": usage})
     except ValueError as exc:
         err = from_value_error(exc)

@@ -80,11 +80,14 @@ def _tiers(s: Any) -> dict[str, Any]:
     return {
         "hits_tokens": {TIER_NAMES.get(k, k): v for k, v in sorted(s.prefix_cache_hits_tokens_by_tier.items())},
         "host": {
-            "num_blocks": host.get("num_blocks", 0), "num_cached_blocks": host.get("num_cached_blocks", 0),
-            "offloaded_blocks": host.get("offloaded_blocks", 0), "onboarded_blocks": host.get("onboarded_blocks", 0),
+            "num_blocks": host.get("num_blocks", 0),
+            "num_cached_blocks": host.get("num_cached_blocks", 0),
+            "offloaded_blocks": host.get("offloaded_blocks", 0),
+            "onboarded_blocks": host.get("onboarded_blocks", 0),
             "loaded_blocks": host.get("loaded_blocks", 0),
-            "blocks_by_priority": {k.removeprefix("blocks_priority_"): v for k, v in host.items()
-                                   if k.startswith("blocks_priority_")},
+            "blocks_by_priority": {
+                k.removeprefix("blocks_priority_"): v for k, v in host.items() if k.startswith("blocks_priority_")
+            },
         },
         "stores": {TIER_NAMES[level]: s.tiers[level] for level in (DISK_LEVEL, REMOTE_LEVEL) if level in s.tiers},
     }

@@ -29,10 +29,33 @@ logger = logging.getLogger(__name__)
 
 # Request fields, most specific first: used to name the ``param`` of an engine ValueError.
 _KNOWN_PARAMS = (
-    "kv_cache_retention_config", "max_completion_tokens", "max_tokens", "cache_salt", "messages",
-    "prompt", "suffix", "stream_options", "stop_token_ids", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_p",
-    "logit_bias", "best_of", "response_format", "tools", "temperature", "top_p", "top_k", "top_logprobs", "logprobs", "echo", "stop", "seed", "model", "n",
+    "kv_cache_retention_config",
+    "max_completion_tokens",
+    "max_tokens",
+    "cache_salt",
+    "messages",
+    "prompt",
+    "suffix",
+    "stream_options",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "best_of",
+    "response_format",
+    "tools",
+    "temperature",
+    "top_p",
+    "top_k",
+    "top_logprobs",
+    "logprobs",
+    "echo",
+    "stop",
+    "seed",
+    "model",
+    "n",
 )
 # Location parts pydantic adds for union members and validators: not field names.
 # Fields that are unions: pydantic reports one failure per member; say what is accepted.
@@ -138,14 +161,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if (exc.status_code == 400 and exc.detail == "There was an error parsing the body"  # FastAPI's words
-                and (bad := await _unparsable(request))):
+        if (
+            exc.status_code == 400
+            and exc.detail == "There was an error parsing the body"  # FastAPI's words
+            and (bad := await _unparsable(request))
+        ):
             return bad
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
         message = str(exc.detail or phrase)
         if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
             message = f"Invalid URL ({request.method} {request.url.path})"  # OpenAI's wording
-        kind = "not_found_error" if exc.status_code == 404 and not message.startswith("Invalid URL") else "invalid_request_error"
+        kind = (
+            "not_found_error"
+            if exc.status_code == 404 and not message.startswith("Invalid URL")
+            else "invalid_request_error"
+        )
         return error_response(message, status=exc.status_code, type=kind)
 
     @app.exception_handler(Exception)

@@ -78,8 +78,11 @@ def build_router(feed: EventFeed | None) -> APIRouter:
             if cursor is not None and cursor > buffer.last_event_id:
                 # Ids went back: this server restarted since the client's last event (a browser
                 # EventSource reconnects with its old Last-Event-ID). Say so, then send all held.
-                reset = {"last_event_id": buffer.last_event_id, "after": cursor,
-                         "reason": "event ids went back (the server restarted): reload /v1/kv_cache_state"}
+                reset = {
+                    "last_event_id": buffer.last_event_id,
+                    "after": cursor,
+                    "reason": "event ids went back (the server restarted): reload /v1/kv_cache_state",
+                }
                 yield f"event: reset\ndata: {json.dumps(reset)}\n\n".encode()
                 cursor = None
             while not await request.is_disconnected():
@@ -87,7 +90,9 @@ def build_router(feed: EventFeed | None) -> APIRouter:
                 if not events:
                     yield b": keepalive\n\n"
                     continue
-                chunk = "".join(f"id: {e.event_id}\nevent: kv_event\ndata: {json.dumps(event_to_json(e))}\n\n" for e in events)
+                chunk = "".join(
+                    f"id: {e.event_id}\nevent: kv_event\ndata: {json.dumps(event_to_json(e))}\n\n" for e in events
+                )
                 yield chunk.encode()
                 cursor = events[-1].event_id
 

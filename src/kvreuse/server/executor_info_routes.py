@@ -38,8 +38,14 @@ def _zmq_facts(publisher: ZmqEventPublisher | None) -> dict[str, Any]:
     CURVE (``--kv-events-curve-secret-key``), where only subscribers holding an allowed key can,
     so a router without one follows the executor over HTTP (SSE) instead of hearing nothing."""
     if publisher is None:
-        return {"zmq_endpoint": None, "zmq_bound": False, "zmq_replay_endpoint": None, "zmq_topic": "",
-                "zmq_hash_format": "int", "zmq_last_event_id": None}
+        return {
+            "zmq_endpoint": None,
+            "zmq_bound": False,
+            "zmq_replay_endpoint": None,
+            "zmq_topic": "",
+            "zmq_hash_format": "int",
+            "zmq_last_event_id": None,
+        }
     return {
         "zmq_endpoint": publisher.endpoint,
         "zmq_bound": publisher.subscribable and publisher.curve is None,

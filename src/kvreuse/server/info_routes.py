@@ -16,8 +16,14 @@ INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (Serv
 
 
 def _model_card(ctx, name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "kvreuse",
-            "root": ctx.engine.model_name, "max_model_len": ctx.engine.max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvreuse",
+        "root": ctx.engine.model_name,
+        "max_model_len": ctx.engine.max_model_len,
+    }
 
 
 @router.get("/v1/models")
@@ -45,11 +51,15 @@ async def health(request: Request) -> JSONResponse:
     engine = ctx.engine
     headers = {INSTANCE_HEADER: ctx.instance_id}
     if not engine.is_running:
-        return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503,
-                            headers=headers)
+        return JSONResponse(
+            {"status": "error", "detail": "engine thread is not running"}, status_code=503, headers=headers
+        )
     if engine.integrity_error is not None:
-        return JSONResponse({"status": "error", "detail": f"block pool integrity: {engine.integrity_error}"},
-                            status_code=503, headers=headers)
+        return JSONResponse(
+            {"status": "error", "detail": f"block pool integrity: {engine.integrity_error}"},
+            status_code=503,
+            headers=headers,
+        )
     return JSONResponse({"status": "ok"}, headers=headers)
 
 

@@ -85,8 +85,12 @@ class ChatLogprobs:
         return {"token": text, "logprob": _clamp(logprob), "bytes": list(text.encode("utf-8"))}
 
     def build(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
-        return {"content": [
-            {**self._entry(lp.token_id, lp.logprob),
-             "top_logprobs": [self._entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
-            for lp in entries
-        ]}
+        return {
+            "content": [
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)],
+                }
+                for lp in entries
+            ]
+        }

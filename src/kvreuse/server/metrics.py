@@ -42,8 +42,27 @@ if TYPE_CHECKING:
     from kvreuse.engine.outputs import EngineStats
 
 # vLLM's TTFT buckets, trimmed; CPU prefill of long prompts runs into seconds.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
@@ -68,68 +87,109 @@ class _EngineCollector(Collector):
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return gauge_family(name, doc, labels, values, value)
 
-        yield counter("kvreuse:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries_tokens)
-        yield counter("kvreuse:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits_tokens)
+        yield counter(
+            "kvreuse:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_queries_tokens,
+        )
+        yield counter(
+            "kvreuse:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits_tokens
+        )
         rate = s.prefix_cache_hits_tokens / s.prefix_cache_queries_tokens if s.prefix_cache_queries_tokens else 0.0
         yield gauge("kvreuse:prefix_cache_hit_rate", "Cumulative prefix-cache hit rate (tokens).", rate)
         yield gauge("kvreuse:num_blocks_total", "KV blocks in the device pool.", s.num_blocks)
-        yield gauge("kvreuse:num_blocks_free", "Blocks holding no KV (free + cached + used == total).",
-                    s.num_free_blocks)
+        yield gauge(
+            "kvreuse:num_blocks_free", "Blocks holding no KV (free + cached + used == total).", s.num_free_blocks
+        )
         yield gauge("kvreuse:num_blocks_cached", "Cached blocks no request holds.", s.num_cached_blocks)
         yield gauge("kvreuse:num_blocks_used", "Blocks held by running requests.", s.num_used_blocks)
-        yield gauge("kvreuse:kv_cache_usage_perc", "Fraction of blocks held by running requests.",
-                    s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0)
+        yield gauge(
+            "kvreuse:kv_cache_usage_perc",
+            "Fraction of blocks held by running requests.",
+            s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0,
+        )
         yield gauge("kvreuse:num_requests_running", "Requests being prefilled or decoded.", s.num_running)
         yield gauge("kvreuse:num_requests_waiting", "Requests queued for memory or a batch slot.", s.num_waiting)
-        evictions = CounterMetricFamily("kvreuse:evictions", "Cached blocks evicted, by retention priority.",
-                                        labels=[*labels, "priority"])
+        evictions = CounterMetricFamily(
+            "kvreuse:evictions", "Cached blocks evicted, by retention priority.", labels=[*labels, "priority"]
+        )
         for priority, count in sorted(s.evictions_by_priority.items()):
             evictions.add_metric([*values, str(priority)], count)
         yield evictions
-        held = GaugeMetricFamily("kvreuse:blocks_by_priority", "Registered blocks, by retention priority.",
-                                 labels=[*labels, "priority"])
+        held = GaugeMetricFamily(
+            "kvreuse:blocks_by_priority", "Registered blocks, by retention priority.", labels=[*labels, "priority"]
+        )
         for priority, count in sorted(s.blocks_by_priority.items()):
             held.add_metric([*values, str(priority)], count)
         yield held
-        yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).",
-                      s.num_preemptions)
-        yield counter("kvreuse:tokens_computed", "Tokens run through the model (prefill, decode and PML module "
-                      "precompute).", s.tokens_computed)
-        yield counter("kvreuse:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens verified.",
-                      s.spec_decode_num_draft_tokens)
-        yield counter("kvreuse:spec_decode_num_accepted_tokens", "Of the draft tokens verified, those accepted.",
-                      s.spec_decode_num_accepted_tokens)
+        yield counter("kvreuse:num_preemptions", "Requests preempted for memory (recomputed later).", s.num_preemptions)
+        yield counter(
+            "kvreuse:tokens_computed",
+            "Tokens run through the model (prefill, decode and PML module precompute).",
+            s.tokens_computed,
+        )
+        yield counter(
+            "kvreuse:spec_decode_num_draft_tokens",
+            "Prompt-lookup draft tokens verified.",
+            s.spec_decode_num_draft_tokens,
+        )
+        yield counter(
+            "kvreuse:spec_decode_num_accepted_tokens",
+            "Of the draft tokens verified, those accepted.",
+            s.spec_decode_num_accepted_tokens,
+        )
         if self._event_buffer is not None:
             events = self._event_buffer.stats()
-            yield counter("kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.",
-                          events["num_dropped"])
+            yield counter(
+                "kvreuse:kv_events_dropped", "KV events dropped from the full event buffer.", events["num_dropped"]
+            )
             yield gauge("kvreuse:kv_events_last_id", "Id of the newest KV event.", events["last_event_id"])
-        refused = CounterMetricFamily("kvreuse:schema_store_refused", "Schema-dir files refused (recomputed), by reason.",
-                                      labels=[*labels, "reason"])
+        refused = CounterMetricFamily(
+            "kvreuse:schema_store_refused",
+            "Schema-dir files refused (recomputed), by reason.",
+            labels=[*labels, "reason"],
+        )
         for reason, n in sorted(s.schema_store_refused.items()):
             refused.add_metric([*values, reason], n)
         yield refused
-        filled = CounterMetricFamily("kvreuse:schema_modules_filled", "PML modules put into the pool, by source "
-                                     "(computed, or loaded from --schema-dir).", labels=[*labels, "source"])
+        filled = CounterMetricFamily(
+            "kvreuse:schema_modules_filled",
+            "PML modules put into the pool, by source (computed, or loaded from --schema-dir).",
+            labels=[*labels, "source"],
+        )
         for source, n in sorted(s.schema_modules_filled.items()):
             filled.add_metric([*values, source], n)
         yield filled
-        yield counter("kvreuse:schema_precompute_slices", "Engine steps that ran a slice of a schema registration.",
-                      s.schema_slices)
-        yield gauge("kvreuse:schemas_registering", "Schema registrations queued or being precomputed.",
-                    s.schemas_registering)
-        yield counter("kvreuse:seam_repair_tokens", "Assembled tokens (PML modules, documents) recomputed by "
-                      "blend (--blend-*, a request's blend).", s.seam_repair_tokens)
-        yield counter("kvreuse:document_tokens_computed", "Document tokens run through the model (chat messages "
-                      "marked kvreuse.document, completions documents), with the text they are encoded after.",
-                      s.document_tokens_computed)
-        yield counter("kvreuse:document_tokens_reused", "Document tokens found cached when a request acquired its "
-                      "documents.", s.document_tokens_reused)
+        yield counter(
+            "kvreuse:schema_precompute_slices",
+            "Engine steps that ran a slice of a schema registration.",
+            s.schema_slices,
+        )
+        yield gauge(
+            "kvreuse:schemas_registering", "Schema registrations queued or being precomputed.", s.schemas_registering
+        )
+        yield counter(
+            "kvreuse:seam_repair_tokens",
+            "Assembled tokens (PML modules, documents) recomputed by blend (--blend-*, a request's blend).",
+            s.seam_repair_tokens,
+        )
+        yield counter(
+            "kvreuse:document_tokens_computed",
+            "Document tokens run through the model (chat messages "
+            "marked kvreuse.document, completions documents), with the text they are encoded after.",
+            s.document_tokens_computed,
+        )
+        yield counter(
+            "kvreuse:document_tokens_reused",
+            "Document tokens found cached when a request acquired its documents.",
+            s.document_tokens_reused,
+        )
         yield from _tier_metrics(s, labels, values)
-        yield gauge("kvreuse:block_pool_integrity_ok", "1 if the last idle integrity check passed.",
-                    0.0 if self._engine.integrity_error else 1.0)
+        yield gauge(
+            "kvreuse:block_pool_integrity_ok",
+            "1 if the last idle integrity check passed.",
+            0.0 if self._engine.integrity_error else 1.0,
+        )
 
 
 _TIER_COUNTERS = {  # host-tier stat -> (metric, help, direction)
@@ -139,20 +199,31 @@ _TIER_COUNTERS = {  # host-tier stat -> (metric, help, direction)
     "offloaded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "device_to_host"),
     "onboarded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "host_to_device"),
     "loaded_bytes": ("kvreuse:kv_tier_bytes_moved", "Bytes moved between tiers.", "store_to_device"),
-    "offload_seconds": ("kvreuse:kv_tier_transfer_seconds", "Seconds spent moving blocks between tiers.",
-                        "device_to_host"),
-    "onboard_seconds": ("kvreuse:kv_tier_transfer_seconds", "Seconds spent moving blocks between tiers.",
-                        "to_device"),
+    "offload_seconds": (
+        "kvreuse:kv_tier_transfer_seconds",
+        "Seconds spent moving blocks between tiers.",
+        "device_to_host",
+    ),
+    "onboard_seconds": ("kvreuse:kv_tier_transfer_seconds", "Seconds spent moving blocks between tiers.", "to_device"),
 }
 
 
 _LEDGER_STATS = {  # tier_stats keys every lower level has -> (metric, help); by tier label
-    "blocks_stored": ("kvreuse:kv_tier_blocks_stored", "Blocks a tier reported stored (its BlocksStored events).",
-                      CounterMetricFamily),
-    "blocks_removed": ("kvreuse:kv_tier_blocks_removed", "Blocks a tier reported removed (its BlocksRemoved events).",
-                       CounterMetricFamily),
-    "blocks_held": ("kvreuse:kv_tier_blocks_held", "Blocks a tier holds now, as its events report them.",
-                    GaugeMetricFamily),
+    "blocks_stored": (
+        "kvreuse:kv_tier_blocks_stored",
+        "Blocks a tier reported stored (its BlocksStored events).",
+        CounterMetricFamily,
+    ),
+    "blocks_removed": (
+        "kvreuse:kv_tier_blocks_removed",
+        "Blocks a tier reported removed (its BlocksRemoved events).",
+        CounterMetricFamily,
+    ),
+    "blocks_held": (
+        "kvreuse:kv_tier_blocks_held",
+        "Blocks a tier holds now, as its events report them.",
+        GaugeMetricFamily,
+    ),
 }
 
 
@@ -177,8 +248,9 @@ def _tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Itera
         return
     from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
-    hits = CounterMetricFamily("kvreuse:prefix_cache_hits_by_tier", "Prompt tokens found in the cache, by tier.",
-                               labels=[*labels, "tier"])
+    hits = CounterMetricFamily(
+        "kvreuse:prefix_cache_hits_by_tier", "Prompt tokens found in the cache, by tier.", labels=[*labels, "tier"]
+    )
     for level, name in TIER_NAMES.items():
         hits.add_metric([*values, name], by_tier.get(level, 0))
     yield hits
@@ -192,14 +264,20 @@ def _tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Itera
         gauge = GaugeMetricFamily(f"kvreuse:host_tier_{stat}", doc, labels=labels)
         gauge.add_metric(values, host.get(stat, 0))
         yield gauge
-    held = GaugeMetricFamily("kvreuse:host_tier_blocks_by_priority", "Host-tier blocks, by retention priority.",
-                             labels=[*labels, "priority"])
+    held = GaugeMetricFamily(
+        "kvreuse:host_tier_blocks_by_priority", "Host-tier blocks, by retention priority.", labels=[*labels, "priority"]
+    )
     for key, n in sorted(host.items()):
         if key.startswith("blocks_priority_"):
             held.add_metric([*values, key.removeprefix("blocks_priority_")], n)
     yield held
-    yield gauge_family("kvreuse:kv_tier_writes_pending", "Disk / remote writes queued or in progress.",
-                       labels, values, host.get("tier_writes_pending", 0))
+    yield gauge_family(
+        "kvreuse:kv_tier_writes_pending",
+        "Disk / remote writes queued or in progress.",
+        labels,
+        values,
+        host.get("tier_writes_pending", 0),
+    )
     for stat, (metric, doc, kind) in _LEDGER_STATS.items():
         family = kind(metric, doc, labels=[*labels, "tier"])
         for level in (HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL):
@@ -209,8 +287,9 @@ def _tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Itera
     for level in (DISK_LEVEL, REMOTE_LEVEL):
         if level in tiers:
             name = level.lower()
-            store = CounterMetricFamily(f"kvreuse:{name}_tier_events", f"The {TIER_NAMES[level]} store's counters.",
-                                        labels=[*labels, "event"])
+            store = CounterMetricFamily(
+                f"kvreuse:{name}_tier_events", f"The {TIER_NAMES[level]} store's counters.", labels=[*labels, "event"]
+            )
             for key, n in sorted(tiers[level].items()):
                 if key not in _STORE_GAUGES and key not in _LEDGER_STATS:
                     store.add_metric([*values, key], n)
@@ -257,33 +336,61 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
-        self.ttft = Histogram("kvreuse:time_to_first_token_seconds", "Time from request arrival to first token.",
-                              labels, registry=r, buckets=_TTFT_BUCKETS)
-        self.itl = Histogram("kvreuse:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             labels, registry=r, buckets=_ITL_BUCKETS)
-        self.tpot = Histogram("kvreuse:request_time_per_output_token_seconds",
-                              "Per request: time from the first to the last token over the tokens after the first.",
-                              labels, registry=r, buckets=_ITL_BUCKETS)
-        self.e2e = Histogram("kvreuse:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             labels, registry=r, buckets=_E2E_BUCKETS)
-        self.prompt_tokens = Counter("kvreuse:prompt_tokens", "Prompt tokens of finished requests.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("kvreuse:generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=r)
-        self.tokens_computed = Counter("kvreuse:prompt_tokens_computed", "Prompt tokens prefilled from scratch.",
-                                       labels, registry=r)
-        self.tokens_reused = Counter("kvreuse:prompt_tokens_reused", "Prompt tokens served from the prefix cache.",
-                                     labels, registry=r)
-        self.finished = Counter("kvreuse:request_success", "Finished requests by finish reason.",
-                                [*labels, "finished_reason"], registry=r)
+        self.ttft = Histogram(
+            "kvreuse:time_to_first_token_seconds",
+            "Time from request arrival to first token.",
+            labels,
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "kvreuse:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            labels,
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "kvreuse:request_time_per_output_token_seconds",
+            "Per request: time from the first to the last token over the tokens after the first.",
+            labels,
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "kvreuse:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            registry=r,
+            buckets=_E2E_BUCKETS,
+        )
+        self.prompt_tokens = Counter("kvreuse:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(
+            "kvreuse:generation_tokens", "Generated tokens of finished requests.", labels, registry=r
+        )
+        self.tokens_computed = Counter(
+            "kvreuse:prompt_tokens_computed", "Prompt tokens prefilled from scratch.", labels, registry=r
+        )
+        self.tokens_reused = Counter(
+            "kvreuse:prompt_tokens_reused", "Prompt tokens served from the prefix cache.", labels, registry=r
+        )
+        self.finished = Counter(
+            "kvreuse:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r
+        )
         # /v1/messages (docs/anthropic.md): what cache_control asked for, and usage as Anthropic counts it
-        self.breakpoint_tokens = Counter("kvreuse:cache_breakpoint_tokens",
-                                         "Prompt tokens under cache_control breakpoints, by the class that set "
-                                         "their priority (tools, system, document, history) and ttl.",
-                                         [*labels, "class", "ttl"], registry=r)
-        self.cache_usage_tokens = Counter("kvreuse:messages_prompt_tokens",
-                                          "Prompt tokens of /v1/messages: cache_read, cache_creation, input.",
-                                          [*labels, "kind"], registry=r)
+        self.breakpoint_tokens = Counter(
+            "kvreuse:cache_breakpoint_tokens",
+            "Prompt tokens under cache_control breakpoints, by the class that set "
+            "their priority (tools, system, document, history) and ttl.",
+            [*labels, "class", "ttl"],
+            registry=r,
+        )
+        self.cache_usage_tokens = Counter(
+            "kvreuse:messages_prompt_tokens",
+            "Prompt tokens of /v1/messages: cache_read, cache_creation, input.",
+            [*labels, "kind"],
+            registry=r,
+        )
         r.register(_EngineCollector(engine, model_name, event_buffer))
         if limiter is not None:  # a TenantLimiter
             from kvreuse.api.limit_metrics import LimiterCollector

@@ -55,8 +55,11 @@ async def create_schema(body: SchemaRequest, request: Request):
 async def list_schemas(request: Request):
     engine = context_of(request).engine
     listing = await engine.list_schemas()
-    return {"object": "list", "data": [{"object": "schema", **i.to_json()} for i in listing.schemas],
-            "registering": [job.to_json() for job in listing.registering]}
+    return {
+        "object": "list",
+        "data": [{"object": "schema", **i.to_json()} for i in listing.schemas],
+        "registering": [job.to_json() for job in listing.registering],
+    }
 
 
 @router.delete("/v1/schemas/{name}")

@@ -37,7 +37,9 @@ def check_model(ctx: ServerContext, name: str | None) -> str:
         return ctx.served_model_names[0]
     raise APIError(
         f"model: the model `{name}` does not exist; this server serves {', '.join(ctx.served_model_names)}",
-        status=404, param="model", code="model_not_found",
+        status=404,
+        param="model",
+        code="model_not_found",
     )
 
 
@@ -59,12 +61,16 @@ def check_prompt_length(ctx: ServerContext, n: int, max_tokens: int | None, *, p
     if n > ctx.prompt_limit or n >= ctx.engine.max_model_len:
         raise APIError(
             f"{param}: the prompt is {n} tokens, but this model's context is {ctx.engine.max_model_len} tokens "
-            f"(prompt limit {ctx.prompt_limit}); shorten it", param=param, code="context_length_exceeded",
+            f"(prompt limit {ctx.prompt_limit}); shorten it",
+            param=param,
+            code="context_length_exceeded",
         )
     if max_tokens is not None and n + max_tokens > ctx.engine.max_model_len:
         raise APIError(
             f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the model's context of "
-            f"{ctx.engine.max_model_len} tokens", param="max_tokens", code="context_length_exceeded",
+            f"{ctx.engine.max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
 
 
@@ -76,7 +82,9 @@ def reply_room(ctx: ServerContext, n: int, *, param: str) -> int:
     if room < 1:
         raise APIError(
             f"{param}: the prompt is {n} tokens but the KV pool holds {ctx.engine.pool_tokens}: shorten it or "
-            "raise --kv-cache-memory", param=param, code="context_length_exceeded",
+            "raise --kv-cache-memory",
+            param=param,
+            code="context_length_exceeded",
         )
     return room
 
@@ -91,9 +99,12 @@ def document_reply_room(ctx: ServerContext, room: int, documents, blend: BlendOv
     own = len(documents.layout().token_ids)
     room = min(room, (ctx.engine.pool_tokens // bs - context_blocks) * bs - own + 1)
     if room < 1:
-        raise APIError(f"{param}: the documents and the prompt do not fit in the KV pool "
-                       f"({ctx.engine.pool_tokens} tokens): shorten them or raise --kv-cache-memory",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            f"{param}: the documents and the prompt do not fit in the KV pool "
+            f"({ctx.engine.pool_tokens} tokens): shorten them or raise --kv-cache-memory",
+            param=param,
+            code="context_length_exceeded",
+        )
     return room
 
 
@@ -162,8 +173,9 @@ class TokenMeter:
         self._lease.record(self._total)
 
 
-def reserve_tokens(http_request: Request, requests: Sequence[EngineRequest], prompt_lengths: Sequence[int],
-                   n: int) -> TokenMeter | None:
+def reserve_tokens(
+    http_request: Request, requests: Sequence[EngineRequest], prompt_lengths: Sequence[int], n: int
+) -> TokenMeter | None:
     """Reserve what the request may use at most (every prompt's tokens + every choice's
     ``max_tokens``) from its tenant's tokens per minute, and return the meter that corrects
     the charge to what it uses. Raises ``LimitExceeded`` (a 429) when the tenant cannot
@@ -175,11 +187,18 @@ def reserve_tokens(http_request: Request, requests: Sequence[EngineRequest], pro
     return TokenMeter(lease, n)
 
 
-async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | None) -> AsyncGenerator[RequestOutput, None]:
+async def _tracked(
+    ctx: ServerContext, req: EngineRequest, meter: TokenMeter | None
+) -> AsyncGenerator[RequestOutput, None]:
     tracker = ctx.metrics.track()
     async for output in ctx.engine.generate(
-        req.prompt_token_ids, req.params, request_id=req.request_id,
-        cache_salt=req.cache_salt, retention=req.retention, prepared=req.prepared, blend=req.blend,
+        req.prompt_token_ids,
+        req.params,
+        request_id=req.request_id,
+        cache_salt=req.cache_salt,
+        retention=req.retention,
+        prepared=req.prepared,
+        blend=req.blend,
     ):
         tracker.observe(output)
         if meter is not None:
@@ -187,9 +206,12 @@ async def _tracked(ctx: ServerContext, req: EngineRequest, meter: TokenMeter | N
         yield output
 
 
-async def run_to_completion(ctx: ServerContext, requests: Sequence[EngineRequest],
-                            http_request: Request | None = None, meter: TokenMeter | None = None,
-                            ) -> list[RequestOutput]:
+async def run_to_completion(
+    ctx: ServerContext,
+    requests: Sequence[EngineRequest],
+    http_request: Request | None = None,
+    meter: TokenMeter | None = None,
+) -> list[RequestOutput]:
     """The final output of each request, run concurrently. Raises ``ValueError`` /
     ``EngineError`` of the first that fails (the others are cancelled and aborted), and
     ``ClientDisconnected`` when ``http_request``'s client leaves first: every request is
@@ -242,8 +264,9 @@ class ChoiceStreams:
             await gen.aclose()
 
 
-async def start_streams(ctx: ServerContext, requests: Sequence[EngineRequest],
-                        meter: TokenMeter | None = None) -> ChoiceStreams:
+async def start_streams(
+    ctx: ServerContext, requests: Sequence[EngineRequest], meter: TokenMeter | None = None
+) -> ChoiceStreams:
     """Admit every request and wait for its first output *before* the response starts, so
     a rejected request is still a plain 4xx (raises ``ValueError`` / ``EngineError``).
     ``meter`` (``reserve_tokens``) sees every output."""

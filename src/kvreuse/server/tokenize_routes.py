@@ -67,9 +67,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise APIError("give exactly one of prompt (text) and messages (a chat)", param="prompt")
     tokenizer = ctx.engine.tokenizer
     if body.messages is not None:
-        ids = (await run_in_threadpool(render_chat, tokenizer, body.messages,
-                                       add_generation_prompt=body.add_generation_prompt,
-                                       template_kwargs=body.chat_template_kwargs)).token_ids
+        ids = (
+            await run_in_threadpool(
+                render_chat,
+                tokenizer,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        ).token_ids
         if body.add_special_tokens:  # the template already placed its markers; vLLM adds BOS only on request
             ids = _with_bos(tokenizer, ids)
     elif body.add_special_tokens is False:
@@ -77,8 +83,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     else:
         ids = list(tokenizer.encode(body.prompt))  # what /v1/completions computes
     block_size = ctx.engine.block_size
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids,
-                           "block_size": block_size, "full_blocks": len(ids) // block_size}
+    out: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": ctx.engine.max_model_len,
+        "tokens": ids,
+        "block_size": block_size,
+        "full_blocks": len(ids) // block_size,
+    }
     if body.return_token_strs:
         out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return out

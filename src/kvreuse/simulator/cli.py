@@ -33,21 +33,42 @@ DEFAULT_BLOCK_TOKENS = {"mooncake": 512, "jsonl": 16}  # Mooncake ids stand for 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvreuse simulate", description=__doc__.split("\n\n")[0],
+        prog="kvreuse simulate",
+        description=__doc__.split("\n\n")[0],
         epilog="Routed simulation: add --executors N (with --routing-policy kv|round_robin|least_loaded, "
-               "--overlap-weight W); see 'kvreuse simulate --executors 2 --help'.",
+        "--overlap-weight W); see 'kvreuse simulate --executors 2 --help'.",
     )
     p.add_argument("--trace", required=True, help="Mooncake or kvreuse JSONL trace (docs/simulator.md)")
     p.add_argument("--capacity-blocks", type=int, required=True, metavar="N", help="pool size in blocks")
-    p.add_argument("--policy", action="append", choices=[*POLICIES, BELADY],
-                   help="repeatable; default: every policy (Belady is always reported as the bound)")
-    p.add_argument("--trace-block-tokens", "--block-size", dest="block_tokens", type=int, default=None,
-                   help="tokens per block (default 512 for Mooncake, 16 for JSONL)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=[*POLICIES, BELADY],
+        help="repeatable; default: every policy (Belady is always reported as the bound)",
+    )
+    p.add_argument(
+        "--trace-block-tokens",
+        "--block-size",
+        dest="block_tokens",
+        type=int,
+        default=None,
+        help="tokens per block (default 512 for Mooncake, 16 for JSONL)",
+    )
     p.add_argument("--trace-format", choices=["auto", "mooncake", "jsonl"], default="auto")
-    p.add_argument("--host-blocks", type=int, default=0, metavar="M",
-                   help="a host tier of M blocks below the pool (offload on evict, onboard on a hit)")
-    p.add_argument("--host-offload-min-priority", type=int, default=35, metavar="P",
-                   help="evicted blocks of priority >= P go to the host tier (TensorRT-LLM's default 35)")
+    p.add_argument(
+        "--host-blocks",
+        type=int,
+        default=0,
+        metavar="M",
+        help="a host tier of M blocks below the pool (offload on evict, onboard on a hit)",
+    )
+    p.add_argument(
+        "--host-offload-min-priority",
+        type=int,
+        default=35,
+        metavar="P",
+        help="evicted blocks of priority >= P go to the host tier (TensorRT-LLM's default 35)",
+    )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="PNG", help="also sweep capacities and draw hit rate vs capacity")
@@ -104,9 +125,12 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             infinite = run_policy(trace, "lru", trace.num_kv_blocks, progress=bar.advance)
     results = [r for r in results if r.policy != BELADY]
     if args.plot:
-        sweep_results = sweep(trace, [*names, BELADY] if BELADY not in names else names, capacities,
-                              on_done=lambda r: print(f"  sweep {r.policy} {r.capacity_blocks}: {r.hit_rate:.4f}",
-                                                      file=sys.stderr))
+        sweep_results = sweep(
+            trace,
+            [*names, BELADY] if BELADY not in names else names,
+            capacities,
+            on_done=lambda r: print(f"  sweep {r.policy} {r.capacity_blocks}: {r.hit_rate:.4f}", file=sys.stderr),
+        )
         plot_sweep(sweep_results, args.plot, f"{trace.name}: hit rate vs capacity ({block_tokens}-token blocks)")
     if args.json:
         doc = {
@@ -117,8 +141,15 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             "block_lookups": trace.num_block_lookups,
             "policies": [r.to_dict() for r in results],
             "belady": bound.to_dict(),
-            **({"host_blocks": host, "host_offload_min_priority": args.host_offload_min_priority,
-                "infinite_cache": infinite.to_dict()} if infinite is not None else {}),
+            **(
+                {
+                    "host_blocks": host,
+                    "host_offload_min_priority": args.host_offload_min_priority,
+                    "infinite_cache": infinite.to_dict(),
+                }
+                if infinite is not None
+                else {}
+            ),
         }
         print(json.dumps(doc, indent=2))
     else:
@@ -126,8 +157,15 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_table(name: str, capacity: int, block_tokens: int, results: list[ReplayResult], bound: ReplayResult,
-                 host: int = 0, infinite: ReplayResult | None = None) -> None:
+def _print_table(
+    name: str,
+    capacity: int,
+    block_tokens: int,
+    results: list[ReplayResult],
+    bound: ReplayResult,
+    host: int = 0,
+    infinite: ReplayResult | None = None,
+) -> None:
     lru = next((r.hit_rate for r in results if r.policy == "lru"), None)
     tier = f" + a host tier of {host} blocks" if host else ""
     print(f"{name}: {capacity} blocks of {block_tokens} tokens{tier}")

@@ -72,8 +72,15 @@ class ReplayResult:
             "evictions_by_priority": {str(k): v for k, v in sorted(self.evictions_by_priority.items())},
             "blocks_by_priority": {str(k): v for k, v in sorted(self.blocks_by_priority.items())},
             "seconds": round(self.seconds, 3),
-            **({"host_blocks": self.host_blocks, "host_cached_tokens": self.host_cached_tokens,
-                "offloaded_blocks": self.offloaded_blocks} if self.host_blocks else {}),
+            **(
+                {
+                    "host_blocks": self.host_blocks,
+                    "host_cached_tokens": self.host_cached_tokens,
+                    "offloaded_blocks": self.offloaded_blocks,
+                }
+                if self.host_blocks
+                else {}
+            ),
         }
 
 
@@ -101,10 +108,16 @@ def replay(
     now = 0.0
     host = None
     if host_blocks:
-        host = HostTier(host_blocks, trace.block_size, policy=host_policy, clock=lambda: now,
-                        offload_policy=OffloadPolicy(offload_min_priority))
-    pool = BlockPool(capacity_blocks, trace.block_size, policy=policy, clock=lambda: now,
-                     record_evictions=host is not None)
+        host = HostTier(
+            host_blocks,
+            trace.block_size,
+            policy=host_policy,
+            clock=lambda: now,
+            offload_policy=OffloadPolicy(offload_min_priority),
+        )
+    pool = BlockPool(
+        capacity_blocks, trace.block_size, policy=policy, clock=lambda: now, record_evictions=host is not None
+    )
     cache = KVCacheManager(pool, lower=host)
     result = ReplayResult(policy.name, capacity_blocks)
     bs = trace.block_size
@@ -149,8 +162,9 @@ def serve_request(cache: KVCacheManager, req, index: int) -> int:
     total = kv_tokens(req)
     retention = requested_retention(req.retention, total, bs, num_prompt_tokens=req.prompt_tokens)
     asked = (lambda j: None) if req.retention is None else retention.__getitem__
-    admission = cache.admit_blocks(req.block_keys, req.block_tokens, num_blocks=cdiv(total, bs),
-                                   max_hits=hit_blocks(req, bs), retention=asked)
+    admission = cache.admit_blocks(
+        req.block_keys, req.block_tokens, num_blocks=cdiv(total, bs), max_hits=hit_blocks(req, bs), retention=asked
+    )
     if admission is None:
         raise RuntimeError(f"request {index} fits the pool but found no room: blocks are leaking")
     blocks = list(admission.blocks)

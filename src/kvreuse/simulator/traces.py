@@ -140,6 +140,8 @@ def _jsonl_requests(lines: list[tuple[int, dict]], block_size: int) -> Iterator[
         if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))):
             raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {stamp!r}")
         ts = float(stamp) / 1000.0 if stamp is not None else float(i)  # default: one request a second
-        keys = hash_token_blocks(tokens, block_size, model_id=str(obj.get("model", "sim")), cache_salt=obj.get("cache_salt"))
+        keys = hash_token_blocks(
+            tokens, block_size, model_id=str(obj.get("model", "sim")), cache_salt=obj.get("cache_salt")
+        )
         chunks = tuple(tuple(tokens[j * block_size : (j + 1) * block_size]) for j in range(len(keys)))
         yield TraceRequest(tuple(keys), chunks, len(tokens), output, ts, retention)

@@ -112,8 +112,9 @@ def decode_header(data: bytes | bytearray | memoryview, namespace: TierNamespace
     header = _parse_header(view[_PREFIX.size : end])
     _check_namespace(header, namespace)
     parent = header["parent_key"]
-    return BlockHeader(BlockHash(header["key"]), None if parent is None else BlockHash(parent),
-                       tuple(header["token_ids"]))
+    return BlockHeader(
+        BlockHash(header["key"]), None if parent is None else BlockHash(parent), tuple(header["token_ids"])
+    )
 
 
 def encode_block(record: BlockRecord, namespace: TierNamespace) -> bytes:
@@ -221,8 +222,14 @@ def _all_finite(buffer: bytearray, dtype: torch.dtype) -> bool:
 
 
 _HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
-    "fingerprint": str, "hash_algorithm": str, "block_size": int, "key": bytes,
-    "parent_key": (bytes, type(None)), "token_ids": list, "dtype": str, "shape": list,
+    "fingerprint": str,
+    "hash_algorithm": str,
+    "block_size": int,
+    "key": bytes,
+    "parent_key": (bytes, type(None)),
+    "token_ids": list,
+    "dtype": str,
+    "shape": list,
 }
 
 

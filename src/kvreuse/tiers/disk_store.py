@@ -65,8 +65,16 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 _BLOCK_FILE = re.compile(r"([0-9a-f]{2})+\.kvb")
 COUNTERS = (
-    "hits", "misses", "puts", "put_failures", "too_large", "read_errors",
-    "evictions", "expired", "corrupt", "foreign",
+    "hits",
+    "misses",
+    "puts",
+    "put_failures",
+    "too_large",
+    "read_errors",
+    "evictions",
+    "expired",
+    "corrupt",
+    "foreign",
 )
 
 
@@ -144,7 +152,11 @@ class DiskStore:
         return found if found.key == key else None
 
     def get(
-        self, key: BlockHash, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+        self,
+        key: BlockHash,
+        *,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
         on_hit: Callable[[BlockRecord], None] | None = None,
     ) -> BlockRecord | None:
         """The verified block stored under ``key``, or None (absent, expired, unreadable, refused).

@@ -225,8 +225,9 @@ class PersistentTiers:
                     acked.add(key)
 
     # ------------------------------------------------------------------ reads
-    def match(self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None,
-              depth: int = 0) -> list[StoredKV]:
+    def match(
+        self, keys: Sequence[BlockHash], token_blocks, parent: BlockHash | None, depth: int = 0
+    ) -> list[StoredKV]:
         """The longest run of ``keys`` (continuing the chain after ``parent``; ``keys[0]`` at
         chain position ``depth``) that the stores hold with matching tokens and parent,
         verified; disk first, then one batched remote read for the rest. Reads only, and
@@ -248,9 +249,9 @@ class PersistentTiers:
                     break
                 out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
         if self.remote is not None and len(out) < len(keys):
-            rest = list(keys[len(out):])
+            rest = list(keys[len(out) :])
             found = self._fetch_remote(self.remote, rest)
-            for record, want in zip(found or (), tokens[len(out):]):
+            for record, want in zip(found or (), tokens[len(out) :]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
                 out.append(self._used(record, REMOTE_LEVEL, depth + len(out)))

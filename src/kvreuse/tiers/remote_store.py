@@ -46,8 +46,18 @@ from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")  # what a Redis operation returns
 
-COUNTERS = ("hits", "misses", "puts", "put_failures", "errors", "timeouts", "skipped", "corrupt", "foreign",
-            "breaker_opened")
+COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "put_failures",
+    "errors",
+    "timeouts",
+    "skipped",
+    "corrupt",
+    "foreign",
+    "breaker_opened",
+)
 _STORE_ERRORS = (redis.RedisError, OSError)  # redis-py wraps socket errors; OSError for the rest
 
 
@@ -83,8 +93,9 @@ class RemoteStore:
         self.identity = store_identity(pool.connection_kwargs, self.prefix)
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
         self._counters = StoreCounters(COUNTERS)
-        self._streak = FailureStreak(logger, f"remote cache {pool.connection_kwargs.get('host')}:"
-                                     f"{pool.connection_kwargs.get('port')}")
+        self._streak = FailureStreak(
+            logger, f"remote cache {pool.connection_kwargs.get('host')}:{pool.connection_kwargs.get('port')}"
+        )
 
     def redis_key(self, key: BlockHash) -> str:
         """The Redis key of block ``key`` in this namespace."""
@@ -193,8 +204,11 @@ class RemoteStore:
             self._streak.failed("%s: %s", type(exc).__name__, exc)
             if self.breaker.record_failure():
                 self._counters.add("breaker_opened")
-                logger.warning("remote cache: circuit breaker open after %d consecutive failures; "
-                               "skipping the store for %.1f s", self.breaker.failure_threshold, self.breaker.cooldown_s)
+                logger.warning(
+                    "remote cache: circuit breaker open after %d consecutive failures; skipping the store for %.1f s",
+                    self.breaker.failure_threshold,
+                    self.breaker.cooldown_s,
+                )
             return None
         if self.breaker.record_success():
             logger.info("remote cache: circuit breaker closed, store reachable again")

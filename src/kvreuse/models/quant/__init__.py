@@ -43,6 +43,20 @@ from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import SCHEMES, QuantMode, parse_quantization
 from kvreuse.models.quant.surgery import quantize_model, weight_bytes
 
-__all__ = ["QuantMode", "SCHEMES", "parse_quantization", "fast_bf16_cpu", "Int8Linear", "Int4Linear",
-           "Int8Embedding", "dense_dtype", "fuse_linears", "fused_projection", "quantize_model", "weight_bytes",
-           "DENSE_MIN_ROWS", "SLOW_BF16_DENSE_MIN_ROWS", "FP32_DENSE_MIN_ROWS"]
+__all__ = [
+    "QuantMode",
+    "SCHEMES",
+    "parse_quantization",
+    "fast_bf16_cpu",
+    "Int8Linear",
+    "Int4Linear",
+    "Int8Embedding",
+    "dense_dtype",
+    "fuse_linears",
+    "fused_projection",
+    "quantize_model",
+    "weight_bytes",
+    "DENSE_MIN_ROWS",
+    "SLOW_BF16_DENSE_MIN_ROWS",
+    "FP32_DENSE_MIN_ROWS",
+]

@@ -13,8 +13,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DENSE_MIN_ROWS", "SLOW_BF16_DENSE_MIN_ROWS", "FP32_DENSE_MIN_ROWS", "fast_bf16_cpu",
-           "dense_dtype", "dense_linear"]
+__all__ = [
+    "DENSE_MIN_ROWS",
+    "SLOW_BF16_DENSE_MIN_ROWS",
+    "FP32_DENSE_MIN_ROWS",
+    "fast_bf16_cpu",
+    "dense_dtype",
+    "dense_linear",
+]
 
 # From this many rows a bf16 int4 layer multiplies a transient dequantized copy instead of
 # calling the int4 kernel (whose cost is ~linear in rows): bench/int4_rows.py, one decoder

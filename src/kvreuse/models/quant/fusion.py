@@ -38,8 +38,13 @@ def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
         dense = cast("list[nn.Linear]", parts)
         if len({(m.weight.dtype, m.weight.device) for m in dense}) != 1:
             return None
-        fused_dense = nn.Linear(dense[0].in_features, sum(m.out_features for m in dense), bias=False,
-                                device=dense[0].weight.device, dtype=dense[0].weight.dtype)
+        fused_dense = nn.Linear(
+            dense[0].in_features,
+            sum(m.out_features for m in dense),
+            bias=False,
+            device=dense[0].weight.device,
+            dtype=dense[0].weight.dtype,
+        )
         fused_dense.weight = nn.Parameter(torch.cat([m.weight.detach() for m in dense]), requires_grad=False)
         for part, rows in zip(dense, _row_spans(dense)):
             part.weight = nn.Parameter(fused_dense.weight.detach()[rows], requires_grad=False)
@@ -97,8 +102,9 @@ def fused_projection(owner: nn.Module, names: tuple[str, ...]) -> Projection | N
     key = "_kvreuse_fused_" + "_".join(names)
     parts = [getattr(owner, n) for n in names]
     fused = owner.__dict__.get(key)
-    if fused is None or not all(_storage(m) == _storage(fused) and _weight(m).dtype == _weight(fused).dtype
-                                for m in parts):
+    if fused is None or not all(
+        _storage(m) == _storage(fused) and _weight(m).dtype == _weight(fused).dtype for m in parts
+    ):
         fused = fuse_linears(parts)
         object.__setattr__(owner, key, fused)  # bypasses nn.Module registration on purpose
     return fused

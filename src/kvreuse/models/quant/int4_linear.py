@@ -38,8 +38,9 @@ class Int4Linear(nn.Module):
     scale_zero: torch.Tensor  # (scale, zero): [in/group, out, 2] for the kernel, else [out, groups, 2]
     bias: torch.Tensor | None  # [out]
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
-                 group: int = INT4_GROUP) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype, group: int = INT4_GROUP
+    ) -> None:
         super().__init__()
         n, k = weight.shape
         if k % group:

@@ -41,7 +41,7 @@ def int4_pack_layout(k: int) -> str:
     ``avx512`` (byte ``[k, j]`` of a block: row ``j`` low nibble, ``j + 32`` high), ``avx2``
     (byte ``[half, k, j]``: row ``32 half + j`` low, ``32 half + 16 + j`` high), or ``other``
     (``Int4Linear.unpacked_weight`` then gathers by the order instead of reshaping)."""
-    rows = (torch.arange(INT4_PACK_ROWS)[:, None] * k + torch.arange(k)[None, :])  # code index [row, k]
+    rows = torch.arange(INT4_PACK_ROWS)[:, None] * k + torch.arange(k)[None, :]  # code index [row, k]
     half = INT4_PACK_ROWS // 2
     avx512 = torch.stack([rows[:half].t(), rows[half:].t()], dim=-1)  # [k, j, nibble] -> code index
     avx2 = rows.view(2, 2, 16, k).permute(0, 3, 2, 1)  # [half, k, j, nibble] -> code index

@@ -20,8 +20,13 @@ class Int8Embedding(nn.Module):
     qweight: torch.Tensor  # [vocab, hidden] int8
     scale: torch.Tensor  # one per group of columns, the activation dtype
 
-    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, group: int = EMBED_GROUP,
-                 embed_scale: torch.Tensor | float | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        act_dtype: torch.dtype,
+        group: int = EMBED_GROUP,
+        embed_scale: torch.Tensor | float | None = None,
+    ) -> None:
         super().__init__()
         v, d = weight.shape
         self.group = group if d % group == 0 else d

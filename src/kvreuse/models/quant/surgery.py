@@ -46,7 +46,9 @@ def quantize_model(model: PreTrainedModel, mode: str | QuantMode, *, act_dtype: 
         layer_mode = QuantMode.INT8 if linear is out_emb else mode
         _set_module(model, name, _quantized_linear(linear, layer_mode, act_dtype))
     if type(in_emb) is nn.Embedding or (isinstance(in_emb, nn.Embedding) and hasattr(in_emb, "embed_scale")):
-        model.set_input_embeddings(Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None)))
+        model.set_input_embeddings(
+            Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None))
+        )
     return model
 
 
