@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
 from kvreuse.cache.hashing import BlockHash, extend_chain
@@ -50,7 +47,8 @@ from kvreuse.pml import (
     parse_schema,
 )
 from kvreuse.pml.kv_access import KVAccess, ModuleKV  # KVAccess re-exported
-from kvreuse.pml.module_fill import MODULE_PRIORITY, FillSource, ModuleFill, PoolBusy  # re-exported
+from kvreuse.pml.module_fill import MODULE_PRIORITY, FillSource, ModuleFill, PoolBusy  # noqa: F401 - re-exported
+from kvreuse.pml.module_source import ModuleSource  # re-exported (was defined here)
 from kvreuse.pml.prepared import (
     ModuleContext,
     ModulePlan,
@@ -356,54 +354,3 @@ class ModuleCache:
                 block = self.pool.get_cached(h)
                 if block is not None and not (only_changed and block.priority == priority):
                     self.pool.set_retention(block, priority, None)
-
-
-@dataclass(frozen=True)
-class ModuleSource:
-    """A module plan bound to its cache: the ``engine.context.ContextSource`` of a PML request."""
-
-    cache: ModuleCache
-    plan: ModulePlan
-
-    @property
-    def num_blocks(self) -> int:
-        """The blocks an acquisition needs at once, the scratch of recomputing an evicted
-        module included (``ModuleCache.peak_blocks_of``: the capacity check's peak)."""
-        return self.cache.peak_blocks_of(self.plan)
-
-    @property
-    def held_blocks(self) -> int:
-        """Blocks an acquisition keeps: the modules' own."""
-        return self.cache.blocks_of(self.plan)
-
-    @property
-    def num_tokens(self) -> int:
-        schema = self.plan.schema
-        stored = sum(len(schema.module(name).stored_token_ids) for name in self.plan.modules)
-        return stored - (self.plan.dropped is not None)
-
-    private_blocks = False  # a module's blocks are shared with every request that selects it
-
-    def assembled_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        """``([num_tokens] int64 token ids of the context keys in attention order, [s] int64
-        first key index of each module)`` (``engine.blended_context.SegmentedSource``; the
-        dropped key, computed with the new tokens, is not a key)."""
-        schema = self.plan.schema
-        stored = [schema.module(name).stored_token_ids for name in self.plan.modules]
-        tokens = np.asarray([t for ids in stored for t in ids], dtype=np.int64)  # [n + dropped]
-        lengths = np.asarray([len(ids) for ids in stored], dtype=np.int64)  # [modules]
-        starts = np.cumsum(lengths) - lengths  # [modules]
-        if self.plan.dropped is not None:
-            tokens = np.delete(tokens, self.plan.dropped)
-            starts = starts - (starts > self.plan.dropped)
-        return tokens, np.unique(starts[starts < len(tokens)])
-
-    def acquire(self) -> ModuleContext | None:
-        """``ModuleCache.acquire``; ``None`` when the pool is busy (nothing held then)."""
-        try:
-            return self.cache.acquire(self.plan)
-        except PoolBusy:
-            return None
-
-    def release(self, held: ModuleContext) -> None:
-        self.cache.release(held)
