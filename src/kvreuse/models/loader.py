@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
-from kvreuse.models.quant import SCHEMES, QuantMode, fast_bf16_cpu, parse_quantization, quantize_model
+from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
+from kvreuse.models.quant import SCHEMES, QuantMode, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
 from kvreuse.models.store import (
     MARKER,
@@ -41,6 +42,7 @@ __all__ = [
     "parse_quantization",
     "QuantMode",
     "parse_device",
+    "dtype_name",
     "default_cache_root",
     "compute_model_id",
     "eos_token_ids_of",
@@ -51,70 +53,6 @@ __all__ = [
 # Tokens that end a chat turn in common templates; added to the EOS set when the chat
 # template uses them (the GGUF of Gemma 3 only declares <eos>, but turns end in <end_of_turn>).
 _END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-# --------------------------------------------------------------------------- dtype / device
-
-
-def parse_dtype(
-    dtype: str | torch.dtype, device: str | torch.device | None = None, *, quantized: bool = False
-) -> torch.dtype:
-    """Map ``float32|fp32|bfloat16|bf16|float16|fp16|auto`` (or a torch dtype) to a torch dtype.
-
-    ``auto`` is bfloat16 on a CPU that multiplies bf16 natively (AMX or AVX512-BF16, see
-    :func:`kvreuse.models.quant.fast_bf16_cpu`), and on any CPU when the weights are
-    ``quantized`` (PyTorch's int4 / int8 CPU kernels are only fast with bf16 activations: on an
-    AVX2-only EPYC a 576 -> 3,072 int4 matmul of one row took 5.2 ms of CPU with fp32 inputs and
-    0.35 ms with bf16, a whole int4 decode step 585 vs 70 ms); float32 elsewhere (other CPUs
-    unquantized, CUDA). ``device`` None means cpu. float32 stays the exact reference: ask for it
-    by name. Raises ValueError for anything else.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPE_NAMES:
-            return dtype
-        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-    key = str(dtype).strip().lower().removeprefix("torch.")
-    if key == "auto":
-        on_cpu = device is None or torch.device(str(device)).type == "cpu"
-        return torch.bfloat16 if on_cpu and (quantized or fast_bf16_cpu()) else torch.float32
-    if key not in _DTYPES:
-        raise ValueError(f"unsupported dtype '{dtype}'; use float32, bfloat16 or float16 (or fp32, bf16, fp16, auto)")
-    return _DTYPES[key]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES[dtype]
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    """Map ``cpu|cuda|cuda:N|auto`` to a torch device; ``auto`` is cuda when available.
-
-    Raises ValueError for cuda when CUDA is not available, or for an unknown device string.
-    """
-    key = str(device).strip().lower()
-    if key == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(key)
-    except RuntimeError as exc:
-        raise ValueError(f"unknown device '{device}'; use cpu, cuda or auto") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device '{device}' requested but CUDA is not available; use cpu or auto")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device '{device}'; use cpu, cuda or auto")
-    return dev
 
 
 # --------------------------------------------------------------------------- shape
