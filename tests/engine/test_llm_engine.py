@@ -355,28 +355,22 @@ PML = [
 
 
 class RowsByRequest:
-    """Logits rows per request id (the engine builds chunks in plan order, then executes)."""
+    """Logits rows per request id (the engine's forward gets the plan and its chunks in order)."""
 
     def __init__(self, llm):
-        self.rows, self._order = {}, []
+        self.rows = {}
         eng = llm.engine
-        chunk, execute = eng._chunk, eng.runner.execute
+        forward = eng._forward
 
-        def spy_chunk(seq, n, *rest):
-            c = chunk(seq, n, *rest)
-            self._order.append((seq.request_id, c))
-            return c
-
-        def spy_execute(chunks):
-            logits = execute(chunks)
-            ids = [rid for rid, c in self._order if c.sample]
+        def spy_forward(plan, chunks):
+            logits = forward(plan, chunks)
+            ids = [item.seq.request_id for item, c in zip(plan, chunks) if c.sample]
             assert len(ids) == logits.shape[0]
             for rid, row in zip(ids, logits):
                 self.rows.setdefault(rid, []).append(row.clone())
-            self._order.clear()
             return logits
 
-        eng._chunk, eng.runner.execute = spy_chunk, spy_execute
+        eng._forward = spy_forward
 
 
 def _make(loaded, num_blocks, **kw):

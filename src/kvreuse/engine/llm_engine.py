@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from kvreuse.cache.retention import KvCacheRetentionConfig, checked_retention
-from kvreuse.engine.attention import KeyTable
 from kvreuse.engine.blend import Blend, BlendOverride
 from kvreuse.engine.config import EngineConfig  # re-exported: callers import it from here
 from kvreuse.engine.context import reacquire_head, release_behind_head
@@ -22,13 +21,13 @@ from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.engine_builder import build_engine
 from kvreuse.engine.forward_isolation import isolate
 from kvreuse.engine.introspection import check_engine_integrity, engine_stats
-from kvreuse.engine.model_runner import SeqChunk
 from kvreuse.engine.output_processor import OutputProcessor
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
 from kvreuse.engine.prompt_intake import AssembledPrompt, PromptIntake
 from kvreuse.engine.request_checks import check_request
 from kvreuse.engine.sampler import make_generator
 from kvreuse.engine.schema_service import SchemaService
+from kvreuse.engine.seq_chunk import SeqChunk, chunk_of
 from kvreuse.engine.sequence import Sequence
 from kvreuse.engine.spec_decode import SpecState, draft_for
 from kvreuse.engine.step_faults import StepFaults
@@ -70,13 +69,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(parts.loaded.eos_token_ids)
         self.kv_bytes_per_token = parts.kv_bytes_per_token
         self.cache = parts.cache
-        self.kv, self.pool, self.host, self.stores, self.events = (
-            parts.cache.kv,
-            parts.cache.pool,
-            parts.cache.host,
-            parts.cache.stores,
-            parts.cache.events,
-        )
+        self.kv, self.pool, self.host = parts.cache.kv, parts.cache.pool, parts.cache.host
+        self.stores, self.events = parts.cache.stores, parts.cache.events
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.blend_pass = parts.blend_pass
@@ -257,7 +251,7 @@ class LLMEngine:
             plan = self.scheduler.schedule()
         if not plan:
             return []
-        chunks = [self._chunk(item.seq, item.num_new_tokens, item.num_draft_tokens) for item in plan]
+        chunks = [chunk_of(item.seq, item.num_new_tokens, item.num_draft_tokens, self.block_size) for item in plan]
         ran = isolate(self._forward, plan, chunks)
         failed = [self.outputs.fail(item.seq, exc) for item, exc in ran.failed]
         if not ran.plan:
@@ -276,23 +270,6 @@ class LLMEngine:
         """A request ended (the output processor saw its stop): free it."""
         self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
-
-    def _chunk(self, seq: Sequence, num_new: int, num_draft: int = 0) -> SeqChunk:
-        """The runner's view of ``seq``'s next ``num_new`` tokens (the last ``num_draft`` of them
-        its draft, all with logits): its block table and context arrays as they are (no
-        per-token work over the tokens computed before)."""
-        done = seq.num_computed_tokens
-        token_ids = seq.token_ids_between(done, done + num_new - num_draft)
-        if num_draft:
-            token_ids = token_ids + seq.draft_token_ids
-        return SeqChunk(
-            token_ids=token_ids,
-            positions=seq.positions_between(done, done + num_new).tolist(),
-            keys=KeyTable(seq.context_slots, seq.block_table, self.block_size, done + num_new, seq.context_shifts),
-            context_positions=seq.key_positions(done),  # None unless explicit positions (PML) or module context
-            sample=done + num_new - num_draft == seq.num_tokens,
-            num_logits=1 + num_draft,
-        )
 
     # ------------------------------------------------------------------ introspection and the caches
     def stats(self) -> EngineStats:

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvreuse.engine.attention import KeyTable
+
+if TYPE_CHECKING:
+    from kvreuse.engine.sequence import Sequence as Sequence_
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,21 @@ class KVLayout:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def chunk_of(seq: Sequence_, num_new: int, num_draft: int, block_size: int) -> SeqChunk:
+    """The runner's view of ``seq``'s next ``num_new`` tokens (the last ``num_draft`` of them
+    its draft, all with logits): its block table and context arrays as they are (no per-token
+    work over the tokens computed before). Reads ``seq``; changes nothing."""
+    done = seq.num_computed_tokens
+    token_ids = seq.token_ids_between(done, done + num_new - num_draft)
+    if num_draft:
+        token_ids = token_ids + seq.draft_token_ids
+    return SeqChunk(
+        token_ids=token_ids,
+        positions=seq.positions_between(done, done + num_new).tolist(),
+        keys=KeyTable(seq.context_slots, seq.block_table, block_size, done + num_new, seq.context_shifts),
+        context_positions=seq.key_positions(done),  # None unless explicit positions (PML) or module context
+        sample=done + num_new - num_draft == seq.num_tokens,
+        num_logits=1 + num_draft,
+    )
