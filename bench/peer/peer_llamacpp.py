@@ -90,8 +90,15 @@ class LlamaCpp:
 
         llama_module.llama_cpp.llama_model_default_params = params
         try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                       n_batch=512, verbose=False, seed=0)
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=512,
+                verbose=False,
+                seed=0,
+            )
         finally:
             llama_module.llama_cpp.llama_model_default_params = default_params
 
@@ -151,9 +158,16 @@ def kernel_ms(llm) -> float:
     if forward is None:
         raise SystemExit("kernel_ms needs the own Llama forward (engine/llama_forward.py)")
     widths = (forward.hidden, forward.num_heads * forward.head_dim)
-    layers = [(proj, width) for layer in forward.layers
-              for proj, width in ((layer.qkv, widths[0]), (layer.o_proj, widths[1]), (layer.gate_up, widths[0]),
-                                  (layer.down_proj, layer.inter))]
+    layers = [
+        (proj, width)
+        for layer in forward.layers
+        for proj, width in (
+            (layer.qkv, widths[0]),
+            (layer.o_proj, widths[1]),
+            (layer.gate_up, widths[0]),
+            (layer.down_proj, layer.inter),
+        )
+    ]
     layers.append((model.lm_head, widths[0]))
     dtype = llm.engine.loaded.dtype
     rows = [torch.randn(1, width, dtype=dtype) for _, width in layers]
@@ -240,8 +254,11 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "peer_llamacpp.json"))
-    ap.add_argument("--llamacpp-repack", action="store_true",
-                    help="keep llama.cpp's weight repacking on (its default; it crashed on this machine: see LlamaCpp)")
+    ap.add_argument(
+        "--llamacpp-repack",
+        action="store_true",
+        help="keep llama.cpp's weight repacking on (its default; it crashed on this machine: see LlamaCpp)",
+    )
     args = ap.parse_args()
     if args.decode < 2 or args.reps < 1:
         ap.error("--decode must be at least 2 (decode speed is measured after the first token) and --reps at least 1")
@@ -261,21 +278,24 @@ def main() -> None:
     from kvreuse.models.quant import weight_bytes
 
     shape = contenders[1].llm.engine.loaded.shape
-    linear_params = sum(m.weight.numel() for name, m in contenders[1].llm.engine.loaded.model.named_modules()
-                        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
-    floors: dict[str, list[float]] = {"gemm_gflops_bf16": [], "gemm_gflops_fp32": [], "read_gb_s": [],
-                                      "kernel_ms": []}
+    linear_params = sum(
+        m.weight.numel()
+        for name, m in contenders[1].llm.engine.loaded.model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
+    )
+    floors: dict[str, list[float]] = {"gemm_gflops_bf16": [], "gemm_gflops_fp32": [], "read_gb_s": [], "kernel_ms": []}
     rng = random.Random(0)
     vocab = 49152
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
-    results: dict[str, dict[str, list[float]]] = {c.name: {"decode_tok_s": [], "cold_prefill_s": [],
-                                                            "cached_ttft_s": [], "decode_long_tok_s": []}
-               for c in contenders}
+    results: dict[str, dict[str, list[float]]] = {
+        c.name: {"decode_tok_s": [], "cold_prefill_s": [], "cached_ttft_s": [], "decode_long_tok_s": []}
+        for c in contenders
+    }
     for rep in range(-1, args.reps):  # rep -1: an untimed warm-up round
-        order = contenders[rep % len(contenders):] + contenders[: rep % len(contenders)]
+        order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
         short, prefix = tokens(16), tokens(args.prefix)
         if rep >= 0:
             floors["gemm_gflops_bf16"].append(gemm_gflops(torch.bfloat16, shape.hidden_size))
@@ -294,22 +314,32 @@ def main() -> None:
                 r["cold_prefill_s"].append(cold)
                 r["cached_ttft_s"].append(cached)
                 r["decode_long_tok_s"].append(decode_long)
-            print(f"rep {rep} {c.name:>13}: decode {decode:6.1f} tok/s  cold {cold:6.2f} s"
-                  f"  cached {cached * 1e3:7.1f} ms"
-                  f"  decode after {len(long_prompt)} {decode_long:6.1f} tok/s", file=sys.stderr)
+            print(
+                f"rep {rep} {c.name:>13}: decode {decode:6.1f} tok/s  cold {cold:6.2f} s"
+                f"  cached {cached * 1e3:7.1f} ms"
+                f"  decode after {len(long_prompt)} {decode_long:6.1f} tok/s",
+                file=sys.stderr,
+            )
     med = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
     peer = med["llama.cpp"]
     floor = {k: statistics.median(v) for k, v in floors.items()}
     gflop = suffix_gflop(shape, linear_params, args.prefix)
     gguf_bytes = path.stat().st_size
-    limits = {"suffix_gflop": round(gflop, 2), "gguf_bytes": gguf_bytes, **{k: round(v, 2) for k, v in floor.items()},
-              "decode_ceiling_tok_s": {"llama.cpp": round(floor["read_gb_s"] * 1e9 / gguf_bytes, 1)}}
+    limits = {
+        "suffix_gflop": round(gflop, 2),
+        "gguf_bytes": gguf_bytes,
+        **{k: round(v, 2) for k, v in floor.items()},
+        "decode_ceiling_tok_s": {"llama.cpp": round(floor["read_gb_s"] * 1e9 / gguf_bytes, 1)},
+    }
     step_ms = 1e3 / med["kvreuse default"]["decode_tok_s"]
     ops = aten_ops_per_step(contenders[2].llm, tokens(16))
     limits["decode_step_kvreuse_default"] = {
-        "step_ms": round(step_ms, 2), "kernel_ms": round(floor["kernel_ms"], 2),
-        "kernel_ceiling_tok_s": round(1e3 / floor["kernel_ms"], 1), "aten_ops_per_step": ops,
-        "overhead_us_per_op": round(1e3 * (step_ms - floor["kernel_ms"]) / ops, 2)}
+        "step_ms": round(step_ms, 2),
+        "kernel_ms": round(floor["kernel_ms"], 2),
+        "kernel_ceiling_tok_s": round(1e3 / floor["kernel_ms"], 1),
+        "aten_ops_per_step": ops,
+        "overhead_us_per_op": round(1e3 * (step_ms - floor["kernel_ms"]) / ops, 2),
+    }
     for c in contenders[1:]:
         loaded = c.llm.engine.loaded
         wb = weight_bytes(loaded.model)
@@ -318,23 +348,38 @@ def main() -> None:
         # included; the embedding is only gathered) and the prefix's K/V in the pool's dtype
         read_bytes = matmul_weight_bytes(loaded.model) + args.prefix * loaded.kv_bytes_per_token()
         memory_floor = read_bytes / (floor["read_gb_s"] * 1e9)
-        limits[c.name] = {"resident_weight_bytes": wb, "weights_vs_gguf": round(wb / gguf_bytes, 2),
-                          "cached_ttft_floor_s": round(gflop / peak, 4),
-                          "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2),
-                          "cached_read_bytes": read_bytes, "cached_ttft_memory_floor_s": round(memory_floor, 4),
-                          "memory_floor_vs_compute_floor": round(memory_floor / (gflop / peak), 2),
-                          "cached_ttft_vs_memory_floor": round(med[c.name]["cached_ttft_s"] / memory_floor, 2)}
+        limits[c.name] = {
+            "resident_weight_bytes": wb,
+            "weights_vs_gguf": round(wb / gguf_bytes, 2),
+            "cached_ttft_floor_s": round(gflop / peak, 4),
+            "cached_ttft_vs_floor": round(med[c.name]["cached_ttft_s"] / (gflop / peak), 2),
+            "cached_read_bytes": read_bytes,
+            "cached_ttft_memory_floor_s": round(memory_floor, 4),
+            "memory_floor_vs_compute_floor": round(memory_floor / (gflop / peak), 2),
+            "cached_ttft_vs_memory_floor": round(med[c.name]["cached_ttft_s"] / memory_floor, 2),
+        }
         limits["decode_ceiling_tok_s"][c.name] = round(floor["read_gb_s"] * 1e9 / wb, 1)
     doc = {
-        "gguf": path.name, "threads": args.threads, "llamacpp_repack": args.llamacpp_repack, "reps": args.reps,
+        "gguf": path.name,
+        "threads": args.threads,
+        "llamacpp_repack": args.llamacpp_repack,
+        "reps": args.reps,
         "prefix_tokens": args.prefix,
-        "decode_tokens": args.decode, "median": med, "limits": limits,
-        "vs_llamacpp": {name: {"decode": round(m["decode_tok_s"] / peer["decode_tok_s"], 3),
-                               "decode_after_long_prompt": round(m["decode_long_tok_s"] / peer["decode_long_tok_s"], 3),
-                               "cold_prefill_speedup": round(peer["cold_prefill_s"] / m["cold_prefill_s"], 3),
-                               "cached_ttft_ratio": round(m["cached_ttft_s"] / peer["cached_ttft_s"], 3)}
-                        for name, m in med.items()},
-        "raw": results, "raw_limits": floors, "command": "python bench/peer/peer_llamacpp.py " + " ".join(sys.argv[1:]),
+        "decode_tokens": args.decode,
+        "median": med,
+        "limits": limits,
+        "vs_llamacpp": {
+            name: {
+                "decode": round(m["decode_tok_s"] / peer["decode_tok_s"], 3),
+                "decode_after_long_prompt": round(m["decode_long_tok_s"] / peer["decode_long_tok_s"], 3),
+                "cold_prefill_speedup": round(peer["cold_prefill_s"] / m["cold_prefill_s"], 3),
+                "cached_ttft_ratio": round(m["cached_ttft_s"] / peer["cached_ttft_s"], 3),
+            }
+            for name, m in med.items()
+        },
+        "raw": results,
+        "raw_limits": floors,
+        "command": "python bench/peer/peer_llamacpp.py " + " ".join(sys.argv[1:]),
     }
     out = Path(args.out)
     write_json(out, doc)
@@ -344,10 +389,15 @@ def main() -> None:
 
     names = list(med)
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
-    for ax, (key, label) in zip(axes, [("decode_tok_s", "decode, batch 1 (tok/s, higher is better)"),
-                                       ("decode_long_tok_s", f"decode after {args.prefix} + 32 (tok/s)"),
-                                       ("cold_prefill_s", f"cold prefill {args.prefix} (s)"),
-                                       ("cached_ttft_s", f"cached {args.prefix} + 32 TTFT (s)")]):
+    for ax, (key, label) in zip(
+        axes,
+        [
+            ("decode_tok_s", "decode, batch 1 (tok/s, higher is better)"),
+            ("decode_long_tok_s", f"decode after {args.prefix} + 32 (tok/s)"),
+            ("cold_prefill_s", f"cold prefill {args.prefix} (s)"),
+            ("cached_ttft_s", f"cached {args.prefix} + 32 TTFT (s)"),
+        ],
+    ):
         values = [med[n][key] for n in names]
         ax.bar(names, values, color=["#999", "#49c", "#2b7"])
         ax.set_title(label, fontsize=9)
