@@ -151,12 +151,9 @@ async def forward_messages(
                 executor.end(blocks)
                 return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
             except Retry as exc:
-                executor.end(blocks)
-                executor.failures += 1
+                router.count_retry(executor, blocks)
                 tried.append(executor.name)
                 last_error, last_answer = str(exc), exc.response
-                router.num_retries += 1
-                router.metrics.retries.inc()
                 continue
             if not isinstance(result, Upstream):
                 if usage is not None:

@@ -150,12 +150,9 @@ async def _forward(
             logger.info("client left before %s answered; its request there was closed", executor.url)
             return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
         except Retry as exc:
-            executor.end(blocks)
-            executor.failures += 1
+            router.count_retry(executor, blocks)
             tried.append(executor.name)
             last_error, last_answer = str(exc), exc.response
-            router.num_retries += 1
-            router.metrics.retries.inc()
             logger.info("retrying a request after %s failed before its first byte: %s", executor.url, exc)
             continue
         if not isinstance(result, Upstream):

@@ -147,6 +147,15 @@ class Router:
             decision = self.affinity.apply(affinity_key, cands, decision, dry_run=dry_run)
         return RoutedRequest(keys, cands, decision)
 
+    def count_retry(self, executor: Executor, blocks: int) -> None:
+        """A try on ``executor`` failed before its first byte and the request moves on: its
+        in-flight blocks are released and the failure and the retry counted (shared by the
+        OpenAI and Messages proxies)."""
+        executor.end(blocks)
+        executor.failures += 1
+        self.num_retries += 1
+        self.metrics.retries.inc()
+
     def prompt_blocks(self, keys: RequestKeys) -> int:
         return cdiv(keys.num_tokens, self.block_size)
 
