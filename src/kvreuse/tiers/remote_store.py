@@ -1,11 +1,15 @@
-"""The shared remote tier: encoded blocks in Redis (or Valkey), shared by executors of one model.
+"""The shared remote tier: encoded blocks in Redis (or Valkey), shared by executors of one model:
+one server (``redis://``) or a Redis Cluster / Valkey cluster (``redis+cluster://``, any node as
+the seed; ``kvreuse.tiers.redis_connect``).
 
 Keys::
 
     kvreuse:v<FORMAT_VERSION>:<namespace.tag>:<block key hex>   ->   encode_block bytes
 
 so executors share entries exactly when their ``TierNamespace`` is equal (model fingerprint,
-hash algorithm, block size); the tenant salt is already inside the chained key. With
+hash algorithm, block size); the tenant salt is already inside the chained key. In a cluster
+the keys carry no hash tag: they spread over all 16,384 slots, hence over every master, and a
+batch read is one cluster pipeline (one round trip per master, in parallel), never a MGET. With
 ``ttl_s`` every write sets it (``SET .. EX``) and every hit renews it (``GETEX .. EX``): the
 TTL is idle time, as on disk. Without it entries live until Redis evicts them
 (``maxmemory-policy``) or someone flushes the database; both are plain misses here.
@@ -15,32 +19,38 @@ Contracts (a down, slow or flushed Redis never fails a request):
 - No call raises for a store failure. ``get`` returns None, ``put`` False, ``contains``
   False; each failure is counted (``errors``, ``timeouts``) and warned once per streak.
 - Every socket operation is bounded by ``timeout_s`` (connect and each reply), with no
-  retries inside the client: the worst case of one call is about ``2 x timeout_s``.
+  retries inside the client: the worst case of one call is about ``2 x timeout_s`` (a
+  cluster: plus the slot-map reload after a connection error, ``timeout_s`` per node tried).
 - A ``CircuitBreaker`` opens after ``failure_threshold`` consecutive failures: calls are then
   skipped without touching the network (``skipped``) for ``cooldown_s``; the next call
   probes (the client reconnects on its own) and a success closes the breaker.
 - ``get`` returns only blocks that pass ``decode_block``; a stored value that fails is
   deleted from Redis and counted (``corrupt`` / ``foreign``).
-- Thread-safe (redis-py's connection pool).
+- A cluster master that dies, a slot that moves (``MOVED`` / ``ASK`` are followed), a cluster
+  that is down (``CLUSTERDOWN``) or unreachable at start: each is a failed call as above, a
+  miss. A batch that touches a dead master misses as a whole; the client refreshes its slot
+  map after the error, so once the cluster has failed over the next call hits again.
+- Thread-safe (redis-py's connection pools; the cluster client is built once, under a lock).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.cluster import RedisCluster
 
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.tiers.block_codec import BlockRecord, CorruptBlock, ForeignBlock, decode_block
 from kvreuse.tiers.circuit_breaker import BreakerState, CircuitBreaker
 from kvreuse.tiers.namespace import FORMAT_VERSION, TierNamespace
+from kvreuse.tiers.redis_connect import STORE_ERRORS, cluster_client, cluster_members, parse_target, single_client
 from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 
 logger = logging.getLogger(__name__)
@@ -58,11 +68,11 @@ COUNTERS = (
     "foreign",
     "breaker_opened",
 )
-_STORE_ERRORS = (redis.RedisError, OSError)  # redis-py wraps socket errors; OSError for the rest
 
 
 class RemoteStore:
-    """Blocks of one namespace in the Redis database at ``url`` (``redis://HOST:PORT/DB``)."""
+    """Blocks of one namespace in the Redis database at ``url`` (``redis://HOST:PORT/DB``), or
+    in the cluster one of whose nodes is at ``url`` (``redis+cluster://HOST:PORT``)."""
 
     def __init__(
         self,
@@ -82,20 +92,19 @@ class RemoteStore:
         self.namespace = namespace
         self.ttl_s = None if ttl_s is None else int(ttl_s)
         self.prefix = f"kvreuse:v{FORMAT_VERSION}:{namespace.tag}:"
-        pool = redis.ConnectionPool.from_url(  # raises ValueError for a malformed URL: a config error
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # the breaker decides about retrying, not the client
-            health_check_interval=0,
-        )
-        self._client = redis.Redis(connection_pool=pool)
-        self.identity = store_identity(pool.connection_kwargs, self.prefix)
+        self.target = parse_target(url)  # raises ValueError for a URL that names no Redis
+        self.timeout_s = timeout_s
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
         self._counters = StoreCounters(COUNTERS)
-        self._streak = FailureStreak(
-            logger, f"remote cache {pool.connection_kwargs.get('host')}:{pool.connection_kwargs.get('port')}"
-        )
+        kind = "remote cache cluster" if self.target.cluster else "remote cache"
+        self._streak = FailureStreak(logger, f"{kind} {self.target.where}")
+        self._client: redis.Redis | RedisCluster | None = None
+        self._connect_lock = threading.Lock()
+        if self.target.cluster:
+            self.identity = store_identity(self._cluster_where(), self.prefix)
+        else:
+            self._client, where = single_client(self.target, timeout_s)
+            self.identity = store_identity(where, self.prefix)
 
     def redis_key(self, key: BlockHash) -> str:
         """The Redis key of block ``key`` in this namespace."""
@@ -138,10 +147,14 @@ class RemoteStore:
         """``contains`` for each key in one round trip; all False when the store fails."""
         if not keys:
             return []
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.redis_key(key))
-        found = self._call(pipe.execute)
+
+        def exists() -> list:
+            pipe = self.client().pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.redis_key(key))
+            return pipe.execute()
+
+        found = self._call(exists)
         return [False] * len(keys) if found is None else [bool(n) for n in found]
 
     # -- writes ----------------------------------------------------------------------------
@@ -149,13 +162,13 @@ class RemoteStore:
     def put(self, key: BlockHash, payload: bytes) -> bool:
         """Store ``payload`` (``encode_block`` bytes of block ``key``). False when it failed or
         was skipped."""
-        ok = self._call(lambda: self._client.set(self.redis_key(key), payload, ex=self.ttl_s))
+        ok = self._call(lambda: self.client().set(self.redis_key(key), payload, ex=self.ttl_s))
         self._counters.add("puts" if ok else "put_failures")
         return bool(ok)
 
     def delete(self, key: BlockHash) -> bool:
         """Delete the entry; True when one was deleted."""
-        return bool(self._call(lambda: self._client.delete(self.redis_key(key))))
+        return bool(self._call(lambda: self.client().delete(self.redis_key(key))))
 
     def stats(self) -> dict[str, int]:
         """Counters since start, plus ``breaker_open`` (1 while calls are skipped)."""
@@ -163,17 +176,46 @@ class RemoteStore:
 
     def close(self) -> None:
         """Close the connections (a later call would open new ones)."""
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+
+    def client(self) -> redis.Redis | RedisCluster:
+        """The client; a cluster's is built on first use (it loads the slot map). Raises one
+        of ``STORE_ERRORS`` when no node of the cluster answers."""
+        if self._client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    self._client = cluster_client(self.target, self.timeout_s)
+        return self._client
 
     # -- internals -------------------------------------------------------------------------
 
+    def _cluster_where(self) -> str:
+        """The cluster's members (``cluster_members``), asked now; the seed's address when
+        no node answers (executors seeded alike still agree; the store stays usable)."""
+        try:
+            return cluster_members(cast("RedisCluster", self.client()))
+        except STORE_ERRORS as exc:
+            logger.warning(
+                "remote cache cluster %s unreachable at start (%s: %s): its reads miss until it answers",
+                self.target.where,
+                type(exc).__name__,
+                exc,
+            )
+            return f"cluster-seed:{self.target.where}"
+
     def _fetch(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         # the client does not decode responses: values are bytes (redis's types allow str)
-        if self.ttl_s is None:
-            return cast("list[bytes | None]", self._client.mget([self.redis_key(key) for key in keys]))
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.getex(self.redis_key(key), ex=self.ttl_s)  # a hit renews the idle TTL
+        client = self.client()
+        names = [self.redis_key(key) for key in keys]
+        if self.ttl_s is None and not self.target.cluster:
+            return cast("list[bytes | None]", client.mget(names))
+        pipe = client.pipeline(transaction=False)  # a cluster's: one batch per master
+        for name in names:
+            if self.ttl_s is None:
+                pipe.get(name)
+            else:
+                pipe.getex(name, ex=self.ttl_s)  # a hit renews the idle TTL
         return pipe.execute()
 
     def _decode(self, key, value, shape, dtype) -> BlockRecord | None:
@@ -199,7 +241,7 @@ class RemoteStore:
             return None
         try:
             result = operation()
-        except _STORE_ERRORS as exc:
+        except STORE_ERRORS as exc:
             self._counters.add("timeouts" if isinstance(exc, (redis.TimeoutError, TimeoutError)) else "errors")
             self._streak.failed("%s: %s", type(exc).__name__, exc)
             if self.breaker.record_failure():
@@ -216,11 +258,10 @@ class RemoteStore:
         return result
 
 
-def store_identity(connection_kwargs: dict, prefix: str) -> str:
-    """16 hex of a SHA-256 over where the store is (host and port, or socket path, and
-    database) and the namespace prefix: executors that report the same identity share
-    entries, so a router counts one's remote blocks as reachable from the others. No user
-    name or password goes in, and the hash reveals neither the address nor the model."""
-    where = connection_kwargs.get("path") or f"{connection_kwargs.get('host')}:{connection_kwargs.get('port')}"
-    text = f"kvreuse-remote-store|{where}|db={connection_kwargs.get('db', 0)}|{prefix}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def store_identity(where: str, prefix: str) -> str:
+    """16 hex of a SHA-256 over where the store is (one server: host and port, or socket
+    path, and database; a cluster: its members, ``cluster_members``) and the namespace
+    prefix: executors that report the same identity share entries, so a router counts one's
+    remote blocks as reachable from the others. No user name or password goes in, and the
+    hash reveals neither the address nor the model."""
+    return hashlib.sha256(f"kvreuse-remote-store|{where}|{prefix}".encode()).hexdigest()[:16]

@@ -1,0 +1,153 @@
+"""A throwaway Redis Cluster for tests: N masters (and optional replicas) from Debian's
+``redis-server`` on free loopback ports, joined by ``redis-cli --cluster create``."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def free_cluster_port() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free too."""
+    while True:
+        port = random.randrange(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+
+
+class RedisClusterServers:
+    """``masters`` x (1 + ``replicas``) ``redis-server --cluster-enabled yes`` processes, no
+    persistence, in ``workdir``. ``node_timeout_ms`` is how long a node may stay silent before
+    the others mark it failed (and, with replicas, fail it over)."""
+
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        self.binary = shutil.which("redis-server")
+        self.cli = shutil.which("redis-cli")  # same Debian package family: redis-tools, a dependency
+        self.workdir = workdir
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.ports: list[int] = []
+        while len(self.ports) < masters * (1 + replicas):
+            port = free_cluster_port()
+            if not {port, port + 10000} & {q for p in self.ports for q in (p, p + 10000)}:
+                self.ports.append(port)
+        self.processes: dict[int, subprocess.Popen] = {}
+
+    def url(self, port: int | None = None, scheme: str = "redis+cluster") -> str:
+        """The ``--remote-cache`` URL seeded with node ``port`` (default: the first)."""
+        return f"{scheme}://127.0.0.1:{port or self.ports[0]}"
+
+    def node(self, port: int) -> redis.Redis:
+        """A plain client of one node (``dbsize``, ``cluster info``: that node only)."""
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+
+    def start(self) -> None:
+        for port in self.ports:
+            self._start_node(port)
+        subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.wait_until_ok(self.ports)
+
+    def masters(self) -> list[int]:
+        """Ports of the masters that own slots now, as the live nodes see it."""
+        live = next(p for p in self.ports if p in self.processes)
+        slots = self.node(live).execute_command("CLUSTER", "SLOTS")
+        return sorted({int(entry[2][1]) for entry in slots})
+
+    def wait_until_ok(self, ports: list[int], timeout_s: float = 30) -> None:
+        """Until every node in ``ports`` reports ``cluster_state:ok``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all(self.node(p).cluster("info")["cluster_state"] == "ok" for p in ports):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster on {ports} is not ok after {timeout_s} s; see {self.workdir}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node, as a crash would; waits until the process is gone."""
+        process = self.processes.pop(port)
+        process.kill()
+        process.wait(timeout=10)
+
+    def stop(self) -> None:
+        for port in list(self.processes):
+            self.kill(port)
+
+    def _start_node(self, port: int) -> None:
+        node_dir = self.workdir / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                str(self.node_timeout_ms),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(node_dir),
+                "--logfile",
+                str(node_dir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.node(port).ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {port}; see {node_dir / 'redis.log'}")
+
+
+def running_cluster(workdir: Path, **kwargs) -> Iterator[RedisClusterServers]:
+    """For a fixture (``yield from``): a running cluster (3 masters unless ``kwargs`` say
+    otherwise) in ``workdir``; stopped afterwards, also when a test failed mid-way."""
+    cluster = RedisClusterServers(workdir, **kwargs)
+    if cluster.binary is None or cluster.cli is None:
+        pytest.skip("redis-server / redis-cli not on PATH (apt-get install redis-server; .ci/run installs it)")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,122 @@
+"""The remote tier against a real 3-master Redis Cluster (Debian's redis-server on loopback
+ports, joined by ``redis-cli --cluster create``): keys spread over every master, batch reads
+across slots, one identity whatever node seeds the client, a killed master never raises."""
+
+import logging
+
+import pytest
+import torch
+from redis.cluster import RedisCluster
+
+from kvreuse.tiers.circuit_breaker import BreakerState
+from kvreuse.tiers.redis_connect import parse_target
+from kvreuse.tiers.remote_store import RemoteStore
+
+from .conftest import NS, OTHER_MODEL, SHAPE, make_payload, make_record
+from .redis_cluster import running_cluster
+from .redis_server import free_port
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    yield from running_cluster(tmp_path / "cluster")  # a real 3-master cluster per test
+
+
+def _store(url, namespace=NS, **kwargs):
+    kwargs = {"timeout_s": 0.3, "failure_threshold": 3, "cooldown_s": 5.0} | kwargs
+    return RemoteStore(url, namespace=namespace, **kwargs)
+
+
+def test_keys_spread_over_every_master_and_batches_read_across_slots(redis_cluster):
+    store = _store(redis_cluster.url())
+    assert isinstance(store.client(), RedisCluster)
+    blocks = [make_payload(i) for i in range(24)]
+    for key, payload in blocks[::2]:
+        assert store.put(key, payload)
+    keys = [key for key, _ in blocks]
+    assert store.contains_many(keys) == [i % 2 == 0 for i in range(24)]
+    records = store.get_many(keys, shape=SHAPE, dtype=torch.float32)
+    assert [r is not None for r in records] == [i % 2 == 0 for i in range(24)]
+    assert all(torch.equal(records[i].kv, make_record(i).kv) for i in range(0, 24, 2))
+    sizes = {port: redis_cluster.node(port).dbsize() for port in redis_cluster.ports}
+    assert sum(sizes.values()) == 12 and all(n > 0 for n in sizes.values()), sizes  # no hash tag: every master
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["puts"], stats["errors"]) == (12, 12, 12, 0)
+
+
+def test_any_node_seeds_the_same_store_and_identity(redis_cluster):
+    stores = [_store(redis_cluster.url(port)) for port in redis_cluster.ports]
+    assert len({s.identity for s in stores}) == 1
+    assert _store(redis_cluster.url(), OTHER_MODEL).identity != stores[0].identity
+    key, payload = make_payload(3)
+    assert stores[2].put(key, payload)
+    assert all(torch.equal(s.get(key).kv, make_record(3).kv) for s in stores)
+    assert not _store(redis_cluster.url(), OTHER_MODEL).contains(key)  # namespaces stay apart
+
+
+def test_ttl_renewal_and_a_moved_slot_is_followed(redis_cluster):
+    store = _store(redis_cluster.url(), ttl_s=100)
+    key, payload = make_payload(0)
+    assert store.put(key, payload)
+    name = store.redis_key(key)
+    client = store.client()
+    slot = client.keyslot(name)
+    source = client.nodes_manager.get_node_from_slot(slot)
+    target = next(p for p in redis_cluster.ports if p != source.port)
+    src, dst = redis_cluster.node(source.port), redis_cluster.node(target)
+    dst_id = dst.execute_command("CLUSTER", "MYID").decode()
+    src_id = src.execute_command("CLUSTER", "MYID").decode()
+    # move the key's slot to another master behind the client's back (as a resharding does)
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", name)
+    for port in redis_cluster.ports:
+        redis_cluster.node(port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    redis_cluster.node(target).expire(name, 7)
+    assert torch.equal(store.get(key).kv, make_record(0).kv)  # MOVED followed to the new owner
+    assert 99 <= redis_cluster.node(target).ttl(name) <= 100 and store.stats()["errors"] == 0
+    assert client.nodes_manager.get_node_from_slot(slot).port == target
+
+
+def test_a_killed_master_never_raises_and_opens_the_breaker(redis_cluster, caplog):
+    store = _store(redis_cluster.url())
+    blocks = [make_payload(i) for i in range(12)]
+    for key, payload in blocks:
+        assert store.put(key, payload)
+    keys = [key for key, _ in blocks]
+    redis_cluster.kill(redis_cluster.ports[1])  # a master with a third of the slots, no replica
+    with caplog.at_level(logging.WARNING, logger="kvreuse.tiers.remote_store"):
+        assert store.get_many(keys) == [None] * 12  # the batch touches the dead master: a miss
+        assert store.contains_many(keys) == [False] * 12
+        dead = next(k for k in keys if store.client().keyslot(store.redis_key(k)) in range(5461, 10923))
+        assert store.put(dead, b"x") is False  # third consecutive failure: the breaker opens
+    assert store.breaker.state is BreakerState.OPEN
+    assert store.get(keys[0]) is None and store.stats()["skipped"] == 1
+    stats = store.stats()
+    assert (stats["errors"] + stats["timeouts"], stats["breaker_opened"], stats["hits"]) == (3, 1, 0)
+    assert "circuit breaker open" in caplog.text
+
+
+def test_unreachable_cluster_at_start_is_a_miss_not_an_error(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvreuse.tiers.remote_store"):
+        store = RemoteStore(f"redis+cluster://127.0.0.1:{free_port()}", namespace=NS, timeout_s=0.3)
+    assert "unreachable at start" in caplog.text
+    key, payload = make_payload(0)
+    assert store.get(key) is None and store.put(key, payload) is False
+    assert store.stats()["errors"] == 2
+
+
+def test_cluster_urls():
+    target = parse_target("rediss+cluster://user:secret@node-1.example:7000")
+    assert (target.url, target.cluster, target.where) == (
+        "rediss://user:secret@node-1.example:7000",
+        True,
+        "node-1.example:7000",
+    )
+    assert parse_target("redis+cluster://10.0.0.5:6379/0").url == "redis://10.0.0.5:6379"
+    assert (
+        not parse_target("redis://h:1/2").cluster and parse_target("unix:///run/redis.sock").where == "/run/redis.sock"
+    )
+    for bad in ("redis+cluster://h:1/3", "redis+cluster://h:1?db=2", "redis+cluster:///x", "http://nowhere"):
+        with pytest.raises(ValueError):
+            parse_target(bad)
