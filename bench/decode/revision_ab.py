@@ -2,8 +2,8 @@
 in process, one fresh subprocess per sample, the two trees alternating (A B B A ...), medians.
 
 Used to show that a refactor changed no speed (issue 30: "decode and cached-TTFT figures within
-noise of before"). ``--base REV`` is checked out into a temporary git worktree; the other arm is
-the working tree.
+noise of before"). ``--base REV`` (and ``--head REV``, if given) is checked out into a temporary
+git worktree; without ``--head`` the other arm is the working tree.
 
     PYTHONPATH=src .venv/bin/python bench/decode/revision_ab.py --base bb12f51 --samples 5
 """
@@ -70,6 +70,7 @@ def sample(src: Path, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git revision of the A arm (B: the working tree)")
+    ap.add_argument("--head", default=None, help="git revision of the B arm (default: the working tree)")
     ap.add_argument("--samples", type=int, default=5, help="subprocesses per arm (medians over them)")
     ap.add_argument("--reps", type=int, default=3, help="measurements inside each subprocess (median)")
     ap.add_argument("--context", type=int, default=2048, help="cached prefix tokens")
@@ -79,17 +80,25 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.base], check=True)
+        trees = {"base": args.base, "head": args.head}  # a revision checked out, or None: this tree
+        for name, rev in trees.items():
+            if rev is not None:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", f"{tmp}/{name}", rev], check=True
+                )
         try:
-            arms = {"base": base / "src", "head": ROOT / "src"}
+            arms = {name: (Path(tmp) / name if rev else ROOT) / "src" for name, rev in trees.items()}
             results: dict[str, list[dict]] = {"base": [], "head": []}
             for i in range(args.samples):
                 for name in ("base", "head") if i % 2 == 0 else ("head", "base"):
                     results[name].append(sample(arms[name], args))
                     print(i, name, results[name][-1], flush=True)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+            for name, rev in trees.items():
+                if rev is not None:
+                    subprocess.run(
+                        ["git", "-C", str(ROOT), "worktree", "remove", "--force", f"{tmp}/{name}"], check=False
+                    )
     summary = {
         arm: {k: median([s[k] for s in rs]) for k in ("cached_ttft_ms", "decode_tok_s")} for arm, rs in results.items()
     }
@@ -109,7 +118,7 @@ def main() -> None:
             ys = [s[key] for s in results[arm]]
             ax.scatter([x] * len(ys), ys, alpha=0.6)
             ax.hlines(summary[arm][key], x - 0.2, x + 0.2)
-        ax.set_xticks([0, 1], [args.base[:10], "head"])
+        ax.set_xticks([0, 1], [args.base[:10], (args.head or "working tree")[:12]])
         ax.set_title(label)
     save_png(fig, out.with_suffix(".png"))
     print(out)
