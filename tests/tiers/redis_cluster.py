@@ -97,6 +97,12 @@ class RedisClusterServers:
         process.kill()
         process.wait(timeout=10)
 
+    def restart(self, port: int) -> None:
+        """Start a killed node again on its port: it reads its ``nodes.conf`` and rejoins as
+        what it was (a master of the same slots, now empty: no persistence)."""
+        self._start_node(port)
+        self.wait_until_ok(list(self.processes))
+
     def stop(self) -> None:
         for port in list(self.processes):
             self.kill(port)
