@@ -68,7 +68,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--remote-cache",
         default=C.remote_cache,
         metavar="redis://HOST:PORT/DB",
-        help="shared tier (Redis/Valkey) for executors of the same model; a down store costs a recompute",
+        help="shared tier (Redis/Valkey) for executors of the same model; redis+cluster://ANY_NODE:PORT "
+        "(rediss+cluster:// with TLS) for a Redis Cluster / Valkey cluster; a down store costs a recompute",
     )
     p.add_argument(
         "--tier-write-through-min-priority",
