@@ -193,7 +193,7 @@ def test_subscriber_rebuilds_each_level_and_host_hits_are_cached_tokens(serve_ti
                 by_tier.append(details["cached_tokens_by_tier"])
         assert cached[:6] == [0] * 6 and min(cached[6:]) > 0  # evicted from the device, onboarded from the host
         assert all(sum(split.values()) == n for split, n in zip(by_tier, cached))
-        assert set(by_tier[0]) == {"device", "host", "disk", "remote"} and by_tier[6]["host"] > 0
+        assert set(by_tier[0]) == {"device", "host", "disk", "remote", "object"} and by_tier[6]["host"] > 0
         host_hits = sum(split["host"] for split in by_tier)
         metrics = httpx.get(f"{url}/metrics").text
         assert f'kvreuse:prefix_cache_hits_by_tier_total{{model_name="tiny",tier="host"}} {float(host_hits)}' in metrics

@@ -67,3 +67,43 @@ def test_the_executors_route_names_them_for_an_admin_key_only():
 def test_without_keys_the_executors_route_is_open_as_every_route_is():
     (r,) = _get([("/v1/route/executors", None)])
     assert r.status_code == 200 and [e["url"] for e in r.json()["executors"]] == list(URLS)
+
+
+def _explain(key, *, api_key=("admin", "tkey:alpha")):
+    """``POST /v1/route/explain`` of a token-id prompt with ``key``, on the two executors of ``_get``."""
+
+    async def scenario():
+        router = Router(
+            [Executor(u, healthy=h) for u, h in zip(URLS, (True, False))],
+            PromptHasher(None, HashSettings("m", 4, "sha256")),
+            make_policy("kv"),
+            client=httpx.AsyncClient(),
+            seed=0,
+        )
+        app = build_router_app(router, api_key=list(api_key) if api_key else None)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            return await c.post("/v1/route/explain", json={"prompt": [1, 2, 3, 4, 5]}, headers=headers)
+
+    return asyncio.run(scenario())
+
+
+def test_explain_names_executors_by_id_to_a_tenant_and_never_by_address():
+    r = _explain("tkey")
+    assert r.status_code == 200 and "10.1.2" not in r.text and "http" not in r.text
+    d = r.json()
+    assert [(e["id"], e["healthy"]) for e in d["executors"]] == [(0, True), (1, False)]
+    assert d["choice_id"] == 0
+    assert "choice" not in d and all("executor" not in e for e in d["executors"])
+
+
+def test_explain_adds_the_addresses_for_an_admin_key_and_without_keys():
+    for r in (_explain("admin"), _explain(None, api_key=None)):
+        d = r.json()
+        assert [(e["id"], e["executor"]) for e in d["executors"]] == [(0, URLS[0]), (1, URLS[1])]
+        assert (d["choice_id"], d["choice"]) == (0, URLS[0])
+
+
+def test_the_executors_route_gives_each_executors_id_beside_its_url():
+    (r,) = _get([("/v1/route/executors", "admin")], api_key=["admin"])
+    assert [(e["id"], e["url"]) for e in r.json()["executors"]] == [(0, URLS[0]), (1, URLS[1])]

@@ -84,6 +84,22 @@ def test_marking_the_executor_down_ends_a_silent_wait_after_the_grace():
     assert not e.on_down  # nothing left registered
 
 
+def test_the_reason_a_wait_ended_names_no_address():
+    e = Executor("http://10.1.2.3:8001", healthy=True, id=1)
+
+    async def scenario():
+        why = "ConnectError('connect to http://10.1.2.3:8001/health failed: 10.1.2.3:8001 refused')"
+        asyncio.get_running_loop().call_later(0.05, e.mark_down, why)
+        return await within(_forever(), e, since=time.monotonic(), limit_s=None, setting="--flag", grace_s=0.1)
+
+    got, _ = _timed(scenario)
+    assert str(got) == (
+        "it was marked down (ConnectError('connect to executor 1/health failed: executor 1 refused')) "
+        "and sent no byte for 0.1 s after"
+    )
+    assert "10.1.2.3" in e.last_error  # the admin route keeps it whole
+
+
 def test_a_down_executor_that_still_sends_keeps_its_read():
     async def late():
         await asyncio.sleep(0.3)  # after the mark, within the grace
@@ -250,7 +266,7 @@ def test_a_stream_that_stalls_mid_response_ends_with_the_error_event_at_the_dead
 
     raw, took, router = _route(handler, ["http://a"], Deadlines(60.0, 0.4), calls)
     message = (
-        "the executor serving this stream (http://a) failed mid-response: it sent no byte for 0.4 s "
+        "the executor serving this stream (executor 0) failed mid-response: it sent no byte for 0.4 s "
         "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
         "(--migration-limit 0); the output is incomplete"
     )

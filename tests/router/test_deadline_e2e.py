@@ -163,7 +163,8 @@ def test_without_migration_a_stopped_executors_stream_ends_with_the_error_event_
     assert served_by == victim  # its events, then the error event (no [DONE]: the stream is incomplete)
     error = events[-1]["error"]
     assert error["code"] == "executor_failed" and error["message"] == (
-        f"the executor serving this stream ({victim}) failed mid-response: it sent no byte for {PROGRESS_S:g} s "
+        f"the executor serving this stream (executor {list(cluster['execs']).index(victim)}) failed mid-response: "
+        f"it sent no byte for {PROGRESS_S:g} s "
         "(--upstream-progress-timeout); it could not be continued on another executor: migration is off "
         "(--migration-limit 0); the output is incomplete"
     )

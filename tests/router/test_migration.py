@@ -278,7 +278,7 @@ def test_three_migrations_then_the_limit_ends_the_stream_with_an_error_the_clien
     "case,extra,limit,executors,reason",
     [
         ("off", {}, 0, NAMES, "migration is off (--migration-limit 0)"),
-        ("alone", {}, 3, NAMES[:1], "no other healthy executor (tried http://a)"),
+        ("alone", {}, 3, NAMES[:1], "no other healthy executor (tried executor 0)"),
         ("n", {"n": 2}, 3, NAMES, "it asks for n = 2 choices (only n = 1 is continued)"),
         ("logprobs", {"logprobs": 2}, 3, NAMES, "it asks for logprobs (not continued)"),
     ],
@@ -304,7 +304,7 @@ def test_a_stream_that_cannot_be_continued_ends_with_an_error_the_client_raises(
 
     (texts, error), _, router = _scenario(executor_app, read, cuts=[3], limit=limit, executors=executors)
     assert texts and isinstance(error, openai.APIError)
-    failure = "the executor serving this stream (http://a) failed mid-response: the connection broke (ReadError); "
+    failure = "the executor serving this stream (executor 0) failed mid-response: the connection broke (ReadError); "
     assert (
         error.message == f"{failure}it could not be continued on another executor: {reason}; the output is incomplete"
     )

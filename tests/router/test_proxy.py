@@ -221,3 +221,25 @@ def test_a_routed_body_is_parsed_once_and_forwarded_as_parsed(monkeypatch):
         "return_token_ids": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+
+
+def test_when_every_executor_fails_the_503_names_them_by_id_never_by_address():
+    def handle(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"connect to {request.url} refused")
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client, ("a", "b"), policy="round_robin")
+            return await forward(router, "/v1/completions", RAW, JSON, chat=False), router
+
+    response, router = asyncio.run(scenario())
+    message = json.loads(response.body)["error"]["message"]
+    assert response.status_code == 503
+    assert message == (
+        "no executor could serve the request (ConnectError('connect to executor 1/v1/completions refused')); "
+        "tried executor 0, executor 1"
+    )
+    assert [e.last_error for e in router.executors.values()] == [
+        "connection failed: ConnectError('connect to http://a/v1/completions refused')",
+        "connection failed: ConnectError('connect to http://b/v1/completions refused')",
+    ]  # the admin route (/v1/route/executors) and the log keep the addresses

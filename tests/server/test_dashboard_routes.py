@@ -76,7 +76,7 @@ def test_stats_show_the_tiers_with_exact_counts(tiny_llama):
         # b needed all but one cached block of a: a's first block stayed on the device
         details = r.json()["usage"]["prompt_tokens_details"]
         assert details["cached_tokens"] == n - 16  # every block but the one holding the last token
-        assert details["cached_tokens_by_tier"] == {"device": 16, "host": n - 32, "disk": 0, "remote": 0}
+        assert details["cached_tokens_by_tier"] == {"device": 16, "host": n - 32, "disk": 0, "remote": 0, "object": 0}
         tiers = client.get("/v1/kv_cache_stats").json()["tiers"]
         assert tiers["hits_tokens"] == {"device": 16, "host": n - 32}
         host = tiers["host"]

@@ -34,7 +34,7 @@ def test_usage_body_counts_as_the_plan_says():
         "cache_read_input_tokens": 32,
         "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
         "output_tokens": 2,
-        "kvreuse": {"cache_read_input_tokens_by_tier": {"device": 16, "host": 16, "disk": 0, "remote": 0}},
+        "kvreuse": {"cache_read_input_tokens_by_tier": {"device": 16, "host": 16, "disk": 0, "remote": 0, "object": 0}},
     }
     body = message_body("msg_1", "m", "", ("end_turn", None), {}, [{"type": "tool_use"}])
     assert body["content"] == [{"type": "tool_use"}] and body["stop_reason"] == "end_turn"

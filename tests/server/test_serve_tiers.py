@@ -89,7 +89,7 @@ def test_a_prefix_computed_on_a_is_a_remote_hit_on_b_with_the_same_greedy_text(p
     assert own.cached_tokens == 0
     shared = complete(b, p, max_tokens=NEW)
     assert shared.cached_tokens == reusable(250) == 240
-    assert shared.by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 240}
+    assert shared.by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 240, "object": 0}
     assert shared.text == own.text == on_a.text
     assert metric(b, "kvreuse:prefix_cache_hits_by_tier_total", tier="remote") >= 240
 
@@ -181,7 +181,13 @@ def test_a_restarted_executor_hits_its_disk_and_refuses_a_corrupted_file(tmp_pat
     log = tmp_path / "second.log"
     with running_server(free_port(), args, log) as url:
         again = complete(url, p, max_tokens=NEW)  # the first repeat after the restart
-        assert again.cached_tokens == 240 and again.by_tier == {"device": 0, "host": 0, "disk": 240, "remote": 0}
+        assert again.cached_tokens == 240 and again.by_tier == {
+            "device": 0,
+            "host": 0,
+            "disk": 240,
+            "remote": 0,
+            "object": 0,
+        }
         assert again.text == first[0].text
         assert store_events(url, "disk")["puts"] == 0  # hits are not written again
         damaged = complete(url, q, max_tokens=NEW)

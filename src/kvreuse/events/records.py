@@ -28,11 +28,13 @@ DEVICE_LEVEL = "GPU"  # vLLM's name for the primary medium; kept for wire compat
 HOST_LEVEL = "CPU"
 DISK_LEVEL = "DISK"
 REMOTE_LEVEL = "REMOTE"
+OBJECT_LEVEL = "OBJECT"  # an S3 bucket (ours: vLLM names no such medium)
 TIER_NAMES = {
     DEVICE_LEVEL: "device",
     HOST_LEVEL: "host",
     DISK_LEVEL: "disk",
     REMOTE_LEVEL: "remote",
+    OBJECT_LEVEL: "object",
 }  # level -> what users read
 
 

@@ -7,6 +7,7 @@
     GET  /health                                  200 while any executor is healthy (each one's health, no URL)
     GET  /metrics                                 the router's own Prometheus metrics
     POST /v1/route/explain                        overlap, load and score per executor, and the choice
+                                                  (ids; URLs too for an admin key, or without keys)
     GET  /v1/route/executors                      each executor's URL, health and load (admin key, with keys)
 
 Guards (``kvreuse.api.middleware``, the executor's own, in the same order): bodies over
@@ -34,7 +35,10 @@ and corrected to the usage the executor answers with. A refusal is the executor'
 
 ``/v1/route/explain`` takes a completions or chat body (a body with ``messages`` is chat)
 and sends nothing to any executor; it decides as a dry run (``Router.decide(dry_run=True)``),
-so it changes no policy state: its choice is the one the same request would get next.
+so it changes no policy state: its choice is the one the same request would get next. It
+names executors by id (``Executor.id``, their ``--executor`` order: ``id``, ``choice_id``);
+their URLs (``executor``, ``choice``) only to an admin key (or anyone, without keys), as
+``/v1/route/executors`` does.
 
 A routed request whose client disconnects before the response is abandoned and its
 upstream request closed, so the executor aborts it (``proxy.forward``).
@@ -257,12 +261,14 @@ def build_router_app(
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body)
         routed = router.decide(keys, dry_run=True)
         overlaps = {c.name: c for c in (routed.candidates if routed else [])}
+        admin = tenant_of(request.scope) is None  # as /v1/route/executors: addresses for admin keys only
         executors = []
         for e in router.executors.values():
             c = overlaps.get(e.name)
             executors.append(
                 {
-                    "executor": e.name,
+                    "id": e.id,
+                    **({"executor": e.url} if admin else {}),
                     "healthy": e.healthy,
                     "overlap_blocks": c.overlap_blocks if c else router.index.overlaps(keys.keys, [e.name])[e.name],
                     "overlap_tokens": (c.overlap_blocks if c else 0) * router.block_size,
@@ -280,7 +286,8 @@ def build_router_app(
                 "prompt_blocks": len(keys.keys),
                 "block_size": router.block_size,
                 "executors": executors,
-                "choice": routed.decision.choice if routed else None,
+                "choice_id": router.executors[routed.decision.choice].id if routed else None,
+                **({"choice": routed.decision.choice if routed else None} if admin else {}),
             }
         )
 

@@ -4,7 +4,7 @@
                   [--routing-policy kv|round_robin|least_loaded] [--overlap-weight W]
                   [--executor-api-key KEY] [--api-key KEY[:TENANT] ...] [--max-body-bytes N]
                   [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
-                  [--metrics-tenant-labels]
+                  [--metrics-tenant-labels] [--metrics-executor-urls]
                   [--migration-limit N] [--upstream-progress-timeout S] [--upstream-first-byte-timeout S]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
@@ -32,6 +32,8 @@ are the executor's (``kvreuse.api.tenant_limits``), enforced on the router's ten
 before a request is sent anywhere; proxied requests carry the executor key (an admin
 key), so the executors' own tenant limits do not see them. ``/metrics`` names tenants
 (``kvreuse:router_tenant_*``) only to an admin key, unless ``--metrics-tenant-labels``.
+Its ``executor`` label is the executor's id (its place in ``--executor`` order, listed with
+its URL on the admin route ``/v1/route/executors``), or its URL with ``--metrics-executor-urls``.
 
 ``--migration-limit`` (default 3, 0: off) bounds the executors a stream is continued on
 when its executor fails mid-response (``kvreuse.router.migration``).
@@ -126,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show tenant names and usage on /metrics to every scraper (default: only with an admin "
         "key; others see sums over tenants, tenant=\"(all)\")",
+    )
+    p.add_argument(
+        "--metrics-executor-urls",
+        action="store_true",
+        help="label executors on /metrics with their URLs (default: their ids, 0, 1, ... in --executor "
+        "order; the URLs are on the admin route /v1/route/executors)",
     )
     p.add_argument(
         "--migration-limit",
@@ -235,6 +243,7 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         tier_weights=tier_weights,
         migration_limit=args.migration_limit,
         deadlines=deadlines,
+        metrics_executor_urls=args.metrics_executor_urls,
     )
     print(
         f"kvreuse route: {len(urls)} executors, model {first.model_name} ({settings.model_id}), "

@@ -144,8 +144,9 @@ class ReadClock:
             self._timer = asyncio.get_running_loop().call_at(end, self._fire)
             return
         if down_end is not None and (limit_end is None or down_end < limit_end):
+            why = self.executor.scrub(self.executor.last_error or "")  # told to the client: no address
             self._stalled = Stalled(
-                f"it was marked down ({self.executor.last_error}) and sent no byte for {self.grace_s:g} s after",
+                f"it was marked down ({why}) and sent no byte for {self.grace_s:g} s after",
                 timed_out=False,
             )
         else:

@@ -116,6 +116,9 @@ class Executor:
     url: str
     info: ExecutorInfo | None = None
     healthy: bool = False
+    # its place in the router's --executor list (``Router`` sets it): what a client, a tenant or
+    # a scraper is told instead of the URL (``label``); None outside a router
+    id: int | None = None
     in_flight: int = 0  # requests the router has sent and not finished
     in_flight_blocks: int = 0  # their prompt blocks
     remote: dict[str, float] = field(default_factory=dict)  # last /metrics load gauges
@@ -128,6 +131,18 @@ class Executor:
     @property
     def name(self) -> str:
         return self.url
+
+    @property
+    def label(self) -> str:
+        """What messages to clients call it ("executor 1"): never its address, which only
+        admin routes and the router's own log name."""
+        return "an executor" if self.id is None else f"executor {self.id}"
+
+    def scrub(self, text: str) -> str:
+        """``text`` (a reason it was marked down, say) with its address, and the host:port
+        part of it, replaced by ``label``: fit to tell a client."""
+        netloc = re.escape(self.url.split("://", 1)[-1].rstrip("/"))
+        return re.sub(rf"(?<![\w.-]){netloc}(?![\w.-])", self.label, text.replace(self.url, self.label))
 
     @property
     def load_blocks(self) -> float:
@@ -157,6 +172,7 @@ class Executor:
 
     def status(self) -> dict:
         return {
+            "id": self.id,
             "url": self.url,
             "healthy": self.healthy,
             "in_flight": self.in_flight,

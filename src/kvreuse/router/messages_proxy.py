@@ -138,7 +138,7 @@ async def forward_messages(
             if routed is None:
                 if last_answer is not None:
                     return last_answer
-                return error(f"no executor could serve the request ({last_error}); tried {tried or 'none'}", 503)
+                return error(f"no executor could serve the request ({last_error}); tried {router.labels(tried)}", 503)
             executor = router.executors[routed.decision.choice]
             blocks = router.prompt_blocks(keys)
             executor.begin(blocks)

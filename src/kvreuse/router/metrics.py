@@ -11,11 +11,17 @@ and ``kvreuse:router_prompt_blocks_total`` (their ratio is the routed prefix-hit
 (``kvreuse.api.limit_metrics``, registered by ``build_router_app``).
 
 The gauges are read at scrape time from the executors and the index handed in (the router's
-own, never replaced), not from the router itself."""
+own, never replaced), not from the router itself.
+
+``executor`` is the executor's id (``Executor.id``, its place in ``--executor`` order, as
+``/v1/route/executors`` lists it beside its URL): ``/metrics`` is open to scrapers, and
+executor addresses are for admin keys only (issue 31's tenant seal). ``executor_urls``
+(``kvreuse route --metrics-executor-urls``, for a ``/metrics`` only trusted scrapers reach)
+labels them with their URLs instead."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -28,10 +34,14 @@ if TYPE_CHECKING:
 
 
 class RouterMetrics:
-    def __init__(self, policy_name: str, executors: Mapping[str, Executor], index: KVIndex) -> None:
+    def __init__(
+        self, policy_name: str, executors: Mapping[str, Executor], index: KVIndex, *, executor_urls: bool = False
+    ) -> None:
         """``policy_name`` labels the decisions; ``executors`` (by name) and ``index`` are read
-        at each scrape."""
+        at each scrape; ``executor_urls``: label executors with their URLs, not their ids."""
         self.registry = CollectorRegistry()
+        self.executors = executors
+        self.executor_urls = executor_urls
         self.decisions = Counter(
             "kvreuse:router_decisions",
             "Routing decisions by executor and policy.",
@@ -60,16 +70,20 @@ class RouterMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(executors, index))
+        self.registry.register(_StateCollector(executors, index, self.executor_label))
         self._policy = policy_name
 
     def decision(self, decision: Decision, candidates: Sequence[Candidate]) -> None:
         """Count one routing decision among ``candidates`` (the chosen one is among them)."""
         choice = decision.choice
-        self.decisions.labels(choice, self._policy).inc()
+        self.decisions.labels(self.executor_label(self.executors[choice]), self._policy).inc()
         chosen = next(c for c in candidates if c.name == choice)
         self.overlap_blocks.inc(chosen.overlap_blocks)
         self.prompt_blocks.inc(chosen.prompt_blocks)
+
+    def executor_label(self, executor: Executor) -> str:
+        """The ``executor`` label: its id, or its URL with ``executor_urls``."""
+        return executor.url if self.executor_urls or executor.id is None else str(executor.id)
 
     def migration(self, outcome: str) -> None:
         self.migrations.labels(outcome).inc()
@@ -79,9 +93,10 @@ class RouterMetrics:
 
 
 class _StateCollector:
-    def __init__(self, executors: Mapping[str, Executor], index: KVIndex) -> None:
+    def __init__(self, executors: Mapping[str, Executor], index: KVIndex, label_of: Callable[[Executor], str]) -> None:
         self.executors = executors
         self.index = index
+        self.label_of = label_of
 
     def collect(self):
         up = GaugeMetricFamily(
@@ -92,9 +107,10 @@ class _StateCollector:
         )
         inflight = GaugeMetricFamily("kvreuse:router_executor_in_flight", "Requests in flight.", labels=["executor"])
         for e in self.executors.values():
-            up.add_metric([e.name], 1.0 if e.healthy else 0.0)
-            load.add_metric([e.name], e.load_blocks)
-            inflight.add_metric([e.name], e.in_flight)
+            label = self.label_of(e)
+            up.add_metric([label], 1.0 if e.healthy else 0.0)
+            load.add_metric([label], e.load_blocks)
+            inflight.add_metric([label], e.in_flight)
         yield up
         yield load
         yield inflight

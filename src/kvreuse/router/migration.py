@@ -49,10 +49,10 @@ CONTINUATION_PATH = "/v1/completions"
 MIGRATION_OFF = "migration is off (--migration-limit 0)"
 
 
-def stream_error_event(executor_url: str, failure: str, refusal: str | None = None) -> bytes:
-    """The SSE event that ends a stream whose executor failed mid-response; ``refusal`` says
-    why it was not continued elsewhere."""
-    message = f"the executor serving this stream ({executor_url}) failed mid-response: {failure}; "
+def stream_error_event(executor: str, failure: str, refusal: str | None = None) -> bytes:
+    """The SSE event that ends a stream whose executor failed mid-response; ``executor`` is
+    its ``Executor.label`` (never its address); ``refusal`` says why it was not continued elsewhere."""
+    message = f"the executor serving this stream ({executor}) failed mid-response: {failure}; "
     if refusal is not None:
         message += f"it could not be continued on another executor: {refusal}; "
     return error_event(message + "the output is incomplete")
@@ -122,14 +122,14 @@ async def migrating_stream(
                     router.metrics.migration(outcome)
                     router.metrics.streams_cut.inc()
                     logger.warning("stream from %s not continued: %s", failed.url, reason)
-                    yield stream_error_event(failed.url, failure, reason)
+                    yield stream_error_event(failed.label, failure, reason)
                     return
                 attempts += 1
                 upstream, problem = await _continue(router, request, ledger, origin, keys, path, headers, tried)
                 if problem is not None:  # the executor answered, and not with a stream: say its words
                     router.metrics.migration("failed")
                     router.metrics.streams_cut.inc()
-                    yield stream_error_event(failed.url, failure, problem)
+                    yield stream_error_event(failed.label, failure, problem)
                     return
                 if upstream is None:
                     router.metrics.migration("failed")
@@ -158,7 +158,7 @@ def _refusal(
     if attempts >= limit:
         return "limit", (MIGRATION_OFF if limit == 0 else f"the migration limit is reached (--migration-limit {limit})")
     if not router.candidates(RequestKeys(0, []), exclude=tried):
-        return "no_executor", f"no other healthy executor (tried {', '.join(tried)})"
+        return "no_executor", f"no other healthy executor (tried {router.labels(tried)})"
     if not ledger.sent:
         return None  # the original request is sent again, whatever it asks for
     # (what the body asks for was checked before it was first sent: proxy._refusal)
@@ -218,4 +218,4 @@ async def _continue(
         return result, None
     body = payload(b"data: " + bytes(result.body) + b"\n\n") or {}
     message = (body.get("error") or {}).get("message") if isinstance(body.get("error"), dict) else None
-    return None, f"{executor.url} answered {result.status_code}: {message or bytes(result.body)[:200]!r}"
+    return None, f"{executor.label} answered {result.status_code}: {message or bytes(result.body)[:200]!r}"

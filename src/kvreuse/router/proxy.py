@@ -128,7 +128,7 @@ async def _forward(
         if routed is None:
             if last_answer is not None:
                 return last_answer  # every executor failed it: the client gets the executor's words
-            return error(f"no executor could serve the request ({last_error}); tried {tried or 'none'}", 503)
+            return error(f"no executor could serve the request ({last_error}); tried {router.labels(tried)}", 503)
         executor = router.executors[routed.decision.choice]
         blocks = router.prompt_blocks(keys)
         executor.begin(blocks)
@@ -211,4 +211,4 @@ async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | 
         router.metrics.streams_cut.inc()
         if refusal is not None:
             router.metrics.migration(refusal[0])
-        yield stream_error_event(upstream.executor.url, failure, None if refusal is None else refusal[1])
+        yield stream_error_event(upstream.executor.label, failure, None if refusal is None else refusal[1])

@@ -74,8 +74,11 @@ class Router:
         tier_weights: dict[str, float] | None = None,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         deadlines: Deadlines = DEFAULT_DEADLINES,
+        metrics_executor_urls: bool = False,
     ) -> None:
         self.executors = {e.name: e for e in executors}
+        for i, e in enumerate(executors):
+            e.id = i  # in --executor order: the name clients and scrapers see (Executor.label)
         # how long an upstream read may wait (kvreuse.router.deadline)
         self.deadlines = deadlines
         # executors a stream may be continued on after its executor fails (kvreuse.router.migration)
@@ -97,7 +100,8 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self.num_retries = 0
         self.affinity = Affinity()  # prompt_cache_key -> its executor (kvreuse.router.affinity)
-        self.metrics = RouterMetrics(policy.name, self.executors, self.index)
+        # /metrics labels executors by id unless --metrics-executor-urls (kvreuse.router.metrics)
+        self.metrics = RouterMetrics(policy.name, self.executors, self.index, executor_urls=metrics_executor_urls)
 
     @property
     def block_size(self) -> int:
@@ -155,6 +159,11 @@ class Router:
         executor.failures += 1
         self.num_retries += 1
         self.metrics.retries.inc()
+
+    def labels(self, names: Collection[str]) -> str:
+        """``names`` (executors' names) as a client may read them ("executor 0, executor 1";
+        "none"): ``Executor.label``, never an address."""
+        return ", ".join(self.executors[n].label for n in names) or "none"
 
     def prompt_blocks(self, keys: RequestKeys) -> int:
         return cdiv(keys.num_tokens, self.block_size)

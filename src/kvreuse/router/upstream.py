@@ -206,18 +206,18 @@ async def send(
         resp = await watched(client.send(request, stream=True))
     except httpx.TransportError as exc:
         executor.mark_down(f"connection failed: {exc!r}")
-        raise Retry(repr(exc)) from None
+        raise Retry(executor.scrub(repr(exc))) from None
     except Stalled as exc:
         raise _stalled(executor, exc) from None
     if resp.status_code in RETRY_STATUS:
         await resp.aclose()
-        raise Retry(f"{executor.url} answered {resp.status_code}")
+        raise Retry(f"{executor.label} answered {resp.status_code}")
     if not resp.headers.get("content-type", "").startswith("text/event-stream"):
         try:
             content = await watched(resp.aread())
         except httpx.TransportError as exc:
             executor.mark_down(f"connection broke: {exc!r}")
-            raise Retry(repr(exc)) from None
+            raise Retry(executor.scrub(repr(exc))) from None
         except Stalled as exc:
             raise _stalled(executor, exc) from None
         finally:
@@ -227,7 +227,7 @@ async def send(
             if executor_fault(resp.status_code, error):
                 message = error.get("message") if isinstance(error, dict) else None
                 raise Retry(
-                    f"{executor.url} answered {resp.status_code}: {message or content[:200]!r}",
+                    f"{executor.label} answered {resp.status_code}: {message or content[:200]!r}",
                     Response(content, status_code=resp.status_code, headers=response_headers(executor, resp)),
                 )
         executor.end(blocks)
@@ -238,7 +238,7 @@ async def send(
     except (httpx.TransportError, StopAsyncIteration) as exc:
         await resp.aclose()
         executor.mark_down(f"stream broke before its first byte: {exc!r}")
-        raise Retry(repr(exc)) from None
+        raise Retry(executor.scrub(repr(exc))) from None
     except Stalled as exc:
         await resp.aclose()
         raise _stalled(executor, exc) from None
@@ -252,7 +252,7 @@ def _stalled(executor: Executor, exc: Stalled) -> Retry:
     """The ``Retry`` of a wait that ``exc`` ended; a missed deadline marks ``executor`` down."""
     if exc.timed_out:
         executor.mark_down(f"no first byte: {exc}")
-    return Retry(f"{executor.url}: {exc}")
+    return Retry(f"{executor.label}: {exc}")
 
 
 def response_headers(executor: Executor, resp: httpx.Response) -> dict[str, str]:

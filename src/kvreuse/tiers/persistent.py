@@ -1,18 +1,20 @@
-"""Disk and shared remote stores below the host tier: the one component that does their IO.
+"""Disk, shared remote and object stores below the host tier: the one component that does their IO.
 
-    device pool ──evict──▶ host tier ──evict (spill)──▶ disk store  ┐  (and write-through of
-                                                   └──────────────▶ remote store ┘   newly computed
-    admission: device ─▶ host ─▶ disk ─▶ remote  (the first tier that holds the next key wins)  blocks)
+    device pool ──evict──▶ host tier ──evict (spill)──▶ disk store    ┐  (and write-through of
+                                                   ├──────────────▶ remote store  ┤   newly computed
+                                                   └──────────────▶ object store ┘   blocks)
+    admission: device ─▶ host ─▶ disk ─▶ remote ─▶ object  (the first tier that holds the next key wins)
 
 Writes (``spill``) are encoded on the caller's thread from a CPU copy of the block KV and
-put by one background writer, so a slow disk or Redis never stalls a step; a full queue
+put by one background writer, so a slow disk, Redis or S3 never stalls a step; a full queue
 drops the write (counted). Reads (``match``) are synchronous: the engine needs the KV
 before it runs the request. Every failure (absent, corrupt, foreign, store down, breaker
 open) is a miss: it costs a recompute, never a request.
 
 What the stores hold is reported, never emitted from here: every change seen (a write the
 store acknowledged, a block the disk already held at start, a block verified on a read, a
-disk entry that left the index, a remote key found missing) is a ``StoreChange`` on a
+disk entry that left the index, a remote key or object found missing, an object the object
+store deleted) is a ``StoreChange`` on a
 thread-safe queue; the engine thread takes them (``take_changes``) into its ledgers, which
 emit the KV events (``cache.store_ledger``). The writer calls ``on_change`` whenever it runs
 out of work (and every ``WAKE_EVERY`` writes of a long burst), so an idle engine thread wakes
@@ -26,16 +28,22 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.cache.store_ledger import StoreChange
-from kvreuse.events.records import DISK_LEVEL, REMOTE_LEVEL
+from kvreuse.events.records import DISK_LEVEL, OBJECT_LEVEL, REMOTE_LEVEL
 from kvreuse.tiers.block_codec import BlockHeader, BlockRecord, encode_block
 from kvreuse.tiers.disk_store import DiskStore
 from kvreuse.tiers.namespace import TierNamespace
 from kvreuse.tiers.remote_store import RemoteStore
+
+if TYPE_CHECKING:
+    from kvreuse.tiers.object_store import ObjectStore  # boto3: imported only where an object tier is built
+
+    SharedStore = RemoteStore | ObjectStore  # stores other executors write too: a miss there is news
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,7 @@ class PersistentStats:
     dropped_writes: int = 0  # queue full or encoding refused: not written
     disk_hits: int = 0  # blocks read back from disk at admission
     remote_hits: int = 0  # blocks read back from the remote store at admission
+    object_hits: int = 0  # blocks read back from the object store at admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +68,11 @@ class StoredKV:
     parent_key: BlockHash | None
     token_ids: tuple[int, ...]
     kv: torch.Tensor  # [layers, 2, kv_heads, block_size, head_dim], CPU
-    level: str  # DISK_LEVEL or REMOTE_LEVEL
+    level: str  # DISK_LEVEL, REMOTE_LEVEL or OBJECT_LEVEL
 
 
 class PersistentTiers:
-    """``disk`` and/or ``remote`` for one namespace and one per-block KV layout."""
+    """``disk``, ``remote`` and/or ``objects`` for one namespace and one per-block KV layout."""
 
     def __init__(
         self,
@@ -73,16 +82,18 @@ class PersistentTiers:
         *,
         disk: DiskStore | None = None,
         remote: RemoteStore | None = None,
+        objects: ObjectStore | None = None,
         write_through_min_priority: int = 101,
         queue_blocks: int = 4096,
     ) -> None:
-        if disk is None and remote is None:
-            raise ValueError("PersistentTiers needs a disk or a remote store")
+        if disk is None and remote is None and objects is None:
+            raise ValueError("PersistentTiers needs a disk, a remote or an object store")
         self.namespace = namespace
         self.block_shape = tuple(block_shape)  # [layers, 2, kv_heads, block_size, head_dim]
         self.dtype = dtype
         self.disk = disk
         self.remote = remote
+        self.objects = objects
         self.write_through_min_priority = write_through_min_priority
         self.stats = PersistentStats()
         # called by the writer thread when changes wait: must be thread-safe and never block
@@ -92,25 +103,38 @@ class PersistentTiers:
         self._pending = 0  # writes queued and not finished (both stores tried)
         self._pending_lock = threading.Lock()
         self._flushed: threading.Event | None = None  # set by the writer when it reaches flush()'s marker
-        # remote reads in flight, each with the keys the writer had acknowledged since it began
-        # (under the lock): a miss of one of those predates the write and must not remove it
+        # shared-store reads in flight, each with the (level, key)s the writer had acknowledged
+        # since it began (under the lock): a miss of one of those predates the write, keep it
         self._remote_lock = threading.Lock()
-        self._remote_reads: list[set[BlockHash]] = []
+        self._remote_reads: list[set[tuple[str, BlockHash]]] = []
         if disk is not None:
             disk.listen(lambda key: self._note(StoreChange(DISK_LEVEL, key, False)))
             self._announce_disk(disk)
+        if objects is not None:  # deleted objects: refused, past their age, purged
+            objects.listen(lambda key: self._note(StoreChange(OBJECT_LEVEL, key, False)))
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
     @property
+    def stores(self) -> dict[str, DiskStore | SharedStore]:
+        """The stores present by cache level, nearest first (``DISK``, ``REMOTE``, ``OBJECT``)."""
+        found = ((DISK_LEVEL, self.disk), (REMOTE_LEVEL, self.remote), (OBJECT_LEVEL, self.objects))
+        return {level: store for level, store in found if store is not None}
+
+    @property
     def levels(self) -> tuple[str, ...]:
-        """The cache levels of the stores present: ``DISK`` and / or ``REMOTE``."""
-        return tuple(level for level, store in ((DISK_LEVEL, self.disk), (REMOTE_LEVEL, self.remote)) if store)
+        """The cache levels of the stores present: ``DISK``, ``REMOTE``, ``OBJECT``."""
+        return tuple(self.stores)
 
     @property
     def remote_store_id(self) -> str | None:
         """The remote store's identity (``RemoteStore.identity``: no credentials), or None."""
         return None if self.remote is None else self.remote.identity
+
+    @property
+    def object_store_id(self) -> str | None:
+        """The object store's identity (``ObjectStore.identity``: no credentials), or None."""
+        return None if self.objects is None else self.objects.identity
 
     @property
     def pending_writes(self) -> int:
@@ -217,12 +241,13 @@ class PersistentTiers:
             stored = StoreChange(DISK_LEVEL, key, True, parent, tuple(tokens), depth)
             if self.disk.put(key, payload, on_stored=lambda: self._note(stored)):  # never raises
                 self.stats.written_blocks += 1
-        if self.remote is not None and self.remote.put(key, payload):
-            self.stats.written_blocks += 1
-            with self._remote_lock:
-                self._note(StoreChange(REMOTE_LEVEL, key, True, parent, tuple(tokens), depth))
-                for acked in self._remote_reads:
-                    acked.add(key)
+        for level, shared in ((REMOTE_LEVEL, self.remote), (OBJECT_LEVEL, self.objects)):
+            if shared is not None and shared.put(key, payload):
+                self.stats.written_blocks += 1
+                with self._remote_lock:
+                    self._note(StoreChange(level, key, True, parent, tuple(tokens), depth))
+                    for acked in self._remote_reads:
+                        acked.add((level, key))
 
     # ------------------------------------------------------------------ reads
     def match(
@@ -230,9 +255,10 @@ class PersistentTiers:
     ) -> list[StoredKV]:
         """The longest run of ``keys`` (continuing the chain after ``parent``; ``keys[0]`` at
         chain position ``depth``) that the stores hold with matching tokens and parent,
-        verified; disk first, then one batched remote read for the rest. Reads only, and
-        reports what it learnt: each block used is held; a remote key that the store said it
-        lacks (absent, or refused and deleted) is not."""
+        verified; disk first, then one batched remote read for the rest, then the object
+        store's parallel reads for what is still missing. Reads only, and reports what it
+        learnt: each block used is held; a shared key that the store said it lacks (absent,
+        or refused and deleted) is not."""
         out: list[StoredKV] = []
         tokens = list(token_blocks)  # one entry per key
         if self.disk is not None:
@@ -248,33 +274,36 @@ class PersistentTiers:
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
                 out.append(StoredKV(record.key, record.parent_key, record.token_ids, record.kv, DISK_LEVEL))
-        if self.remote is not None and len(out) < len(keys):
-            rest = list(keys[len(out) :])
-            found = self._fetch_remote(self.remote, rest)
+        for level, shared in ((REMOTE_LEVEL, self.remote), (OBJECT_LEVEL, self.objects)):
+            if shared is None or len(out) == len(keys):
+                continue
+            found = self._fetch_shared(level, shared, list(keys[len(out) :]))
             for record, want in zip(found or (), tokens[len(out) :]):
                 if record is None or not self._continues(record, want, out[-1].key if out else parent):
                     break
-                out.append(self._used(record, REMOTE_LEVEL, depth + len(out)))
+                out.append(self._used(record, level, depth + len(out)))
         self.stats.disk_hits += sum(1 for s in out if s.level == DISK_LEVEL)
         self.stats.remote_hits += sum(1 for s in out if s.level == REMOTE_LEVEL)
+        self.stats.object_hits += sum(1 for s in out if s.level == OBJECT_LEVEL)
         return out
 
-    def _fetch_remote(self, remote: RemoteStore, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
-        """``RemoteStore.fetch_many``, reporting each key Redis answered without as not held,
-        unless the writer had its write of that key acknowledged meanwhile (the miss may
-        predate it: the key is held now). None: the store did not answer, nothing learnt."""
-        acked: set[BlockHash] = set()
+    def _fetch_shared(self, level: str, store: SharedStore, keys: list[BlockHash]) -> list[BlockRecord | None] | None:
+        """``store.fetch_many`` (Redis: one answer per key; S3: the leading run, possibly
+        shorter), reporting each key the store answered without as not held, unless the writer
+        had its write of that key acknowledged meanwhile (the miss may predate it: the key is
+        held now). None: the store did not answer, nothing learnt."""
+        acked: set[tuple[str, BlockHash]] = set()
         with self._remote_lock:
             self._remote_reads.append(acked)
         found = None
         try:
-            found = remote.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)
+            found = store.fetch_many(keys, shape=self.block_shape, dtype=self.dtype)
         finally:
             with self._remote_lock:
                 self._remote_reads.remove(acked)
                 for key, record in zip(keys, found or ()):
-                    if record is None and key not in acked:
-                        self._note(StoreChange(REMOTE_LEVEL, key, False))
+                    if record is None and (level, key) not in acked:
+                        self._note(StoreChange(level, key, False))
         return found
 
     def _used(self, record: BlockRecord, level: str, depth: int) -> StoredKV:
@@ -294,3 +323,5 @@ class PersistentTiers:
         self.flush(5.0)
         if self.remote is not None:
             self.remote.close()
+        if self.objects is not None:
+            self.objects.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL
+from kvreuse.events.records import HOST_LEVEL
 
 if TYPE_CHECKING:
     from kvreuse.cache.host_tier import HostTier
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 
 def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
-    """Counters and gauges per lower tier: ``CPU`` (the host tier), ``DISK``, ``REMOTE``. Each
-    level has ``blocks_stored`` / ``blocks_removed`` (blocks its events reported stored and
-    removed since start) and ``blocks_held`` (held now, as announced)."""
+    """Counters and gauges per lower tier: ``CPU`` (the host tier), ``DISK``, ``REMOTE``,
+    ``OBJECT``. Each level has ``blocks_stored`` / ``blocks_removed`` (blocks its events
+    reported stored and removed since start) and ``blocks_held`` (held now, as announced)."""
     pool, s = host.pool, host.stats
     out: dict[str, dict[str, float]] = {
         HOST_LEVEL: {
@@ -58,11 +58,8 @@ def tier_stats(host: HostTier, block_bytes: int) -> dict[str, dict[str, float]]:
 
 
 def store_stats(stores: PersistentTiers) -> dict[str, dict[str, float]]:
-    """The disk / remote stores' counters and gauges, per level (``DISK``, ``REMOTE``). Safe
-    from any thread (the stores count under their own locks): they change on the writer
-    thread and on the breaker's clock, between engine steps too, so readers take them live."""
-    return {
-        level: {k: float(v) for k, v in store.stats().items()}
-        for level, store in ((DISK_LEVEL, stores.disk), (REMOTE_LEVEL, stores.remote))
-        if store is not None
-    }
+    """The disk / remote / object stores' counters and gauges, per level (``DISK``, ``REMOTE``,
+    ``OBJECT``). Safe from any thread (the stores count under their own locks): they change on
+    the writer thread and on the breaker's clock, between engine steps too, so readers take
+    them live."""
+    return {level: {k: float(v) for k, v in store.stats().items()} for level, store in stores.stores.items()}
