@@ -27,6 +27,7 @@ from kvreuse.engine import invariant_attention
 from kvreuse.engine.flash import attend_alone, flash, merge
 from kvreuse.engine.forward_batch import DecodeBatch, ForwardContext, KeyTable, PrefillItem  # also exported here
 from kvreuse.engine.key_frames import KeyFrames
+from kvreuse.engine.kv_quant import KVSide, layer_sides
 
 __all__ = [
     "ATTN_NAME",
@@ -103,10 +104,10 @@ def attend(
     One call per layer: the per-item work is a kernel call or two (``_flash_over_pool``);
     score rows are never materialised except on sliding-window layers, which keep the masked
     path (their windows cut the context, which the fused path does not model)."""
-    layer_cache = ctx.kv_cache[layer_idx]  # [2, kv_heads, num_slots, head_dim]
-    k_cache, v_cache = layer_cache[0], layer_cache[1]
-    k_cache.index_copy_(1, ctx.slot_mapping, key.transpose(0, 1))  # [kv_heads, T, d]
-    v_cache.index_copy_(1, ctx.slot_mapping, value.transpose(0, 1))
+    k_cache, v_cache = layer_sides(ctx.kv_cache, layer_idx)  # each [kv_heads, num_slots, d] as read
+    # the new tokens attend to their K/V as the pool gives them back (int8: quantized once, here)
+    key = k_cache.write(ctx.slot_mapping, key.transpose(0, 1)).transpose(0, 1)  # [T, kv_heads, d]
+    value = v_cache.write(ctx.slot_mapping, value.transpose(0, 1)).transpose(0, 1)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     t = query.shape[0]
     if len(ctx.prefills) == 1 and ctx.decodes is None and ctx.prefills[0].num_new == t:
@@ -124,9 +125,9 @@ def attend(
         b, lmax = d.kv_slots.shape
         q = query[d.token_index].unsqueeze(2)  # [B, heads, 1, d]
         flat = d.kv_slots.reshape(-1)
-        kv_heads, head_dim = k_cache.shape[0], k_cache.shape[2]
-        k = k_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)  # [B, kv_heads, Lmax, d]
-        v = v_cache.index_select(1, flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)
+        kv_heads, head_dim = k_cache.kv_heads, query.shape[-1]
+        k = k_cache.select(flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)  # [B, kv_heads, Lmax, d]
+        v = v_cache.select(flat).view(kv_heads, b, lmax, head_dim).transpose(0, 1)
         mask = d.mask_sliding[sliding_window] if sliding_window else d.mask_full
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[d.token_index] = o.squeeze(2)  # [B, heads, d]
@@ -138,8 +139,8 @@ def _attend_item(
     q: torch.Tensor,  # [n, heads, d]
     k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys
     v: torch.Tensor,  # [n, kv_heads, d]
-    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
-    v_cache: torch.Tensor,
+    k_cache: KVSide,  # [kv_heads, num_slots, d] as read
+    v_cache: KVSide,
     scale: float,
     sliding_window: int | None,
     layer: int = 0,
@@ -150,7 +151,7 @@ def _attend_item(
     documents' frames and seam repair's masks keep their paths (their reuse is approximate)."""
     if invariant and item.frames is None and not item.masked and not sliding_window:
         slots = item.kv_slots  # [L] every key in attention order, the new ones last
-        return invariant_attention.attend(q, k_cache.index_select(1, slots), v_cache.index_select(1, slots), scale)
+        return invariant_attention.attend(q, k_cache.select(slots), v_cache.select(slots), scale)
     if item.frames is not None:
         if sliding_window:
             raise RuntimeError(
@@ -160,8 +161,8 @@ def _attend_item(
         return _flash_over_frames(item.frames, layer, q, k, v, k_cache, v_cache, scale)
     mask = item.mask_sliding.get(sliding_window) if sliding_window else item.mask_full
     if item.masked:  # keys by position (seam repair): gather, then the mask decides alone
-        kk = k_cache.index_select(1, item.kv_slots)[None]  # [1, kv_heads, L, d]
-        vv = v_cache.index_select(1, item.kv_slots)[None]
+        kk = k_cache.select(item.kv_slots)[None]  # [1, kv_heads, L, d]
+        vv = v_cache.select(item.kv_slots)[None]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [1, heads, n, d]
@@ -186,11 +187,11 @@ def _attend_item(
     qh = q.transpose(0, 1)  # [heads, n, d]
     if item.num_new <= SMALL_QUERY and item.kv_runs:
         # the keys lie in a few runs of consecutive slots: read them in place, no gather
-        ks = [k_cache[:, a : a + n] for a, n in item.kv_runs]  # views [kv_heads, n_i, d]
-        vs = [v_cache[:, a : a + n] for a, n in item.kv_runs]
+        ks = [k_cache.run(a, n) for a, n in item.kv_runs]  # views [kv_heads, n_i, d]
+        vs = [v_cache.run(a, n) for a, n in item.kv_runs]
         return _grouped_attention(qh, ks, vs, mask, scale).transpose(0, 1)
-    kk = k_cache.index_select(1, item.kv_slots)  # [kv_heads, L, d]
-    vv = v_cache.index_select(1, item.kv_slots)
+    kk = k_cache.select(item.kv_slots)  # [kv_heads, L, d]
+    vv = v_cache.select(item.kv_slots)
     if item.num_new <= SMALL_QUERY:
         return _grouped_attention(qh, [kk], [vv], mask, scale).transpose(0, 1)
     o = F.scaled_dot_product_attention(
@@ -208,8 +209,8 @@ def _flash_over_pool(
     q: torch.Tensor,  # [n, heads, d]
     k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys (already in the pool too)
     v: torch.Tensor,  # [n, kv_heads, d]
-    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
-    v_cache: torch.Tensor,
+    k_cache: KVSide,  # [kv_heads, num_slots, d] as read
+    v_cache: KVSide,
     scale: float,
 ) -> torch.Tensor:
     """Full attention of ``n`` new tokens over the context (read in place from the pool) and
@@ -226,29 +227,29 @@ def _flash_over_pool(
       over their own K/V (square, so causal is unambiguous), merged.
     """
     n, heads, d = q.shape
-    kv_heads = k_cache.shape[0]
+    kv_heads = k_cache.kv_heads
     if n == 1:
         qg = q.view(1, kv_heads, heads // kv_heads, d)  # [1, kv, groups, d]: head h uses kv head h // groups
         runs = item.kv_runs
         if len(runs) == 1:
             ((a, length),) = runs
-            o = attend_alone(qg, k_cache[None, :, a : a + length], v_cache[None, :, a : a + length], scale)
+            o = attend_alone(qg, k_cache.run(a, length)[None], v_cache.run(a, length)[None], scale)
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
             # long runs: read each in place (a gather would copy the whole context per layer)
-            pieces = [flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale) for a, m in runs]
+            pieces = [flash(qg, k_cache.run(a, m)[None], v_cache.run(a, m)[None], scale) for a, m in runs]
             return merge(pieces).view(1, heads, d)
         slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
-        o = attend_alone(qg, k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None], scale)
+        o = attend_alone(qg, k_cache.select(slots)[None], v_cache.select(slots)[None], scale)
         return o.view(1, heads, d)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d] (a view; the kernel takes strides)
     runs = item.context_runs
     if len(runs) == 1:
         ((a, length),) = runs
-        kc, vc = k_cache[None, :, a : a + length], v_cache[None, :, a : a + length]  # views [1, kv, c, d]
+        kc, vc = k_cache.run(a, length)[None], v_cache.run(a, length)[None]  # views [1, kv, c, d]
     else:
         slots = item.context_slots_tensor
-        kc, vc = k_cache.index_select(1, slots)[None], v_cache.index_select(1, slots)[None]  # [1, kv, c, d]
+        kc, vc = k_cache.select(slots)[None], v_cache.select(slots)[None]  # [1, kv, c, d]
     # every context key is visible to every new token: stack a KV head's query heads as rows
     # ([1, kv, groups * n, d]), so the kernel reads each context key once per KV head
     groups = heads // kv_heads
@@ -265,8 +266,8 @@ def _flash_over_frames(
     q: torch.Tensor,  # [n, heads, d]
     k: torch.Tensor,  # [n, kv_heads, d] the new tokens' keys (already in the pool too)
     v: torch.Tensor,  # [n, kv_heads, d]
-    k_cache: torch.Tensor,  # [kv_heads, num_slots, d]
-    v_cache: torch.Tensor,
+    k_cache: KVSide,  # [kv_heads, num_slots, d] as read
+    v_cache: KVSide,
     scale: float,
 ) -> torch.Tensor:
     """``_flash_over_pool`` over keys in several RoPE frames (``key_frames.py``): one
@@ -276,7 +277,7 @@ def _flash_over_frames(
     repair) hold every key, the new ones included: one masked call each, a row that sees none
     of a group left out of the merge. Returns ``[n, heads, d]``."""
     n, heads, d = q.shape
-    kv_heads = k_cache.shape[0]
+    kv_heads = k_cache.kv_heads
     qh = q.transpose(0, 1)  # [heads, n, d]
     moved = frames.queries(layer, qh) if frames.cos.shape[1] else None  # [f, heads, n, d]
     as_is = qh.contiguous()
@@ -288,8 +289,8 @@ def _flash_over_frames(
             qm = qf.unsqueeze(0)
             o, lse = flash(
                 qm,
-                k_cache.index_select(1, group.slots)[None],
-                v_cache.index_select(1, group.slots)[None],
+                k_cache.select(group.slots)[None],
+                v_cache.select(group.slots)[None],
                 scale,
                 mask=group.mask,
             )  # [1, heads, n, d], [1, heads, n]
@@ -297,13 +298,9 @@ def _flash_over_frames(
             continue
         qg = qf.view(1, kv_heads, heads // kv_heads * n, d)
         if group.slots is not None:  # [1, kv, g*n, d]: rows (group, token), each key read once per KV head
-            pieces.append(
-                flash(qg, k_cache.index_select(1, group.slots)[None], v_cache.index_select(1, group.slots)[None], scale)
-            )
+            pieces.append(flash(qg, k_cache.select(group.slots)[None], v_cache.select(group.slots)[None], scale))
         else:
-            pieces.extend(
-                flash(qg, k_cache[None, :, a : a + m], v_cache[None, :, a : a + m], scale) for a, m in group.runs
-            )
+            pieces.extend(flash(qg, k_cache.run(a, m)[None], v_cache.run(a, m)[None], scale) for a, m in group.runs)
     pieces = [(o.view(1, heads, n, d), lse.reshape(1, heads, n)) for o, lse in pieces]
     if n > 1 and not frames.masked:
         pieces.append(

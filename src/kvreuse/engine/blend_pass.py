@@ -64,7 +64,7 @@ class BlendPass:
         layer = min(layer, runner.layout.num_layers - 1)
         scratch = runner.forward_by_position(token_ids, positions, layer)  # [depth, 2, kv_heads, n, d]
         index = torch.tensor(list(slots), dtype=torch.long, device=runner.device)  # [n]
-        cached = runner.kv_cache[layer][:, :, index].float()  # [2, kv_heads, n, d]
+        cached = runner.kv.gather(layer, index).float()  # [2, kv_heads, n, d] as attention reads it
         if shifts is not None and np.any(shifts):  # keys read where computed: moved to their positions first
             one = RopeShift(runner.rope_shift().inv_freq[layer : layer + 1])  # this layer's frequencies
             delta = torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1)).to(runner.device)  # [n]

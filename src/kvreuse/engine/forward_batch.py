@@ -13,6 +13,7 @@ import torch
 
 from kvreuse.cache.kv_block import cdiv
 from kvreuse.engine.key_frames import KeyFrames
+from kvreuse.engine.kv_quant import KVStore
 
 __all__ = ["KeyTable", "PrefillItem", "DecodeBatch", "ForwardContext"]
 
@@ -119,7 +120,9 @@ class DecodeBatch:
 class ForwardContext:
     """What every layer needs to place and read KV for one forward pass."""
 
-    kv_cache: torch.Tensor  # [layers, 2, kv_heads, num_slots, head_dim]
+    # the pool (``KVStore``, any format) or a bare float tensor [layers, 2, kv_heads, num_slots,
+    # head_dim] read in its own dtype (a scratch pass)
+    kv_cache: torch.Tensor | KVStore
     slot_mapping: torch.Tensor  # [T] where each new token's k/v is written
     prefills: list[PrefillItem]
     decodes: DecodeBatch | None

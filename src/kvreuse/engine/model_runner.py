@@ -20,6 +20,7 @@ import torch
 from kvreuse.engine import attention, llama_forward as llama
 from kvreuse.engine.attention import DecodeBatch, ForwardContext, KeyTable, PrefillItem
 from kvreuse.engine.key_frames import KeyFrames
+from kvreuse.engine.kv_quant import KVFormat, KVStore
 from kvreuse.engine.rope_shift import RopeShift
 from kvreuse.engine.seq_chunk import KVLayout, SeqChunk  # re-exported: the runner's input types
 
@@ -31,10 +32,17 @@ class ModelRunner:
     """Owns the model and the KV storage; not thread-safe (engine thread only)."""
 
     def __init__(
-        self, model: PreTrainedModel, layout: KVLayout, num_blocks: int, block_size: int, deterministic: bool = False
+        self,
+        model: PreTrainedModel,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        deterministic: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """``deterministic``: every token's logits independent of what shares its step (the
-        batch-invariant forward and attention, ``--deterministic``); a plain Llama model only."""
+        batch-invariant forward and attention, ``--deterministic``); a plain Llama model only.
+        ``kv_cache_dtype``: the pool's format (``engine/kv_quant.py``, ``--kv-cache-dtype``)."""
         self.model = model
         self.deterministic = deterministic
         self.layout = layout
@@ -56,12 +64,18 @@ class ModelRunner:
         # Deterministic: 0, so no decode joins a padded batch (each is its own item, as alone).
         self.decode_in_place_min = 0 if deterministic else DECODE_IN_PLACE_MIN
         self._rope_shift: RopeShift | None = None  # built on the first copy_shifted (documents)
-        num_slots = num_blocks * block_size
         # Head-major so that gathering a sequence's slots gives [kv_heads, L, head_dim], the
         # layout attention's matmuls take, with one copy.
-        self.kv_cache = torch.zeros(  # [layers, 2, kv_heads, slots, head_dim]
-            layout.num_layers, 2, layout.num_kv_heads, num_slots, layout.head_dim, dtype=self.dtype, device=self.device
+        self.kv_format = KVFormat.resolve(kv_cache_dtype, self.dtype)
+        self.kv = KVStore.allocate(
+            self.kv_format,
+            layout.num_layers,
+            layout.num_kv_heads,
+            num_blocks * block_size,
+            layout.head_dim,
+            self.device,
         )
+        self.kv_cache = self.kv.tensor  # [layers, 2, kv_heads, slots, row]: the pool's bytes (tiers move them)
 
     @property
     def forward_impl(self) -> str:
@@ -99,7 +113,7 @@ class ModelRunner:
         if len(decode_rows) == 1:  # a lone decode reads in place: no padded batch to share a gather with
             prefills.append(self._prefill_item(*decode_rows.pop()))
         ctx = ForwardContext(
-            kv_cache=self.kv_cache,
+            kv_cache=self.kv,
             slot_mapping=torch.from_numpy(np.concatenate(new_slots)).to(dev),  # [T]
             prefills=prefills,
             decodes=self._decode_batch(decode_rows) if decode_rows else None,
@@ -153,16 +167,15 @@ class ModelRunner:
         )
 
     def write_kv(self, slots: Sequence[int], kv: torch.Tensor, first_token: int = 0) -> None:
-        """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads,
-        head_dim]``, the store's layout, any device and dtype) into ``slots``, one per token.
-        Raises ``ValueError`` (nothing written) when ``kv`` is not that shape for this model."""
-        layers, two, kv_heads, _, head_dim = self.kv_cache.shape
-        expected = (layers, two, first_token + len(slots), kv_heads, head_dim)
+        """Write tokens ``first_token..`` of ``kv`` (``[layers, 2, tokens, kv_heads, row]``, the
+        store's layout as ``read_kv`` gives it; a float pool takes any float dtype) into
+        ``slots``, one per token. Raises ``ValueError`` (nothing written) when ``kv`` is not that
+        shape (or, int8, not int8 rows) for this model and pool format."""
+        layers, two, kv_heads, _, row = self.kv_cache.shape
+        expected = (layers, two, first_token + len(slots), kv_heads, row)
         if tuple(kv.shape) != expected:
             raise ValueError(f"stored KV has shape {list(kv.shape)}, this model needs {list(expected)}")
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
-        # [layers, 2, n, kv_heads, head_dim] -> [layers, 2, kv_heads, n, head_dim]
-        self.kv_cache[:, :, :, index] = kv[:, :, first_token:].transpose(2, 3).to(self.device, self.dtype)
+        self.kv.write_rows(slots, kv[:, :, first_token:])
 
     def rope_shift(self) -> RopeShift:
         """The model's ``RopeShift`` (built once). Raises ``ValueError`` naming the rope type when
@@ -179,16 +192,13 @@ class ModelRunner:
         shift = self.rope_shift()
         src = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(self.device)  # [n]
         dst = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(self.device)  # [n]
-        k = self.kv_cache[:, 0].index_select(2, src)  # [layers, kv_heads, n, head_dim]
-        v = self.kv_cache[:, 1].index_select(2, src)
-        moved = shift.rotate(k, torch.from_numpy(np.asarray(delta, dtype=np.int64)))
-        self.kv_cache[:, 0].index_copy_(2, dst, moved)
-        self.kv_cache[:, 1].index_copy_(2, dst, v)
+        moves = torch.from_numpy(np.asarray(delta, dtype=np.int64))  # [n]
+        self.kv.copy_shifted(src, dst, lambda k: shift.rotate(k, moves))  # k [layers, kv_heads, n, d]
 
     def read_kv(self, slots: Sequence[int]) -> torch.Tensor:
-        """A CPU copy of the KV in ``slots``: ``[layers, 2, tokens, kv_heads, head_dim]``."""
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)  # [n]
-        return self.kv_cache[:, :, :, index].transpose(2, 3).contiguous().cpu()  # [layers, 2, n, kv_heads, head_dim]
+        """A CPU copy of the KV in ``slots`` as stored: ``[layers, 2, tokens, kv_heads, row]``
+        (``row`` = head_dim values, or int8 rows with their scale: ``engine/kv_quant.py``)."""
+        return self.kv.read_rows(slots)
 
     # ------------------------------------------------------------------ scratch passes
     @torch.inference_mode()

@@ -44,13 +44,16 @@ _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 _CHECKSUM_BYTES = 16
 _MAX_HEADER_BYTES = 1 << 20  # a block's token ids and names fit many times over
 
-# Names are stored, never pickled dtypes: only these float types are KV.
+# Names are stored, never pickled dtypes: only these types are KV. uint8: int8 rows, each
+# head_dim int8 values then their bf16 scale (engine/kv_quant.py, --kv-cache-dtype int8).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
+    "uint8": torch.uint8,
 }
+INT8_SCALE_BYTES = 2  # the bf16 scale closing each uint8 row
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -193,7 +196,7 @@ def decode_block(
     if len(payload) != expected_bytes:
         raise CorruptBlock(f"payload of {len(payload)} bytes, shape x dtype needs {expected_bytes}")
     buffer = bytearray(payload)  # the one copy: the record owns writable memory
-    if not _all_finite(buffer, record_dtype):
+    if not _all_finite(buffer, record_dtype, record_shape[-1]):
         raise CorruptBlock("block KV holds non-finite values")
     kv = torch.frombuffer(buffer, dtype=record_dtype).reshape(record_shape)
     token_ids = tuple(header["token_ids"])
@@ -213,9 +216,17 @@ _EXPONENT_MASKS: dict[torch.dtype, tuple[type[np.unsignedinteger[Any]], int]] = 
 }
 
 
-def _all_finite(buffer: bytearray, dtype: torch.dtype) -> bool:
-    """No inf / NaN among the values in ``buffer``. Bit tests in numpy, single-threaded: an IO
-    thread decoding blocks does not contend for torch's intra-op pool with the engine."""
+def _all_finite(buffer: bytearray, dtype: torch.dtype, row: int) -> bool:
+    """No inf / NaN among the values in ``buffer`` (rows of ``row`` elements); for int8 rows
+    (uint8) among their bf16 scales, the only floats there. Bit tests in numpy,
+    single-threaded: an IO thread decoding blocks does not contend for torch's intra-op pool
+    with the engine."""
+    if dtype == torch.uint8:
+        if row <= INT8_SCALE_BYTES:
+            return False  # no room for values beside the scale: not int8 rows
+        rows = np.frombuffer(buffer, dtype=np.uint8).reshape(-1, row)  # [rows, head_dim + 2]
+        scales = np.ascontiguousarray(rows[:, -INT8_SCALE_BYTES:]).view(np.uint16)  # [rows, 1] bf16 bits
+        return not bool(np.any(np.bitwise_and(scales, np.uint16(0x7F80)) == np.uint16(0x7F80)))
     uint, mask = _EXPONENT_MASKS[dtype]
     bits = np.frombuffer(buffer, dtype=uint)  # [values], a view
     return not bool(np.any(np.bitwise_and(bits, uint(mask)) == uint(mask)))

@@ -1,0 +1,200 @@
+"""KV pool formats (``--kv-cache-dtype``) and the views attention reads and writes the pool through.
+
+One tensor holds the whole pool, ``[layers, 2, kv_heads, slots, row]``, allocated once::
+
+    format               pool dtype   row (one token, one KV head)
+    auto                 the model's  head_dim values (bf16 / fp16 / fp32: the model's dtype)
+    bfloat16 / float16 / float32      head_dim values in that dtype (cast to the model's on read)
+    int8                 uint8        head_dim int8 values, then one bf16 scale (2 bytes)
+
+int8 is symmetric with one scale per token and KV head (llama.cpp's q8_0, one block per head
+row): ``scale = max|x| / 127`` rounded to bf16, ``q = round(x / scale)`` clamped to ±127. The
+row keeps values and scale side by side, so a block is one contiguous byte range per (layer,
+K/V, head) and every mover of blocks (host tier, disk, Redis: ``kv_transfer.py``,
+``tiers/block_codec.py``) carries the compressed bytes unchanged. A slot is quantized once,
+when the forward writes it (``KVSide.write``); reads dequantize only the slots read (a run in
+place or a gather), in the model's dtype. Keys moved to other RoPE positions (documents) are
+dequantized, rotated and quantized into *new* slots (``KVStore.copy_shifted``): no shared slot is
+ever rewritten.
+
+The format is part of what a block is: ``KVFormat.identity`` is folded into the model
+fingerprint (``engine_builder.kv_identity``) whenever the pool does not hold the model's own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KV_CACHE_DTYPES", "KVFormat", "KVSide", "KVStore", "layer_sides", "quantize", "dequantize"]
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
+SCALE_BYTES = 2  # one bf16 scale per row
+_FLOATS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_MIN_SCALE = 1e-30  # an all-zero row: q = 0 whatever the scale (bf16 keeps fp32's range)
+_QMAX = 127.0
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What one pool slot row holds. ``name`` is never ``auto`` (``resolve`` names the model's dtype)."""
+
+    name: str  # bfloat16 | float16 | float32 | int8
+    compute_dtype: torch.dtype  # the model's dtype: what attention reads
+
+    @classmethod
+    def resolve(cls, kv_cache_dtype: str, model_dtype: torch.dtype) -> KVFormat:
+        """The format ``--kv-cache-dtype`` names for a model computing in ``model_dtype``.
+        Raises ``ValueError`` naming the flag for an unknown name."""
+        name = _ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
+        if name == "auto":
+            name = next(n for n, d in _FLOATS.items() if d == model_dtype)
+        if name not in _FLOATS and name != "int8":
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        return cls(name, model_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.name == "int8"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The pool tensor's dtype."""
+        return torch.uint8 if self.quantized else _FLOATS[self.name]
+
+    def row_width(self, head_dim: int) -> int:
+        """Elements of ``storage_dtype`` per (token, KV head)."""
+        return head_dim + SCALE_BYTES if self.quantized else head_dim
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """K and V of every layer for one token, scales included."""
+        item = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * num_layers * num_kv_heads * self.row_width(head_dim) * item
+
+    @property
+    def identity(self) -> str | None:
+        """What the model fingerprint folds in: ``None`` when the pool holds exactly what the
+        model computes (``auto``: fingerprints unchanged), else ``kv_cache_dtype=<name>``."""
+        return None if _FLOATS.get(self.name) == self.compute_dtype else f"kv_cache_dtype={self.name}"
+
+    @property
+    def description(self) -> str:
+        """For the start-up line and ``/v1/kvreuse/info``."""
+        return "int8 (one bf16 scale per token and KV head)" if self.quantized else self.name
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., d]`` (any float dtype) as int8 rows: ``[..., d + 2]`` uint8, the ``d`` int8
+    values then the row's bf16 scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / _QMAX).clamp_min_(_MIN_SCALE).to(torch.bfloat16)  # [..., 1]
+    q = torch.round(xf / scale.float()).clamp_(-_QMAX, _QMAX).to(torch.int8)  # [..., d]
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)  # [..., d + 2]
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows [..., d + 2]`` uint8 (``quantize``'s output or a view of the pool) -> ``[..., d]``
+    in ``dtype``: ``q * scale`` (one rounding, in ``dtype``)."""
+    d = rows.shape[-1] - SCALE_BYTES
+    q = rows[..., :d].view(torch.int8)  # [..., d]
+    scale = rows[..., d:].view(torch.bfloat16)  # [..., 1]
+    return q.to(dtype) * scale.to(dtype)
+
+
+class KVSide:
+    """The K (or V) of one layer: ``store [kv_heads, slots, row]`` (a view of the pool) read
+    and written in ``dtype`` rows ``[kv_heads, n, head_dim]``. Float pools in the model's dtype
+    read in place (``run`` is a view, ``select`` a gather), exactly as before formats existed."""
+
+    def __init__(self, store: torch.Tensor, dtype: torch.dtype, quantized: bool) -> None:
+        self.store = store
+        self.dtype = dtype
+        self.quantized = quantized
+        self.kv_heads = store.shape[0]
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Store ``x [kv_heads, T, d]`` (``dtype``) into ``slots [T]``; returns the values as a
+        later read gives them back (``x`` itself for a pool in the model's dtype)."""
+        if self.quantized:
+            rows = quantize(x)  # [kv_heads, T, d + 2]
+            self.store.index_copy_(1, slots, rows)
+            return dequantize(rows, self.dtype)
+        stored = x.to(self.store.dtype)
+        self.store.index_copy_(1, slots, stored)
+        return stored.to(self.dtype)
+
+    def run(self, start: int, length: int) -> torch.Tensor:
+        """Slots ``start..start+length-1``: ``[kv_heads, length, d]`` (a view when no cast)."""
+        rows = self.store[:, start : start + length]
+        return dequantize(rows, self.dtype) if self.quantized else rows.to(self.dtype)
+
+    def select(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots ``slots [L]`` (any order): ``[kv_heads, L, d]``, a copy."""
+        rows = self.store.index_select(1, slots)
+        return dequantize(rows, self.dtype) if self.quantized else rows.to(self.dtype)
+
+
+def layer_sides(kv: torch.Tensor | KVStore, layer: int) -> tuple[KVSide, KVSide]:
+    """Layer ``layer``'s K and V sides of a ``KVStore``, or of a bare float tensor
+    ``[layers, 2, kv_heads, slots, d]`` read in its own dtype (scratch passes, tests)."""
+    if isinstance(kv, KVStore):
+        return kv.sides[layer]
+    return KVSide(kv[layer, 0], kv.dtype, False), KVSide(kv[layer, 1], kv.dtype, False)
+
+
+class KVStore:
+    """The runner's pool in one ``KVFormat``: ``tensor [layers, 2, kv_heads, slots, row]`` and its
+    per-layer sides (built once). Engine thread only."""
+
+    def __init__(self, tensor: torch.Tensor, fmt: KVFormat) -> None:
+        self.tensor = tensor
+        self.format = fmt
+        q = fmt.quantized
+        self.sides = [(KVSide(t[0], fmt.compute_dtype, q), KVSide(t[1], fmt.compute_dtype, q)) for t in tensor]
+
+    @classmethod
+    def allocate(
+        cls, fmt: KVFormat, num_layers: int, num_kv_heads: int, num_slots: int, head_dim: int, device: torch.device
+    ) -> KVStore:
+        tensor = torch.zeros(  # [layers, 2, kv_heads, slots, row]
+            num_layers, 2, num_kv_heads, num_slots, fmt.row_width(head_dim), dtype=fmt.storage_dtype, device=device
+        )
+        return cls(tensor, fmt)
+
+    @property
+    def head_dim(self) -> int:
+        width = self.tensor.shape[-1]
+        return width - SCALE_BYTES if self.format.quantized else width
+
+    def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """K and V of ``index [n]`` in one layer, in the model's dtype: ``[2, kv_heads, n, d]``."""
+        k, v = self.sides[layer]
+        return torch.stack([k.select(index), v.select(index)])
+
+    def read_rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of the stored rows of ``slots`` (the pool's own bytes, no conversion):
+        ``[layers, 2, n, kv_heads, row]``."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.tensor.device)  # [n]
+        return self.tensor[:, :, :, index].transpose(2, 3).contiguous().cpu()
+
+    def write_rows(self, slots: Sequence[int], rows: torch.Tensor) -> None:
+        """``rows [layers, 2, n, kv_heads, row]`` (as ``read_rows`` gives; a float format takes
+        any float dtype) into ``slots``. int8 rows are stored as they are: never re-quantized."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.tensor.device)  # [n]
+        if self.format.quantized and rows.dtype != torch.uint8:
+            raise ValueError(f"int8 KV pool: stored KV must be int8 rows (uint8), got {rows.dtype}")
+        self.tensor[:, :, :, index] = rows.transpose(2, 3).to(self.tensor.device, self.tensor.dtype)
+
+    def copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, rotate) -> None:
+        """Copy the K/V of ``src [n]`` into ``dst [n]`` (disjoint), every key through ``rotate``
+        (``[layers, kv_heads, n, d]`` -> same, model dtype). int8: keys dequantized, rotated
+        and quantized into ``dst``; values' rows copied as they are."""
+        t, dtype = self.tensor, self.format.compute_dtype
+        k = t[:, 0].index_select(2, src)  # [layers, kv_heads, n, row]
+        v = t[:, 1].index_select(2, src)
+        moved = quantize(rotate(dequantize(k, dtype))) if self.format.quantized else rotate(k.to(dtype)).to(t.dtype)
+        t[:, 0].index_copy_(2, dst, moved)
+        t[:, 1].index_copy_(2, dst, v)
