@@ -50,6 +50,7 @@ from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
 from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
 from kvreuse.document_prompt import DocumentLayout, DocumentPrompt, Segment  # noqa: F401 - values, re-exported from here
+from kvreuse.engine.prefill_pacer import PrefillPacer
 from kvreuse.events.records import HOST_LEVEL
 
 if TYPE_CHECKING:
@@ -82,9 +83,18 @@ class DocumentCache:
     """Document KV in ``kv``'s pool, computed and copied through ``runner`` (the model runner)."""
 
     def __init__(
-        self, kv: KVCacheManager, runner, *, model_id: str, hash_algorithm: str = "sha256", chunk_tokens: int = 8192
+        self,
+        kv: KVCacheManager,
+        runner,
+        *,
+        model_id: str,
+        hash_algorithm: str = "sha256",
+        chunk_tokens: int = 8192,
+        pacer: PrefillPacer | None = None,
     ) -> None:
+        """``pacer``: lets running decodes step between the chunks of a document's pass."""
         self.kv = kv
+        self.pacer = pacer or PrefillPacer(None)
         self.pool = kv.pool
         self.runner = runner
         self.model_id = model_id
@@ -149,7 +159,14 @@ class DocumentCache:
             scratch = self.kv.allocate(cdiv(num_scratch, bs))
             slots = block_slots([b.block_id for b in scratch], 0, num_scratch, bs) + fresh
             tokens = list(after) + list(document)
-            self.runner.precompute(tokens, list(range(len(tokens))), slots, self.chunk_tokens)
+            positions = list(range(len(tokens)))
+            start = 0
+            while start < len(tokens):  # decodes step between chunks (engine/prefill_pacer.py)
+                end = start + self.pacer.chunk_tokens(self.chunk_tokens)
+                self.runner.precompute_chunk(tokens, positions, slots, start, end)
+                start = end
+                if start < len(tokens):
+                    self.pacer.between()
             self.tokens_computed += len(tokens)
             self.kv.register_blocks(blocks, keys, pieces, hits, len(keys))
         except BaseException:

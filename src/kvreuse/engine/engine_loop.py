@@ -112,6 +112,8 @@ class EngineLoop:
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._stats_lock = threading.Lock()
         self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
+        # a documents or PML prompt's context pass (in _add) lets running decodes step between its chunks
+        engine.pacer.attach(self._step, engine.scheduler.has_decoding)
 
     @property
     def latest_stats(self) -> EngineStats:

@@ -71,6 +71,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_decoding(self) -> bool:
+        """Whether a running request is past its prompt (its next step is a decode)."""
+        return any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a running or waiting sequence and free its blocks (module blocks included)."""
         if seq in self.running:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from kvreuse.cache.block_pool import DEFAULT_PRIORITY, KVBlock
@@ -64,6 +65,10 @@ from kvreuse.pml.schema_store import SchemaStore
 log = logging.getLogger(__name__)
 
 
+def _no_step() -> None:
+    return None  # no engine loop (the synchronous LLM): a pass runs whole
+
+
 class ModuleCache:
     """Registered schemas and their module blocks in ``kv``'s pool, which they enter through
     its admission path. Engine thread only, except ``compile`` (any thread)."""
@@ -91,6 +96,7 @@ class ModuleCache:
         self.model_id = model_id
         self.hash_algorithm = hash_algorithm
         self.chunk_tokens = chunk_tokens  # the grid module precompute passes run on (module_fill.py)
+        self.between_chunks: Callable[[], None] = _no_step  # the engine's pacer: decodes step between chunks
         self.store = store
         self.src_dir = src_dir  # default folder for <module src=...> (HTTP, restarts)
         self.limits = limits

@@ -25,6 +25,7 @@ Engine thread only.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kvreuse.cache.block_pool import KVBlock
@@ -70,6 +71,7 @@ class FillHost(Protocol):
     store: SchemaStore | None
     runner: KVAccess
     chunk_tokens: int  # the grid precompute passes run on
+    between_chunks: Callable[[], None]  # run between two chunks of a whole pass (decodes step: prefill_pacer)
 
     def module_hashes(
         self, schema: CompiledSchema, module: CompiledModule
@@ -172,7 +174,8 @@ class ModuleFill:
 
     def run(self, max_tokens: int | None = None) -> int:
         """Run the next chunks of the pass, at least one, while they fit in ``max_tokens``
-        (``None``: all of them); returns the tokens run (the caller counts them)."""
+        (``None``: all of them, with ``between_chunks`` between two); returns the tokens run
+        (the caller counts them). The chunk grid is fixed, so the KV is the same either way."""
         done = 0
         step = self.cache.chunk_tokens
         while self.tokens_left and (done == 0 or max_tokens is None or done + self.next_chunk <= max_tokens):
@@ -181,6 +184,8 @@ class ModuleFill:
             self.cache.runner.precompute_chunk(run.token_ids, run.position_ids, self._slots, start, end)  # type: ignore[union-attr]  # tokens_left implies a run
             self._next = end
             done += end - start
+            if max_tokens is None and self.tokens_left:
+                self.cache.between_chunks()
         return done
 
     def finish(self) -> list[KVBlock]:

@@ -1,0 +1,61 @@
+"""Decode keeps going while a prompt's context KV is computed outside the scheduler.
+
+A documents prompt's new documents and a PML prompt's evicted modules are computed when the
+prompt is assembled (``PromptIntake.assemble`` -> ``context.acquire``), before the request
+reaches the scheduler, so ``--max-prefill-tokens-while-decoding`` cannot bound them: an
+8,192-token document was one forward, and every running stream waited for it. The pacer
+gives those passes the scheduler's rule::
+
+    DocumentCache.fill / ModuleFill.run                     EngineLoop (attach)
+      for each chunk:  n = pacer.chunk_tokens(default) ──▶ the cap while a request decodes
+                       runner.precompute_chunk(n tokens)
+                       pacer.between() ──────────────────▶ one engine step (decodes + capped prefill)
+
+Without ``attach`` (the synchronous ``LLM``: requests are added before any step) the pacer
+changes nothing. ``between`` never nests: a context acquired inside that step (the waiting
+head's) runs its chunks whole, as before. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class PrefillPacer:
+    """Chunk sizes and steps between the chunks of a context pass (module docstring)."""
+
+    def __init__(self, cap: int | None) -> None:
+        """``cap``: the scheduler's ``max_prefill_tokens_while_decoding`` (``None``: no cap,
+        the pacer never steps)."""
+        self.cap = cap
+        self._step: Callable[[], None] | None = None
+        self._decoding: Callable[[], bool] = lambda: False
+        self._inside = False
+        self.steps_between = 0  # engine steps run between context chunks (tests, stats)
+
+    def attach(self, step: Callable[[], None], decoding: Callable[[], bool]) -> None:
+        """Let ``between`` run ``step`` (one engine step, its outputs delivered; must not
+        raise) whenever ``decoding()`` says a running request is decoding."""
+        self._step, self._decoding = step, decoding
+
+    @property
+    def active(self) -> bool:
+        """Whether a context pass now yields to decodes (attached, capped, a decode running,
+        not already inside a step the pacer ran)."""
+        return self._step is not None and self.cap is not None and not self._inside and self._decoding()
+
+    def chunk_tokens(self, default: int) -> int:
+        """Tokens the next chunk of a context pass runs: the cap while ``active``, else ``default``."""
+        return min(default, self.cap) if self.active and self.cap is not None else default
+
+    def between(self) -> None:
+        """Between two chunks of a context pass: one engine step if ``active``. The pass's
+        blocks are held by their caller, so the step cannot evict them."""
+        if not self.active or self._step is None:
+            return
+        self._inside = True
+        try:
+            self._step()
+            self.steps_between += 1
+        finally:
+            self._inside = False
