@@ -97,6 +97,7 @@ class Router:
         self.control_headers = auth_headers(executor_api_key)
         self.feeds: dict[str, SSEFeed | ZmqFeed] = {}
         self._feed_tasks: dict[str, asyncio.Task] = {}
+        self.retired: set[str] = set()  # executors gone for good (retire_executor): never probed
         self._tasks: list[asyncio.Task] = []
         self.num_retries = 0
         self.affinity = Affinity()  # prompt_cache_key -> its executor (kvreuse.router.affinity)
@@ -168,6 +169,32 @@ class Router:
     def prompt_blocks(self, keys: RequestKeys) -> int:
         return cdiv(keys.num_tokens, self.block_size)
 
+    # ------------------------------------------------------------------ membership
+    def add_executor(self, e: Executor) -> None:
+        """Route to ``e`` from now on (an executor that joins after start: a Ray Serve replica,
+        ``kvreuse.ray_serve``); its id is the next one, and its feed starts at once when the router
+        runs. Event-loop only."""
+        e.id = len(self.executors)  # executors are never deleted (retired ones stay): ids stay unique
+        self.executors[e.name] = e
+        self.index.add_executor(e.name)
+        if self._tasks:  # started: follow its events like the others'
+            self._start_feed(e)
+
+    async def retire_executor(self, name: str) -> None:
+        """Stop routing to ``name`` for good (a replica that Ray replaced): marked down, its
+        feed stopped, its blocks forgotten, never probed again. It stays listed (down), so a
+        request that already tried it can still name it. No-op if unknown."""
+        e = self.executors.get(name)
+        if e is None or name in self.retired:
+            return
+        self.retired.add(name)
+        e.mark_down("retired")
+        task = self._feed_tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.index.clear(name)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Start the health loop and one event feed per executor (call inside the loop)."""
@@ -221,7 +248,7 @@ class Router:
     # ------------------------------------------------------------------ health
     async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self.probe(e) for e in self.executors.values()))
+            await asyncio.gather(*(self.probe(e) for e in self.executors.values() if e.name not in self.retired))
             await asyncio.sleep(self.health_interval_s)
 
     async def probe(self, e: Executor) -> None:
