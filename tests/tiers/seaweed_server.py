@@ -112,6 +112,7 @@ class SeaweedS3:
             "-ip.bind=127.0.0.1",
             f"-master.port={self.master}",
             "-master.volumeSizeLimitMB=64",
+            "-master.electionTimeout=1s",  # a restart re-elects its lone master in ~1 s, not 10
             f"-volume.port={self.volume}",
             "-volume.max=16",
             "-filer",

@@ -5,7 +5,7 @@
     KVCacheManager (prefix matching, admission)        ── kv
       └─ BlockPool (device blocks, in the runner's KV tensor) ── pool
            └─ HostTier (host copies, None without --host-cache-memory) ── host
-                └─ PersistentTiers (disk / remote stores, their ledgers) ── stores
+                └─ PersistentTiers (disk / remote / object stores, their ledgers) ── stores
 
 The engine's builder (``engine/engine_builder.py``) makes it; the engine hands its ``kv`` to
 the scheduler, the PML module cache and the document cache, and calls the methods here
@@ -65,6 +65,11 @@ class CacheStack:
     def remote_store_id(self) -> str | None:
         """Identity of the remote store this executor shares (no credentials), or None."""
         return None if self.stores is None else self.stores.remote_store_id
+
+    @property
+    def object_store_id(self) -> str | None:
+        """Identity of the object store (bucket) this executor shares (no credentials), or None."""
+        return None if self.stores is None else self.stores.object_store_id
 
     def idle(self) -> float | None:
         """What an idle engine thread does: retention durations that ran out fall back to

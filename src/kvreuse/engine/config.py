@@ -44,6 +44,8 @@ class EngineConfig:
     disk_cache_size_gib: float = 10.0
     disk_cache_ttl_s: float | None = None  # idle seconds before a disk block is purged (None = never)
     remote_cache: str | None = None  # redis://HOST:PORT/DB shared by executors of the same model (None = off)
+    object_cache: str | None = None  # s3://BUCKET/PREFIX below disk and remote, shared too (None = off)
+    object_cache_ttl_s: float | None = None  # seconds since an object's write before it is purged (None = never)
     tier_write_through_min_priority: int = 35  # newly computed blocks this priority or more go to disk/remote at once
     blend_first_tokens: int = 0  # blend: leading tokens of each assembled module recomputed (0: none)
     blend_ratio: float = 0.0  # blend: share of assembled tokens recomputed by KV deviation, in [0, 1]
@@ -110,10 +112,14 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if not self.host_cache_memory_gib >= 0:
             raise ValueError(f"--host-cache-memory must be >= 0 GiB (0 = off), got {self.host_cache_memory_gib}")
-        if (self.disk_cache_dir is not None or self.remote_cache is not None) and not self.host_cache_memory_gib > 0:
+        stores = (self.disk_cache_dir, self.remote_cache, self.object_cache)
+        if any(store is not None for store in stores) and not self.host_cache_memory_gib > 0:
             raise ValueError(
-                "--disk-cache-dir and --remote-cache sit below the host tier: set --host-cache-memory GIB > 0 as well"
+                "--disk-cache-dir, --remote-cache and --object-cache sit below the host tier: "
+                "set --host-cache-memory GIB > 0 as well"
             )
+        if self.object_cache_ttl_s is not None and not self.object_cache_ttl_s > 0:
+            raise ValueError(f"--object-cache-ttl must be > 0 seconds, got {self.object_cache_ttl_s}")
         if not self.disk_cache_size_gib > 0:
             raise ValueError(f"--disk-cache-size must be > 0 GiB, got {self.disk_cache_size_gib}")
         if not 0 <= self.tier_write_through_min_priority <= 101:

@@ -41,6 +41,7 @@ from kvreuse.events.records import (
     DEVICE_LEVEL,
     DISK_LEVEL,
     HOST_LEVEL,
+    OBJECT_LEVEL,
     REMOTE_LEVEL,
     AllBlocksCleared,
     BlocksRemoved,
@@ -60,7 +61,7 @@ def index_key(block_hash: bytes) -> IndexKey:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-_LEVEL_ORDER = (DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL)  # nearest first (``level_of``)
+_LEVEL_ORDER = (DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL, OBJECT_LEVEL)  # nearest first (``level_of``)
 _NO_LEVELS: frozenset[str] = frozenset()
 
 

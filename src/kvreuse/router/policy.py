@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvreuse.events.records import DEVICE_LEVEL, DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
+from kvreuse.events.records import DEVICE_LEVEL, DISK_LEVEL, HOST_LEVEL, OBJECT_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
 # One uncached block costs as much as 8 blocks of load elsewhere: measured on the Mooncake
 # conversation trace (docs/benchmarks.md, "Router (simulator)"); 1 spreads prefixes too thin.
@@ -32,7 +32,14 @@ DEFAULT_OVERLAP_WEIGHT = 8.0
 # (recompute TTFT - tier TTFT) / (recompute TTFT - device-hit TTFT), rounded.
 # 4,096-token prefix + 32, default model, fp32: device 0.259 s, host 0.286, disk 0.345,
 # Redis on loopback 0.574, recompute 10.92 (bench/results/tiers.json).
-DEFAULT_TIER_WEIGHTS = {DEVICE_LEVEL: 1.0, HOST_LEVEL: 0.997, DISK_LEVEL: 0.992, REMOTE_LEVEL: 0.970}
+# The object tier (S3) is not measured yet: set below Redis, as a bucket is further away.
+DEFAULT_TIER_WEIGHTS = {
+    DEVICE_LEVEL: 1.0,
+    HOST_LEVEL: 0.997,
+    DISK_LEVEL: 0.992,
+    REMOTE_LEVEL: 0.970,
+    OBJECT_LEVEL: 0.950,
+}
 # what --tier-weights accepts: our names (device, host, ...) and the levels themselves, any case
 TIER_ALIASES = {**{name: level for level, name in TIER_NAMES.items()}, **{level.lower(): level for level in TIER_NAMES}}
 
@@ -53,7 +60,7 @@ def parse_tier_weights(spec: str | None) -> dict[str, float]:
             weight = math.nan
         if not sep or level is None or not 0 <= weight <= 1:
             raise ValueError(
-                f"--tier-weights takes level=weight pairs (levels device, host, disk, remote; "
+                f"--tier-weights takes level=weight pairs (levels device, host, disk, remote, object; "
                 f"weights in [0, 1]), got {item.strip()!r}"
             )
         weights[level] = weight

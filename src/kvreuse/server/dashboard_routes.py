@@ -74,7 +74,7 @@ def _tiers(s: Any) -> dict[str, Any]:
     host tier's occupancy, moves and occupancy by priority (``docs/tiers.md``)."""
     if not s.tiers:
         return {}
-    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
+    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, OBJECT_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
     host = s.tiers.get(HOST_LEVEL, {})
     return {
@@ -89,5 +89,7 @@ def _tiers(s: Any) -> dict[str, Any]:
                 k.removeprefix("blocks_priority_"): v for k, v in host.items() if k.startswith("blocks_priority_")
             },
         },
-        "stores": {TIER_NAMES[level]: s.tiers[level] for level in (DISK_LEVEL, REMOTE_LEVEL) if level in s.tiers},
+        "stores": {
+            TIER_NAMES[level]: s.tiers[level] for level in (DISK_LEVEL, REMOTE_LEVEL, OBJECT_LEVEL) if level in s.tiers
+        },
     }

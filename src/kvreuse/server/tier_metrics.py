@@ -1,8 +1,8 @@
-"""Prometheus families of the KV tiers (host, disk, remote), from an ``EngineStats`` snapshot.
+"""Prometheus families of the KV tiers (host, disk, remote, object), from an ``EngineStats`` snapshot.
 
 ``server.metrics``' engine collector yields them on every scrape: hits by tier, blocks /
 bytes / seconds moved per direction, host occupancy by priority, each tier's ledger of
-stored / removed / held blocks, and the disk / remote stores' own counters and levels.
+stored / removed / held blocks, and the disk / remote / object stores' own counters and levels.
 Nothing without tiers.
 """
 
@@ -67,11 +67,11 @@ def gauge_family(name: str, doc: str, labels: list[str], values: list[str], valu
 
 def tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Iterator[Metric]:
     """Hits by tier, blocks / bytes / seconds moved per direction, host occupancy by priority,
-    and the disk / remote stores' own counters. Nothing without tiers."""
+    and the disk / remote / object stores' own counters. Nothing without tiers."""
     by_tier, tiers = s.prefix_cache_hits_tokens_by_tier, s.tiers
     if not tiers:
         return
-    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, REMOTE_LEVEL, TIER_NAMES
+    from kvreuse.events.records import DISK_LEVEL, HOST_LEVEL, OBJECT_LEVEL, REMOTE_LEVEL, TIER_NAMES
 
     hits = CounterMetricFamily(
         "kvreuse:prefix_cache_hits_by_tier", "Prompt tokens found in the cache, by tier.", labels=[*labels, "tier"]
@@ -98,18 +98,18 @@ def tier_metrics(s: EngineStats, labels: list[str], values: list[str]) -> Iterat
     yield held
     yield gauge_family(
         "kvreuse:kv_tier_writes_pending",
-        "Disk / remote writes queued or in progress.",
+        "Disk / remote / object writes queued or in progress.",
         labels,
         values,
         host.get("tier_writes_pending", 0),
     )
     for stat, (metric, doc, kind) in _LEDGER_STATS.items():
         family = kind(metric, doc, labels=[*labels, "tier"])
-        for level in (HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL):
+        for level in (HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL, OBJECT_LEVEL):
             if level in tiers:
                 family.add_metric([*values, TIER_NAMES[level]], tiers[level].get(stat, 0))
         yield family
-    for level in (DISK_LEVEL, REMOTE_LEVEL):
+    for level in (DISK_LEVEL, REMOTE_LEVEL, OBJECT_LEVEL):
         if level in tiers:
             name = level.lower()
             store = CounterMetricFamily(
