@@ -65,6 +65,7 @@ class ExecutorFacts:
     cache_levels: tuple[str, ...]  # the device pool's level, then the tiers below it
     remote_store: str | None  # the remote store's identity (no credentials), or None
     eos_token_ids: tuple[int, ...]  # sorted: what ends a request
+    kv_cache_dtype: str = "auto"  # the KV pool's format (engine/kv_quant.py), never "auto" once built
 
     @classmethod
     def of(cls, engine: LLMEngine) -> ExecutorFacts:
@@ -78,6 +79,7 @@ class ExecutorFacts:
             tuple(pool.cache_level for pool in engine.cache.pools()),
             engine.cache.remote_store_id,
             tuple(sorted(engine.eos_token_ids)),
+            engine.runner.kv_format.name,
         )
 
 

@@ -8,6 +8,8 @@ from kvreuse.engine.blend import Blend
 from kvreuse.engine.step_faults import StepFaults
 from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-cache-dtype (vLLM's flag name)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,6 +23,9 @@ class EngineConfig:
     quantization: str = "auto"  # weight-only: auto | none | int8 | int4 (kvreuse.models.quant)
     device: str = "auto"
     kv_cache_memory_gib: float = 1.0
+    # the pool's format (engine/kv_quant.py): auto = the model's dtype; int8 holds ~1.9x the
+    # tokens of bf16 in the same --kv-cache-memory (one bf16 scale per token and KV head)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
@@ -91,6 +96,10 @@ class EngineConfig:
                 ) from None
         if not self.kv_cache_memory_gib > 0:
             raise ValueError(f"--kv-cache-memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"--block-size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:

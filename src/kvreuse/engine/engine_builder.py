@@ -11,7 +11,9 @@ a malformed ``--remote-cache`` URL).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ from kvreuse.engine.blend_pass import BlendPass
 from kvreuse.engine.cache_stack import CacheStack
 from kvreuse.engine.config import EngineConfig
 from kvreuse.engine.document_cache import DocumentCache
+from kvreuse.engine.kv_quant import KVFormat
 from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.engine.model_runner import KVLayout, ModelRunner
 from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
@@ -80,7 +83,9 @@ def build_engine(
         head_dim=shape.head_dim,
         sliding_windows=tuple(sorted({w for w in shape.sliding_window if w is not None})),
     )
-    kv_bytes_per_token = layout.bytes_per_token(loaded.dtype)
+    kv_format = KVFormat.resolve(config.kv_cache_dtype, loaded.dtype)
+    loaded = kv_identity(loaded, kv_format)  # blocks of another KV format never share a key
+    kv_bytes_per_token = kv_format.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim)
     bytes_per_block = kv_bytes_per_token * config.block_size
     num_blocks = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
     if num_blocks < 1:
@@ -89,7 +94,7 @@ def build_engine(
         )
     if events is None and config.event_buffer_max_size > 0:
         events = EventBuffer(config.event_buffer_max_size)  # None = events off (TensorRT-LLM's default)
-    host = build_host_tier(config, layout, loaded, events, bytes_per_block)
+    host = build_host_tier(config, layout, loaded, events, bytes_per_block, kv_format)
     pool = BlockPool(
         num_blocks,
         config.block_size,
@@ -105,7 +110,14 @@ def build_engine(
         enable_prefix_caching=config.enable_prefix_caching,
         retention_fn=retention_fn or request_retention,
     )
-    runner = ModelRunner(loaded.model, layout, num_blocks, config.block_size, deterministic=config.deterministic)
+    runner = ModelRunner(
+        loaded.model,
+        layout,
+        num_blocks,
+        config.block_size,
+        deterministic=config.deterministic,
+        kv_cache_dtype=kv_format.name,
+    )
     scheduler = Scheduler(
         kv,
         max_num_seqs=config.max_num_seqs,
@@ -160,8 +172,24 @@ def build_engine(
     return parts
 
 
+def kv_identity(loaded: LoadedModel, kv_format: KVFormat) -> LoadedModel:
+    """``loaded`` with the KV format folded into its fingerprint and ``model_id`` (what every
+    block key, tier namespace, schema store and router index derive from), so a block of one
+    format never matches in a pool, tier, index or shared store of another. ``loaded`` itself
+    when the pool holds the model's own dtype (ids unchanged from before formats existed)."""
+    if kv_format.identity is None:
+        return loaded
+    full = hashlib.sha256(f"{loaded.fingerprint}\0{kv_format.identity}".encode()).hexdigest()
+    return dataclasses.replace(loaded, model_id=f"{loaded.name}@sha256:{full[:16]}", fingerprint=full)
+
+
 def build_host_tier(
-    config: EngineConfig, layout: KVLayout, loaded: Any, events: EventBuffer | None, bytes_per_block: int
+    config: EngineConfig,
+    layout: KVLayout,
+    loaded: Any,
+    events: EventBuffer | None,
+    bytes_per_block: int,
+    kv_format: KVFormat,
 ) -> HostTier | None:
     """The host tier (with the disk / remote stores below it), or ``None`` when
     ``--host-cache-memory`` holds no block. Its ``mover`` is set once the runner exists.
@@ -173,13 +201,13 @@ def build_host_tier(
         num_host_blocks,
         config.block_size,
         events=events,
-        below=build_stores(config, layout, loaded),
+        below=build_stores(config, layout, loaded, kv_format),
         policy=make_policy(config.eviction_policy, num_blocks=num_host_blocks),
         offload_policy=OffloadPolicy(config.host_offload_min_priority),
     )
 
 
-def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any) -> PersistentTiers | None:
+def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any, kv_format: KVFormat) -> PersistentTiers | None:
     """The disk / remote stores below the host tier, or ``None`` when neither is set."""
     if config.disk_cache_dir is None and config.remote_cache is None:
         return None
@@ -200,11 +228,12 @@ def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any) -> Persist
         )
     )
     remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
-    shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, layout.head_dim)
+    row = kv_format.row_width(layout.head_dim)  # the pool's bytes per (token, head): int8 rows carry their scale
+    shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, row)
     return PersistentTiers(
         namespace,
         shape,
-        loaded.dtype,
+        kv_format.storage_dtype,
         disk=disk,
         remote=remote,
         write_through_min_priority=config.tier_write_through_min_priority,

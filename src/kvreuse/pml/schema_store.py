@@ -194,11 +194,22 @@ class SchemaStore:
             )
         if meta.get("checksum") != _checksum(tensors):
             raise StoreMismatch("it fails its checksum", "checksum")
-        ints = [k for k, t in sorted(tensors.items()) if not t.is_floating_point()]
-        if ints:  # KV is floating point: an integer tensor (checksum recomputed or not) is not KV
+        # KV is floating point, or int8 rows (uint8: values then a bf16 scale, --kv-cache-dtype int8,
+        # whose model_id differs): another integer tensor (checksum recomputed or not) is not KV
+        ints = [k for k, t in sorted(tensors.items()) if not t.is_floating_point() and t.dtype != torch.uint8]
+        if ints:
             raise StoreMismatch(f"{ints[0].removeprefix(_PREFIX)!r} holds {tensors[ints[0]].dtype}, not KV", "dtype")
-        bad = [k for k, t in sorted(tensors.items()) if not bool(torch.isfinite(t).all())]
+        bad = [k for k, t in sorted(tensors.items()) if not bool(torch.isfinite(_floats_of(t)).all())]
         if bad:
             raise StoreMismatch(f"{bad[0].removeprefix(_PREFIX)!r} holds non-finite values", "non_finite")
         self._verified = {path: (stamp, tensors)}  # keep one schema's tensors: restarts load schemas in turn
         return tensors
+
+
+def _floats_of(t: torch.Tensor) -> torch.Tensor:
+    """The floats ``t`` holds: itself, or an int8 row tensor's (uint8) bf16 scales, its last two bytes."""
+    if t.dtype != torch.uint8:
+        return t
+    if t.dim() == 0 or t.shape[-1] <= 2:
+        return torch.tensor(float("nan"))  # no room for values beside a scale: not int8 rows
+    return t[..., -2:].contiguous().view(torch.bfloat16)

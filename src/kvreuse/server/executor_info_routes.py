@@ -71,6 +71,7 @@ async def kvreuse_info(request: Request) -> dict:
         "model_path": None if facts.model_path is None else str(facts.model_path),
         "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
         "block_size": engine.block_size,
+        "kv_cache_dtype": facts.kv_cache_dtype,  # the KV format, folded into model_id (formats never share blocks)
         "hash_algorithm": facts.hash_algorithm,
         "enable_prefix_caching": facts.enable_prefix_caching,
         "max_model_len": engine.max_model_len,

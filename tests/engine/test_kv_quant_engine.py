@@ -1,0 +1,204 @@
+"""``kv_cache_dtype="int8"`` (``--kv-cache-dtype``) through the real engine on tiny random models:
+the same memory holds more blocks; the format is part of the model identity (block keys, tier
+namespaces), so formats share nothing in a pool, on disk or on one Redis; with the
+batch-invariant forward a hit, a host-tier onboard and a disk reload read the very bytes a miss
+wrote and give identical logits; documents (keys moved to new positions) and seam repair run
+on int8 K/V and never rewrite a shared block."""
+
+import pytest
+import torch
+
+from kvreuse import LLM, SamplingParams
+from kvreuse.cache.hashing import hash_token_blocks
+from kvreuse.engine.document_cache import DocumentPrompt
+from kvreuse.engine.kv_quant import SCALE_BYTES
+from kvreuse.models.tiny import tiny_model
+from tests.engine_helpers import LogitsSpy, reference_logits
+from tests.tiers.conftest import redis_server  # noqa: F401  (a real redis-server per test)
+
+ONE = SamplingParams(max_tokens=1, temperature=0)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPT = [(i * 37) % 4000 + 10 for i in range(61)]  # 15 full blocks of 4 + 1 token
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    return tiny_model("llama", seed=0, dtype="bfloat16")
+
+
+def test_int8_pool_holds_more_blocks_in_the_same_memory(tiny_llama):
+    """2 layers, 2 KV heads, head_dim 16: fp32 512 bytes a token, int8 rows 2 * 2 * 2 * 18 = 144."""
+    auto = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4)
+    int8 = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, kv_cache_dtype="int8")
+    assert auto.engine.kv_bytes_per_token == 512 and int8.engine.kv_bytes_per_token == 144
+    assert auto.engine.pool.num_blocks == 2**30 // 1000 // (512 * 4)
+    assert int8.engine.pool.num_blocks == 2**30 // 1000 // (144 * 4)
+    pool = int8.engine.runner.kv_cache
+    assert pool.dtype == torch.uint8 and pool.shape[-1] == 16 + SCALE_BYTES
+    assert int8.engine.runner.kv_format.name == "int8" and auto.engine.runner.kv_format.name == "float32"
+
+
+def test_the_format_is_part_of_the_model_identity(tiny_llama):
+    auto = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4)
+    same = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, kv_cache_dtype="float32")
+    int8 = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, kv_cache_dtype="int8")
+    half = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, kv_cache_dtype="bfloat16")
+    assert auto.engine.model_id == same.engine.model_id == tiny_llama.model_id  # the model's own dtype: unchanged
+    ids = {auto.engine.model_id, int8.engine.model_id, half.engine.model_id}
+    assert len(ids) == 3
+    keys = [set(hash_token_blocks(PROMPT, 4, model_id=m)) for m in ids]
+    assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+    assert int8.engine.loaded.fingerprint != tiny_llama.fingerprint
+
+
+def _int8(loaded, **kw) -> LLM:
+    return LLM(loaded=loaded, kv_cache_memory_gib=kw.pop("gib", 0.001), block_size=4, kv_cache_dtype="int8", **kw)
+
+
+def test_int8_hit_gives_the_logits_of_a_miss_exactly(tiny_bf16):
+    """Batch-invariant kernels: a hit reads the int8 bytes the miss wrote, the miss attended to
+    the same dequantized values, so every logit is equal (miss, hit, second hit, in a batch)."""
+    llm = _int8(tiny_bf16, deterministic=True)
+    spy = LogitsSpy(llm)
+    miss = llm.generate(PROMPT, GREEDY)[0]
+    n_miss = len(spy.rows)
+    hit = llm.generate(PROMPT, GREEDY)[0]
+    assert hit.num_cached_tokens == 60 and hit.token_ids == miss.token_ids
+    for a, b in zip(spy.rows[:n_miss], spy.rows[n_miss:], strict=True):
+        assert torch.equal(a, b)
+    llm.reset_prefix_cache()
+    spy.rows.clear()
+    other = [t + 3 for t in PROMPT]
+    batch = llm.generate([other, PROMPT], GREEDY)
+    assert batch[1].token_ids == miss.token_ids and batch[1].num_cached_tokens == 0
+    llm.engine.check_integrity()
+
+
+def test_int8_without_the_invariant_kernels_keeps_greedy_answers_and_stays_close(tiny_llama):
+    llm = _int8(tiny_llama)
+    spy = LogitsSpy(llm)
+    miss = llm.generate(PROMPT, GREEDY)[0]
+    hit = llm.generate(PROMPT, GREEDY)[0]
+    assert hit.num_cached_tokens == 60 and hit.token_ids == miss.token_ids
+    assert (spy.rows[0] - spy.rows[len(spy.rows) // 2]).abs().max().item() <= 1e-4  # the same int8 K/V, fp32 math
+    ref = reference_logits(tiny_llama.model, PROMPT)[-1]  # fp32 K/V throughout
+    err = (spy.rows[0] - ref).abs().max().item()
+    assert 0 < err <= 0.05 * ref.abs().max().item()  # quantized, and close
+    llm.engine.check_integrity()
+
+
+def test_int8_blocks_offloaded_to_host_and_back_give_identical_logits(tiny_bf16):
+    llm = _int8(tiny_bf16, gib=0.0001, host_cache_memory_gib=0.001, deterministic=True)
+    engine = llm.engine
+    n = 4 * (engine.pool.num_blocks - 2) + 1
+    a = [(i * 37) % 4000 + 10 for i in range(n)]
+    b = [(i * 53) % 4000 + 7 for i in range(n)]
+    spy = LogitsSpy(llm)
+    llm.generate(a, ONE)
+    first = spy.rows[-1]
+    llm.generate(b, ONE)  # evicts a's blocks: int8 rows go down to the host
+    assert engine.host.stats.offloaded_blocks > 0
+    again = llm.generate(a, ONE)[0]
+    engine.check_integrity()
+    assert again.num_cached_tokens == n - 1 and engine.host.stats.onboarded_blocks > 0
+    assert torch.equal(spy.rows[-1], first)
+
+
+def test_int8_blocks_reloaded_from_disk_give_identical_logits_and_formats_share_nothing(tiny_bf16, tmp_path):
+    def executor(**kw):
+        return LLM(
+            loaded=tiny_bf16,
+            kv_cache_memory_gib=0.001,
+            block_size=4,
+            host_cache_memory_gib=0.001,
+            disk_cache_dir=str(tmp_path),
+            deterministic=True,
+            **kw,
+        )
+
+    first = executor(kv_cache_dtype="int8")
+    spy = LogitsSpy(first)
+    first.generate(PROMPT, ONE)
+    assert first.engine.host.below.flush(30)
+    assert first.engine.host.below.block_shape[-1] == 16 + SCALE_BYTES  # the disk holds int8 rows
+    bf16 = executor()  # same model, same disk, another KV format
+    assert bf16.generate(PROMPT, ONE)[0].num_cached_tokens == 0
+    assert bf16.engine.host.below.flush(30)
+    restarted = executor(kv_cache_dtype="int8")
+    restarted_spy = LogitsSpy(restarted)
+    out = restarted.generate(PROMPT, ONE)[0]
+    restarted.engine.check_integrity()
+    assert out.num_cached_tokens == 60 and restarted.engine.host.stats.loaded_blocks == 15
+    assert torch.equal(restarted_spy.rows[-1], spy.rows[-1])
+
+
+def test_int8_and_fp32_executors_on_one_redis_share_nothing(tiny_llama, redis_server):  # noqa: F811
+    def executor(**kw):
+        return LLM(
+            loaded=tiny_llama,
+            kv_cache_memory_gib=0.001,
+            block_size=4,
+            host_cache_memory_gib=0.001,
+            remote_cache=redis_server.url,
+            **kw,
+        )
+
+    a, b, c = executor(kv_cache_dtype="int8"), executor(), executor(kv_cache_dtype="int8")
+    a.generate(PROMPT, ONE)
+    assert a.engine.host.below.flush(30)
+    assert b.generate(PROMPT, ONE)[0].num_cached_tokens == 0  # fp32 finds none of the int8 blocks
+    assert b.engine.host.below.stats.remote_hits == 0
+    on_c = c.generate(PROMPT, ONE)[0]  # int8 again: every block from Redis
+    assert on_c.num_cached_tokens == 60 and c.engine.host.below.stats.remote_hits == 15
+    for llm in (a, b, c):
+        llm.engine.check_integrity()
+
+
+def test_documents_move_int8_keys_into_new_blocks_only(tiny_llama):
+    llm = _int8(tiny_llama, gib=0.01)
+    tok = llm.tokenizer
+    docs = [tok.encode(f"Document {i}: the harbour office keeps ledger {i} in a green box.") for i in range(3)]
+    question = tok.encode(" Which box holds ledger 1?")
+    first = llm.generate(DocumentPrompt.of([(docs[0], True), (docs[1], True), (question, False)]), GREEDY)[0]
+    cached = sorted(b.block_id for b in llm.engine.pool.cached_hashes())
+    bs = llm.engine.block_size
+    slots = torch.tensor([i * bs + o for i in cached for o in range(bs)])
+    before = llm.engine.runner.kv_cache[:, :, :, slots].clone()
+    again = llm.generate(DocumentPrompt.of([(docs[1], True), (docs[0], True), (question, False)]), GREEDY)[0]
+    assert again.num_cached_tokens > 0 and len(again.token_ids) == len(first.token_ids) == 6
+    assert torch.equal(llm.engine.runner.kv_cache[:, :, :, slots], before)  # shared int8 rows never rewritten
+    llm.engine.check_integrity()
+
+
+SCHEMA = """<schema name="s">Notes:
+<module name="a">The lighthouse keeper on Varn island logs ships in a green ledger.</module>
+<module name="b">Every ledger on the island is kept in the harbour office at dusk.</module>
+</schema>"""
+
+
+def _rows_by_key(llm: LLM) -> dict[bytes, torch.Tensor]:
+    bs, pool = llm.engine.block_size, llm.engine.runner.kv_cache
+    return {
+        b.block_hash: pool[:, :, :, b.block_id * bs : (b.block_id + 1) * bs].clone()
+        for b in llm.engine.pool.cached_hashes()
+    }
+
+
+def test_seam_repair_runs_on_int8_modules_and_keeps_them(tiny_llama, tmp_path):
+    prompt = '<prompt schema="s"><a/><b/>Where is the ledger kept?</prompt>'
+    llm = _int8(tiny_llama, gib=0.01, schema_dir=str(tmp_path))
+    llm.register_schema(SCHEMA)
+    modules = _rows_by_key(llm)
+    out = llm.generate(prompt, GREEDY, blend={"ratio": 0.5})[0]
+    assert out.num_recomputed_tokens > 0
+    after = _rows_by_key(llm)
+    assert all(torch.equal(after[key], rows) for key, rows in modules.items())  # shared module rows untouched
+    llm.engine.check_integrity()
+    # the schema store keeps the int8 rows as they are: a restart loads them bit for bit
+    restarted = _int8(tiny_llama, gib=0.01, schema_dir=str(tmp_path))
+    assert [s.name for s in restarted.engine.restored_schemas] == ["s"]
+    restarted.generate(prompt, ONE)
+    loaded = _rows_by_key(restarted)
+    assert modules.keys() <= loaded.keys()
+    assert all(torch.equal(loaded[key], rows) for key, rows in modules.items())
+    restarted.engine.check_integrity()
