@@ -363,7 +363,7 @@ def test_repair_in_place_equals_repair_of_moved_copies(tiny_llama, monkeypatch, 
             monkeypatch.setattr(
                 DocumentCache,
                 "source",
-                lambda self, layout, salt, in_place=True: real(self, layout, salt, in_place=False),
+                lambda self, layout, salt, in_place=True, **kw: real(self, layout, salt, in_place=False, **kw),
             )
         for order in ((0, 1, 2), (2, 0, 1)):  # encode each document once, then reuse it shifted
             llm.generate(
@@ -442,7 +442,9 @@ def test_a_decoding_request_moves_its_in_place_context_to_one_run(tiny_llama):
 
     ref = make(tiny_llama)
     real = DocumentCache.source
-    DocumentCache.source = lambda self, layout, salt, in_place=True: real(self, layout, salt, in_place=False)
+    DocumentCache.source = lambda self, layout, salt, in_place=True, **kw: real(
+        self, layout, salt, in_place=False, **kw
+    )
     try:
         ref.generate(DocumentPrompt.of([(d, True) for d in docs] + [(q, False)]), ONE)
         ref_spy = LogitsSpy(ref)

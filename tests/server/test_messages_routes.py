@@ -358,3 +358,37 @@ def test_a_tenants_tokens_per_minute_hold_on_messages_with_x_api_key(tiny_llama)
             "message": "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
         },
     }
+
+
+def test_cache_control_on_a_document_sets_its_blocks_retention(client, async_engine):
+    """A ``cache_control`` over a document block: the document's own blocks (and the head text
+    encoded before it, inside the same range) take the document priority (50, 5 minutes),
+    not the default 35, as a plain prompt's marked blocks do."""
+    from kvreuse.api.anthropic_prompt import render_messages
+    from kvreuse.api.anthropic_protocol import MessagesRequest
+    from kvreuse.api.cache_breakpoints import BreakpointPolicy
+
+    doc = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": words(40, 1201)},
+        "title": "Notes",
+        "cache_control": {"type": "ephemeral"},
+    }
+    body = _body(messages=[{"role": "user", "content": [doc, {"type": "text", "text": "Sum it up."}]}])
+    prompt = render_messages(async_engine.tokenizer, MessagesRequest.model_validate(body), BreakpointPolicy())
+    ((start, end, priority, duration_ms),) = [
+        (r.token_start, r.token_end, r.priority, r.duration_ms) for r in prompt.plan.ranges
+    ]
+    assert (start, priority, duration_ms) == (0, 50, 300_000)
+    layout = prompt.documents.layout()
+    pieces = [len(p) for p, pos in zip(layout.documents, layout.document_positions) if pos < end]
+    expected = sum(-(-n // BLOCK_SIZE) for n in pieces)
+
+    def by_priority(engine):
+        return dict(engine.pool.blocks_by_priority())
+
+    before = async_engine.call_blocking(by_priority)
+    assert client.post("/v1/messages", json=body).status_code == 200
+    after = async_engine.call_blocking(by_priority)
+    assert after.get(50, 0) - before.get(50, 0) == expected
+    async_engine.call_blocking(lambda engine: engine.check_integrity())

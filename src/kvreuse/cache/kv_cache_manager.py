@@ -49,7 +49,7 @@ def request_retention(seq: CachedSequence, index: int, block_size: int) -> Reten
     return requested_block_retention(seq.retention, index * block_size, num_prompt_tokens=seq.num_prompt_tokens)
 
 
-def _asks_nothing(index: int) -> None:
+def asks_nothing(index: int) -> None:
     return None
 
 
@@ -147,7 +147,7 @@ class KVCacheManager:
         *,
         num_blocks: int,
         max_hits: int | None = None,
-        retention: BlockRetention = _asks_nothing,
+        retention: BlockRetention = asks_nothing,
     ) -> Admission | None:
         """Hold ``num_blocks`` blocks for a request whose leading blocks have ``keys`` /
         ``token_blocks`` (indexable and iterable, one entry per key at least): the longest
@@ -213,7 +213,7 @@ class KVCacheManager:
         start: int,
         end: int,
         *,
-        retention: BlockRetention = _asks_nothing,
+        retention: BlockRetention = asks_nothing,
         default_priority: int = DEFAULT_PRIORITY,
     ) -> None:
         """Enter ``blocks[start:end]`` (computed, held by the caller) in the prefix index under

@@ -48,7 +48,8 @@ import numpy as np
 
 from kvreuse.cache.hashing import BlockHash, extend_chain, root_extra_keys
 from kvreuse.cache.kv_block import KVBlock, block_slots, cdiv
-from kvreuse.cache.kv_cache_manager import KVCacheManager, tokens_by_level
+from kvreuse.cache.kv_cache_manager import BlockRetention, KVCacheManager, asks_nothing, tokens_by_level
+from kvreuse.cache.retention import KvCacheRetentionConfig, requested_block_retention
 from kvreuse.document_prompt import DocumentLayout, DocumentPrompt, Segment  # noqa: F401 - values, re-exported from here
 from kvreuse.engine.prefill_pacer import PrefillPacer
 from kvreuse.events.records import HOST_LEVEL
@@ -111,23 +112,38 @@ class DocumentCache:
             [], document, self.pool.block_size, root_extra=root, algorithm=self.hash_algorithm, partial_tail=True
         )
 
-    def source(self, layout: DocumentLayout, salt: str | None, *, in_place: bool = False) -> DocumentSource:
+    def source(
+        self,
+        layout: DocumentLayout,
+        salt: str | None,
+        *,
+        in_place: bool = False,
+        retention: KvCacheRetentionConfig | None = None,
+    ) -> DocumentSource:
         """The request's ``ContextSource``; ``in_place``: reference the documents' own blocks
         (no copy; the keys stay where they were computed, so only for a request that is not
-        blended, on a model without sliding-window layers), else copy them moved."""
-        return DocumentSource(self, layout, salt, in_place)
+        blended, on a model without sliding-window layers), else copy them moved.
+        ``retention``: the request's, over its prompt's token indices (a document block takes
+        the range holding its first token at the document's position in the prompt)."""
+        return DocumentSource(self, layout, salt, in_place, retention)
 
     # ------------------------------------------------------------------ one document
     def fill(
-        self, document: Sequence[int], after: Sequence[int], salt: str | None
+        self,
+        document: Sequence[int],
+        after: Sequence[int],
+        salt: str | None,
+        retention: BlockRetention = asks_nothing,
     ) -> tuple[list[KVBlock], dict[str, int]]:
         """The document's blocks, held (one reference each for the caller), computed where not
-        cached; returns them and its cached tokens by the tier they were found in. Raises
-        ``DocumentPoolBusy`` (nothing held) when the pool cannot hold them now."""
+        cached, each with the retention ``retention(block index)`` asks (a request's
+        ``cache_control`` over the document: hits and fresh blocks alike); returns them and
+        its cached tokens by the tier they were found in. Raises ``DocumentPoolBusy`` (nothing
+        held) when the pool cannot hold them now."""
         bs = self.pool.block_size
         keys = self.keys(document, after, salt)
         pieces = [tuple(document[i : i + bs]) for i in range(0, len(document), bs)]
-        admission = self.kv.admit_blocks(keys, pieces, num_blocks=len(keys))
+        admission = self.kv.admit_blocks(keys, pieces, num_blocks=len(keys), retention=retention)
         if admission is None:
             raise DocumentPoolBusy(
                 f"documents: the KV pool has {self.pool.num_free_blocks} free blocks, too few for "
@@ -168,7 +184,7 @@ class DocumentCache:
                 if start < len(tokens):
                     self.pacer.between()
             self.tokens_computed += len(tokens)
-            self.kv.register_blocks(blocks, keys, pieces, hits, len(keys))
+            self.kv.register_blocks(blocks, keys, pieces, hits, len(keys), retention=retention)
         except BaseException:
             self.pool.release(reversed(blocks))
             raise
@@ -228,6 +244,17 @@ class DocumentSource:
     layout: DocumentLayout
     salt: str | None
     in_place: bool = False  # hold the documents' own blocks (shifts), instead of moved copies
+    retention: KvCacheRetentionConfig | None = None  # the request's, over prompt token indices
+
+    def block_retention(self, piece: int) -> BlockRetention:
+        """The retention the request asks for block ``j`` of context piece ``piece``: the range
+        holding the block's first token, counted where the piece sits in the prompt."""
+        config = self.retention
+        if config is None:
+            return asks_nothing
+        first, bs = self.layout.document_positions[piece], self.cache.pool.block_size
+        end = first + len(self.layout.documents[piece])  # no document token is a generated one
+        return lambda j: requested_block_retention(config, first + j * bs, num_prompt_tokens=end)
 
     @property
     def private_blocks(self) -> bool:
@@ -289,8 +316,8 @@ class DocumentSource:
             by_level: dict[str, int] = {}
             spans: list[tuple[int, int]] = []
             start = 0
-            for doc, after in zip(layout.documents, layout.encoded_after):
-                blocks, cached = cache.fill(doc, after, self.salt)
+            for piece, (doc, after) in enumerate(zip(layout.documents, layout.encoded_after)):
+                blocks, cached = cache.fill(doc, after, self.salt, self.block_retention(piece))
                 held.append(blocks)
                 for level, count in cached.items():
                     by_level[level] = by_level.get(level, 0) + count

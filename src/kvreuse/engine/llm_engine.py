@@ -184,7 +184,8 @@ class LLMEngine:
         server's ``--blend-*`` for PML modules, ``--document-blend-*`` for documents).
         Raises ``ValueError`` if the request can never run or ``blend`` is invalid (naming it)."""
         override = BlendOverride.of(blend)  # the edge for Python callers: a Mapping is parsed here, once
-        assembled = self.intake.assemble(prompt, params, cache_salt=cache_salt, blend=override)
+        retention = checked_retention(retention)  # before any work: documents take it as they fill
+        assembled = self.intake.assemble(prompt, params, cache_salt=cache_salt, blend=override, retention=retention)
         self.add_request(request_id, assembled, params, cache_salt=cache_salt, retention=retention)
 
     def abort_request(self, request_id: str) -> None:

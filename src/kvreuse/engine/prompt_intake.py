@@ -30,6 +30,7 @@ from kvreuse.pml.prepared import PreparedPrompt, prepare_prompt
 
 if TYPE_CHECKING:
     from kvreuse.cache.kv_cache_manager import KVCacheManager
+    from kvreuse.cache.retention import KvCacheRetentionConfig
     from kvreuse.engine.blend_pass import BlendPass
     from kvreuse.engine.config import EngineConfig
     from kvreuse.engine.document_cache import DocumentCache, DocumentLayout
@@ -96,6 +97,7 @@ class PromptIntake:
         *,
         cache_salt: str | None = None,
         blend: BlendOverride | None = None,
+        retention: KvCacheRetentionConfig | None = None,
     ) -> AssembledPrompt:
         """The ``AssembledPrompt`` of a PML prompt (its new tokens at their positions, after the
         KV of the modules it selects) or of a documents prompt (its text parts, each
@@ -115,7 +117,7 @@ class PromptIntake:
                 max_model_len=self.max_model_len,
             )
             self.runner.rope_shift()  # a rope type whose keys cannot be moved is a ValueError now, before any work
-            context = PromptContext(self._document_source(layout, cache_salt, blend), None)
+            context = PromptContext(self._document_source(layout, cache_salt, blend, retention), None)
             token_ids, positions = list(layout.token_ids), list(layout.positions)
         else:
             source = self._blended(self.modules.source(prompt.plan), blend, self.module_blend)
@@ -132,13 +134,19 @@ class PromptIntake:
         return getattr(source, "held_blocks", source.num_blocks)
 
     def _document_source(
-        self, layout: DocumentLayout, cache_salt: str | None, blend: BlendOverride | None
+        self,
+        layout: DocumentLayout,
+        cache_salt: str | None,
+        blend: BlendOverride | None,
+        retention: KvCacheRetentionConfig | None = None,
     ) -> ContextSource:
         """The context source of a documents request: read where computed (no copy; queries
         rotated per document, blend's recomputed tokens in private blocks), or moved copies on
-        a model with sliding windows (a window masks keys by position in one frame). Pure."""
+        a model with sliding windows (a window masks keys by position in one frame); the
+        documents' blocks take ``retention`` (the request's ``cache_control``). Pure."""
         in_place = not self.runner.layout.sliding_windows
-        return self._blended(self.documents.source(layout, cache_salt, in_place=in_place), blend, self.document_blend)
+        source = self.documents.source(layout, cache_salt, in_place=in_place, retention=retention)
+        return self._blended(source, blend, self.document_blend)
 
     def _blended(self, source: SegmentedSource, blend: BlendOverride | None, default: Blend) -> ContextSource:
         """``source`` blended as ``blend`` asks over ``default`` (``None``: ``default``), or
