@@ -3,7 +3,7 @@ peer does), the same requests interleaved between two ``kvreuse serve`` processe
 small KV pool.
 
     PYTHONPATH=src .venv/bin/python bench/agents/cache_control.py [--model tiny:llama] [--agents 4]
-        [--steps 8] [--rag 6] [--kv-blocks 360]
+        [--steps 8] [--rag 6] [--kv-blocks 360] [--tag _NAME]
 
 The workload (docs/anthropic.md): ``--agents`` agents interleaved, each with its own long system
 prompt (its tools described in it; a 1h breakpoint) and a tool-loop history that grows by one
@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=40, help="~7 tokens each")
     # the agents' final working set is ~310 blocks: it fits, but not with a round's RAG flood (~190) on top
     ap.add_argument("--kv-blocks", type=int, default=360, help="pool size of each server, in 16-token blocks")
+    ap.add_argument("--tag", default="", help="results go to agents_cache_control[_TAG].json/png")
     args = ap.parse_args()
     sides = ("honoured", "stripped")
     requests = agent_requests(args.agents, args.steps, args.rag, args.system_words)
@@ -177,8 +178,8 @@ def main() -> None:
         "ttft_p50_ratio": h["ttft_p50_ms"] / st["ttft_p50_ms"],
         "ttft_p95_ratio": h["ttft_p95_ms"] / st["ttft_p95_ms"],
     }
-    write_json(RESULTS / "agents_cache_control.json", doc)
-    plot(result, RESULTS / "agents_cache_control.png", args)
+    write_json(RESULTS / f"agents_cache_control{args.tag}.json", doc)
+    plot(result, RESULTS / f"agents_cache_control{args.tag}.png", args)
     for side, r in result.items():
         print(
             f"{side:<9} hit rate {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50_ms']:.1f} ms  p95 {r['ttft_p95_ms']:.1f} ms"
