@@ -4,7 +4,8 @@ finding reproduced against real processes, with what it shows now. Extends campa
 admin key and tenant keys ``alice`` and ``bob`` everywhere) and its row format.
 
     PYTHONPATH=src .venv/bin/python bench/hardening/faults.py [--only a,b,c,d,e] [--model tiny:llama]
-        [--streams 8] [--prompts 6] [--prompt-tokens 1500] [--max-tokens 16] [--tag NAME]
+        [--streams 8] [--hung-streams 40] [--hung-stop-s 40] [--prompts 6] [--prompt-tokens 1500]
+        [--max-tokens 16] [--tag NAME]
     -> bench/results/faults.json, bench/results/faults.png, the rows as a Markdown table on stdout
 
 Parts (``--only``; all by default):
@@ -21,7 +22,10 @@ Parts (``--only``; all by default):
 - ``c`` (finding 2): SIGSTOP of the executor serving the first of ``--streams`` greedy streams
   (half chat), SIGCONT ``--stop-s`` later: no stream waits longer than the router's progress
   deadline (10 s, ``--upstream-progress-timeout``), 0 silent cuts, migrated greedy text
-  identical to an undisturbed run. The cluster probes health every 0.3 s.
+  identical to an undisturbed run. The cluster probes health every 0.3 s. Then the issue's own
+  case, the same with ``--hung-streams`` (40) streams and the executor stopped ``--hung-stop-s``
+  (40 s), as bench/router/hung_executor.py runs it (the executors then take ``--max-num-seqs``
+  streams + 4 and 0.03 GiB of KV each, so 40 streams fit one executor after the move).
 - ``d`` (finding 3): in process, the real model (``--det-model``, default ``default``) at the
   default bf16 + int4, ``--prompts`` chat prompts of ``--prompt-tokens`` tokens, greedy: the
   tokens of a miss, a device hit, a hit from the host tier and a hit from the disk tier, with
@@ -282,7 +286,9 @@ def step_failure(c: Cluster, max_tokens: int = 400) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ c: hung executor
-def hung_executor(c: Cluster, streams: int, max_tokens: int, stop_s: float, out: dict) -> list[dict]:
+def hung_executor(c: Cluster, streams: int, max_tokens: int, stop_s: float, out: dict, key: str = "hung") -> list[dict]:
+    """SIGSTOP of the executor serving the first of ``streams`` greedy streams for ``stop_s``;
+    the gaps go in ``out[key]``."""
     requests = [request(i, max_tokens) for i in range(streams)]
     with ThreadPoolExecutor(streams) as pool:
         reference = list(pool.map(lambda pr: stream(c.url, ADMIN, *pr), requests))
@@ -317,14 +323,20 @@ def hung_executor(c: Cluster, streams: int, max_tokens: int, stop_s: float, out:
     on = [r for r in results if r["executor"] == victim]
     gaps_on = sorted(round(stall(r), 3) for r in on)
     gaps_off = sorted(round(stall(r), 3) for r in results if r["executor"] != victim)
-    out["hung"] = {"streams": streams, "stop_s": stop_s, "gaps_on_stopped_s": gaps_on, "gaps_elsewhere_s": gaps_off}
+    out[key] = {"streams": streams, "stop_s": stop_s, "gaps_on_stopped_s": gaps_on, "gaps_elsewhere_s": gaps_off}
     cuts = sum(k == "silent_cut" for k, _ in kinds)
     whole = [(k, t, ref) for (k, t), ref in zip(kinds, ref_text) if k == "whole"]
     differing = sum(t != ref for _, t, ref in whole)
     worst = max(gaps_on + gaps_off, default=0.0)
     wait_healthy(c.url, [c.router, *c.execs], all_of=2)  # the stopped one is back before anything else runs
     return [
-        row("2", f"SIGSTOP of 1 of 2 executors under {streams} streams: streams on it", len(on), "> 0", on),
+        row(
+            "2",
+            f"SIGSTOP of 1 of 2 executors for {stop_s:g} s under {streams} streams: streams on it",
+            len(on),
+            "> 0",
+            on,
+        ),
         row(
             "2",
             "longest wait of any stream for its next event (s)",
@@ -558,15 +570,18 @@ def sealed_events(model: str, logs: str) -> list[dict]:
 def plot(out: dict, path: Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    hung = out.get("hung")
-    if hung:
-        left.boxplot(
-            [hung["gaps_on_stopped_s"] or [0.0], hung["gaps_elsewhere_s"] or [0.0]],
-            tick_labels=["streams on the\nstopped executor", "other streams"],
-        )
+    cases = [out[k] for k in ("hung", "hung_40") if out.get(k)]
+    if cases:
+        data, labels = [], []
+        for hung in cases:
+            data += [hung["gaps_on_stopped_s"] or [0.0], hung["gaps_elsewhere_s"] or [0.0]]
+            n, s = hung["streams"], hung["stop_s"]
+            labels += [f"{n} streams, {s:g} s:\non the stopped one", f"{n} streams, {s:g} s:\nelsewhere"]
+        left.boxplot(data, tick_labels=labels)
+        left.tick_params(axis="x", labelsize=7)
         left.axhline(PROGRESS_DEADLINE_S, color="tab:red", linestyle="--", linewidth=1, label="progress deadline")
         left.set_ylabel("longest wait for the next event (s)")
-        left.set_title(f"2: SIGSTOP under {hung['streams']} streams")
+        left.set_title("2: SIGSTOP of 1 of 2 executors")
         left.legend(fontsize=8)
     det = out.get("determinism")
     if det:
@@ -590,6 +605,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8, help="part c: concurrent streams")
     ap.add_argument("--stream-tokens", type=int, default=300, help="part c: max_tokens of each stream")
     ap.add_argument("--stop-s", type=float, default=15.0, help="part c: seconds the executor stays stopped")
+    ap.add_argument("--hung-streams", type=int, default=40, help="part c's second case (issue 31's): streams")
+    ap.add_argument("--hung-stop-s", type=float, default=40.0, help="part c's second case: seconds stopped")
     ap.add_argument("--det-model", default="default", help="part d: the model (the finding needs the real one)")
     ap.add_argument("--prompts", type=int, default=6, help="part d: prompts (issue 31 asks 20: ~4x part d's time)")
     ap.add_argument("--prompt-tokens", type=int, default=1500, help="part d: tokens per prompt")
@@ -614,13 +631,20 @@ def main() -> None:
         out.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
 
     if any(p in chosen for p in "abc"):
-        with Cluster(args.model, logs, exec_args=FAULT_ARGS if "b" in chosen else ()) as c:
+        exec_args = FAULT_ARGS if "b" in chosen else ()
+        if "c" in chosen:  # the 40 streams fit one executor once the other is stopped
+            exec_args += ("--max-num-seqs", str(max(args.streams, args.hung_streams) + 4), "--kv-cache-memory", "0.03")
+        with Cluster(args.model, logs, exec_args=exec_args) as c:
             if "a" in chosen:
                 run("a", lambda: edge_values(c))
             if "b" in chosen:
                 run("b", lambda: step_failure(c))
             if "c" in chosen:  # last: it stops an executor
                 run("c", lambda: hung_executor(c, args.streams, args.stream_tokens, args.stop_s, out))
+                run(
+                    "c40",
+                    lambda: hung_executor(c, args.hung_streams, args.stream_tokens, args.hung_stop_s, out, "hung_40"),
+                )
     if "e" in chosen:
         run("e", lambda: sealed_events(args.model, logs))
     if "d" in chosen:
