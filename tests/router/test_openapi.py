@@ -100,3 +100,41 @@ def test_docs_and_redoc_answer_as_openapi_json_does():
             ("/openapi.json", "/docs", "/redoc"), status
         )
     assert '"CompletionRequest"' in got[("/docs", True)].text  # the description is in the page
+
+
+def test_explain_answers_a_body_its_description_rules_out_with_the_executors_400():
+    """Found by the schema fuzzing (tests/router/test_schema_fuzz.py): explain took any JSON
+    object, so bodies its own description rules out got a 200 and a routing decision."""
+    router = Router(
+        [Executor("http://a", healthy=True)],
+        PromptHasher(None, HashSettings("m", 4, "sha256")),
+        make_policy("kv"),
+        client=httpx.AsyncClient(),
+        seed=0,
+    )
+    bodies = [
+        {"prompt": 5},
+        {"prompt": [1, 2], "max_tokens": "many"},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},  # without logprobs
+        {"prompt": [1, 2]},  # valid: explained
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+    ]
+
+    async def post():
+        app = build_router_app(router)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
+            return [await c.post("/v1/route/explain", json=b) for b in bodies]
+
+    *bad, ok_completion, ok_chat = asyncio.run(post())
+    assert [r.status_code for r in bad] == [400] * 5
+    assert [r.json()["error"]["param"] for r in bad] == ["prompt", "max_tokens", "messages[0].role", "messages", None]
+    assert bad[0].json()["error"] == {
+        "message": "prompt: Input should be a valid string (got 5)",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
+    assert (ok_completion.status_code, ok_chat.status_code) == (200, 200)
+    assert ok_chat.json()["endpoint"] == "chat"

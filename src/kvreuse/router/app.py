@@ -72,7 +72,7 @@ from kvreuse.api.middleware import (
 from kvreuse.api.tenants import APIKeys, sees_tenants, tenant_of, tenant_salt
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.messages_proxy import MessagesUsage, forward_messages, messages_cost, messages_keys
-from kvreuse.router.openapi import install_openapi
+from kvreuse.router.openapi import explain_body_error, install_openapi
 from kvreuse.router.proxy import EXECUTOR_HEADER, error, forward
 from kvreuse.router.router import Router
 from kvreuse.router.tenant_usage import UsageTap, ask_for_usage, request_cost
@@ -258,6 +258,8 @@ def build_router_app(
         if not isinstance(body, dict):
             return error("the body must be a JSON object", 400, "invalid_request_error")
         chat = "messages" in body
+        if (invalid := explain_body_error(body, chat)) is not None:
+            return invalid.response()  # the executor's 400 for it: the body its description rules out
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body)
         routed = router.decide(keys, dry_run=True)
         overlaps = {c.name: c for c in (routed.candidates if routed else [])}

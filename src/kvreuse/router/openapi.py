@@ -6,7 +6,8 @@ it passes on. So their ``Request`` parameters say nothing about the body. The de
 is generated instead from stand-in routes (never served) that declare the executor's own
 models from ``kvreuse.api.protocol`` (and ``anthropic_protocol``), by the generator the executor's description comes
 from, so both describe ``POST /v1/completions`` and ``POST /v1/chat/completions`` alike;
-``POST /v1/route/explain`` takes either body.
+``POST /v1/route/explain`` takes either body, and checks it as described (``explain_body_error``):
+it sends nothing anywhere, so no executor's 400 would stop a body the description rules out.
 """
 
 from __future__ import annotations
@@ -16,9 +17,38 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 
 from kvreuse.api.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kvreuse.api.errors import APIError
 from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "json-or-python", "function-after", "function-before"}
+
+
+def explain_body_error(body: dict[str, Any], chat: bool) -> APIError | None:
+    """The executor's 400 for ``body`` as a chat (``chat``) or completions request, naming the
+    first offending field as the executor does (``messages[0].role: ...``), or ``None``
+    when the body is one the executor would take."""
+    try:
+        parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+        if isinstance(parsed, CompletionRequest):
+            parsed.prompts()
+        parsed.num_logprobs()  # what validation leaves to it (top_logprobs without logprobs)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        parts = [p for p in first.get("loc", ()) if isinstance(p, int) or not (p in _TYPE_TAGS or "[" in p)]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return APIError(
+            f"{path}: {first.get('msg')} (got {shown})" if path else str(first.get("msg")), param=path or None
+        )
+    except APIError as exc:
+        return exc
+    except ValueError as exc:
+        return APIError(str(exc))
+    return None
 
 
 def _stand_ins() -> list[APIRoute]:
