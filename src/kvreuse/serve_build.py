@@ -93,7 +93,8 @@ def pool_summary(engine) -> str:
         )
     return (
         f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-        f"{gib:.3f} GiB, {per_token} bytes/token{host}; forward: {engine.runner.forward_impl}; "
+        f"{gib:.3f} GiB, {per_token} bytes/token, KV {engine.runner.kv_format.description}{host}; "
+        f"forward: {engine.runner.forward_impl}; "
         f"prefill while decoding: {engine.scheduler.max_prefill_tokens_while_decoding or 'no cap'} tokens/step"
     )
 

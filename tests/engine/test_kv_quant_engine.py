@@ -12,6 +12,8 @@ from kvreuse import LLM, SamplingParams
 from kvreuse.cache.hashing import hash_token_blocks
 from kvreuse.engine.document_cache import DocumentPrompt
 from kvreuse.engine.kv_quant import SCALE_BYTES
+from kvreuse.events.buffer import EventBuffer
+from kvreuse.events.records import CacheCreated, record_from_json, record_to_json
 from kvreuse.models.tiny import tiny_model
 from tests.engine_helpers import LogitsSpy, reference_logits
 from tests.tiers.conftest import redis_server  # noqa: F401  (a real redis-server per test)
@@ -202,3 +204,12 @@ def test_seam_repair_runs_on_int8_modules_and_keeps_them(tiny_llama, tmp_path):
     assert modules.keys() <= loaded.keys()
     assert all(torch.equal(loaded[key], rows) for key, rows in modules.items())
     restarted.engine.check_integrity()
+
+
+def test_the_created_event_tells_the_format(tiny_llama):
+    buffer = EventBuffer(1000)
+    LLM(loaded=tiny_llama, events=buffer, kv_cache_memory_gib=0.001, block_size=4, kv_cache_dtype="int8")
+    created = buffer.drain_since_last()[0].data
+    assert isinstance(created, CacheCreated) and created.kv_cache_dtype == "int8"
+    as_json = record_to_json(created)
+    assert as_json["kv_cache_dtype"] == "int8" and record_from_json(as_json) == created

@@ -1,7 +1,6 @@
 """The paged KV block pool: block ids, reference counts, the prefix-cache index, eviction.
 
-The pool holds no tensors (the model runner owns ``[layers, 2, num_blocks, block_size,
-kv_heads, head_dim]`` storage indexed by ``block_id``), so the same pool runs the engine
+The pool holds no tensors (the runner's KV storage is indexed by ``block_id``), so the same pool runs the engine
 and the trace simulator. It does no IO: events go to an optional ``EventSink``.
 
 Every block is in exactly one state::
@@ -68,6 +67,7 @@ class BlockPool:
         events: EventSink | None = None,
         cache_level: str = DEVICE_LEVEL,
         record_evictions: bool = False,
+        kv_cache_dtype: str | None = None,  # the KV format its blocks hold, told in the created event
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the pool needs at least one block, got {num_blocks} (raise --kv-cache-memory)")
@@ -92,7 +92,7 @@ class BlockPool:
         self._tick = 0
         self.num_evictions = 0
         self.evictions_by_priority: dict[int, int] = {}  # priority at eviction -> blocks evicted
-        self._emit(CacheCreated({cache_level: num_blocks}))
+        self._emit(CacheCreated({cache_level: num_blocks}, kv_cache_dtype))
 
     # ------------------------------------------------------------------ queries
     @property

@@ -101,6 +101,7 @@ def build_engine(
         policy=make_policy(config.eviction_policy, num_blocks=num_blocks),
         events=events,
         record_evictions=host is not None,
+        kv_cache_dtype=kv_format.name,
     )
     kv = KVCacheManager(
         pool,
@@ -208,8 +209,8 @@ def build_host_tier(
 
 
 def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any, kv_format: KVFormat) -> PersistentTiers | None:
-    """The disk / remote stores below the host tier, or ``None`` when neither is set."""
-    if config.disk_cache_dir is None and config.remote_cache is None:
+    """The disk / remote / object stores below the host tier, or ``None`` when none is set."""
+    if config.disk_cache_dir is None and config.remote_cache is None and config.object_cache is None:
         return None
     from kvreuse.tiers.disk_store import DiskStore
     from kvreuse.tiers.namespace import TierNamespace
@@ -228,6 +229,7 @@ def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any, kv_format:
         )
     )
     remote = None if config.remote_cache is None else RemoteStore(config.remote_cache, namespace=namespace)
+    objects = None if config.object_cache is None else build_object_store(config, namespace)
     row = kv_format.row_width(layout.head_dim)  # the pool's bytes per (token, head): int8 rows carry their scale
     shape = (layout.num_layers, 2, layout.num_kv_heads, config.block_size, row)
     return PersistentTiers(
@@ -236,5 +238,21 @@ def build_stores(config: EngineConfig, layout: KVLayout, loaded: Any, kv_format:
         kv_format.storage_dtype,
         disk=disk,
         remote=remote,
+        objects=objects,
         write_through_min_priority=config.tier_write_through_min_priority,
     )
+
+
+def build_object_store(config: EngineConfig, namespace: Any) -> Any:
+    """The ``--object-cache`` store (``tiers.object_store.ObjectStore``), purging objects past
+    ``--object-cache-ttl`` in the background. Raises ``ValueError`` naming the flag for a
+    malformed URL or without the AWS SDK; a bucket it cannot reach now is only warned about."""
+    try:
+        from kvreuse.tiers.object_store import ObjectStore
+    except ImportError as exc:  # boto3 is the optional extra `s3`
+        raise ValueError(f"--object-cache needs the AWS SDK: pip install 'kvreuse[s3]' ({exc})") from None
+    store = ObjectStore(config.object_cache or "", namespace=namespace, ttl_s=config.object_cache_ttl_s)
+    store.check_bucket()
+    if config.object_cache_ttl_s is not None:
+        store.start_purging()
+    return store

@@ -50,6 +50,7 @@ class StoredBlock:
 @dataclass(frozen=True, slots=True)
 class CacheCreated:
     num_blocks_per_level: dict[str, int]
+    kv_cache_dtype: str | None = None  # the blocks' KV format (--kv-cache-dtype); None: not told
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,8 @@ def record_to_json(data: KVEvent) -> dict:
             "cache_level": _diff(data.old_cache_level, data.new_cache_level),
         }
     if isinstance(data, CacheCreated):
-        return {"type": "created", "num_blocks_per_cache_level": dict(data.num_blocks_per_level)}
+        created = {"type": "created", "num_blocks_per_cache_level": dict(data.num_blocks_per_level)}
+        return created if data.kv_cache_dtype is None else {**created, "kv_cache_dtype": data.kv_cache_dtype}
     if isinstance(data, AllBlocksCleared):
         return {"type": "cleared"}
     raise TypeError(f"not a KV event record: {data!r}")
@@ -175,7 +177,7 @@ def record_from_json(d: dict) -> KVEvent:
             c.get("new_value"),
         )
     if kind == "created":
-        return CacheCreated(dict(d["num_blocks_per_cache_level"]))
+        return CacheCreated(dict(d["num_blocks_per_cache_level"]), d.get("kv_cache_dtype"))
     if kind == "cleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event type {kind!r}")
