@@ -73,9 +73,10 @@ class RedisClusterServers:
         )
         self.wait_until_ok(self.ports)
 
-    def masters(self) -> list[int]:
-        """Ports of the masters that own slots now, as the live nodes see it."""
-        live = next(p for p in self.ports if p in self.processes)
+    def masters(self, asked: int | None = None) -> list[int]:
+        """Ports of the masters that own slots now, as node ``asked`` (default: the first
+        live one) sees it."""
+        live = asked or next(p for p in self.ports if p in self.processes)
         slots = self.node(live).execute_command("CLUSTER", "SLOTS")
         return sorted({int(entry[2][1]) for entry in slots})
 
@@ -90,6 +91,36 @@ class RedisClusterServers:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"the cluster on {ports} is not ok after {timeout_s} s; see {self.workdir}")
+
+    def wait_replicated(self, timeout_s: float = 30) -> None:
+        """Until every replica holds as many keys as its master (asynchronous replication)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pairs = []
+            for port in self.processes:
+                info = self.node(port).info("replication")
+                if info["role"] == "slave":
+                    pairs.append((int(info["master_port"]), port))
+            if pairs and all(self.node(m).dbsize() == self.node(r).dbsize() for m, r in pairs):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas did not catch up: {pairs}")
+            time.sleep(0.05)
+
+    def wait_failed_over(self, dead: int, timeout_s: float = 30) -> None:
+        """Until every live node sees a replica owning the slots of the dead master ``dead``
+        and reports ``cluster_state:ok`` again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if all(dead not in self.masters(p) for p in self.processes):
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no failover of {dead} in {timeout_s} s; see {self.workdir}")
+            time.sleep(0.1)
+        self.wait_until_ok(list(self.processes), timeout_s)
 
     def kill(self, port: int) -> None:
         """SIGKILL one node, as a crash would; waits until the process is gone."""

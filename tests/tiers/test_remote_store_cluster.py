@@ -120,3 +120,33 @@ def test_cluster_urls():
     for bad in ("redis+cluster://h:1/3", "redis+cluster://h:1?db=2", "redis+cluster:///x", "http://nowhere"):
         with pytest.raises(ValueError):
             parse_target(bad)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_failed_over_master_is_found_again_after_the_cool_down(tmp_path):
+    clock = Clock()
+    for cluster in running_cluster(tmp_path / "cluster", replicas=1):  # 3 masters, 3 replicas
+        store = _store(cluster.url(), clock=clock, failure_threshold=1)
+        blocks = [make_payload(i) for i in range(12)]
+        for key, payload in blocks:
+            assert store.put(key, payload)
+        keys = [key for key, _ in blocks]
+        masters = cluster.masters()
+        assert len(masters) == 3
+        cluster.wait_replicated()  # every write on a replica before the crash
+        victim = next(p for p in masters if cluster.node(p).dbsize() > 0)
+        cluster.kill(victim)
+        assert store.get_many(keys) == [None] * 12  # the old slot map points at the dead master
+        assert store.breaker.state is BreakerState.OPEN
+        cluster.wait_failed_over(victim)  # a replica took over the dead master's slots
+        clock.now = 5.0  # the cool-down: the next call probes, with the refreshed slot map
+        records = store.get_many(keys, shape=SHAPE, dtype=torch.float32)
+        assert all(torch.equal(r.kv, make_record(i).kv) for i, r in enumerate(records))
+        assert store.breaker.state is BreakerState.CLOSED and store.stats()["hits"] == 12

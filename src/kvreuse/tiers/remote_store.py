@@ -28,8 +28,9 @@ Contracts (a down, slow or flushed Redis never fails a request):
   deleted from Redis and counted (``corrupt`` / ``foreign``).
 - A cluster master that dies, a slot that moves (``MOVED`` / ``ASK`` are followed), a cluster
   that is down (``CLUSTERDOWN``) or unreachable at start: each is a failed call as above, a
-  miss. A batch that touches a dead master misses as a whole; the client refreshes its slot
-  map after the error, so once the cluster has failed over the next call hits again.
+  miss. A batch that touches a dead master misses as a whole; the client reloads its slot
+  map after the error, and the breaker's probe reloads it again first, so once the cluster
+  has failed the master over to a replica the probe (and every call after it) hits again.
 - Thread-safe (redis-py's connection pools; the cluster client is built once, under a lock).
 """
 
@@ -239,7 +240,12 @@ class RemoteStore:
         if not self.breaker.allow():
             self._counters.add("skipped")
             return None
+        probe = self.breaker.state is BreakerState.HALF_OPEN
         try:
+            if probe and self.target.cluster:
+                # the slot map was last loaded when a call failed, maybe before the cluster
+                # failed the master over: reload it, or the probe asks the dead master again
+                cast("RedisCluster", self.client()).nodes_manager.initialize()
             result = operation()
         except STORE_ERRORS as exc:
             self._counters.add("timeouts" if isinstance(exc, (redis.TimeoutError, TimeoutError)) else "errors")
