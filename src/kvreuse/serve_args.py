@@ -79,6 +79,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(rediss+cluster:// with TLS) for a Redis Cluster / Valkey cluster; a down store costs a recompute",
     )
     p.add_argument(
+        "--object-cache",
+        default=C.object_cache,
+        metavar="s3://BUCKET/PREFIX",
+        help="object tier (any S3 API server) below disk and remote, shared by executors of the same "
+        "model, kept across restarts; endpoint, credentials and region from the AWS_* environment "
+        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); needs pip install 'kvreuse[s3]'",
+    )
+    p.add_argument(
+        "--object-cache-ttl",
+        type=float,
+        default=C.object_cache_ttl_s,
+        metavar="S",
+        help="purge objects written more than S seconds ago",
+    )
+    p.add_argument(
         "--tier-write-through-min-priority",
         type=int,
         default=C.tier_write_through_min_priority,
@@ -326,6 +341,8 @@ def engine_config(args: argparse.Namespace):
         disk_cache_size_gib=args.disk_cache_size,
         disk_cache_ttl_s=args.disk_cache_ttl,
         remote_cache=args.remote_cache,
+        object_cache=args.object_cache,
+        object_cache_ttl_s=args.object_cache_ttl,
         tier_write_through_min_priority=args.tier_write_through_min_priority,
         speculative_tokens=args.speculative_tokens,
         speculative_ngram_max=args.speculative_ngram,

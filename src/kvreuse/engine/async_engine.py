@@ -64,6 +64,7 @@ class ExecutorFacts:
     num_blocks: int
     cache_levels: tuple[str, ...]  # the device pool's level, then the tiers below it
     remote_store: str | None  # the remote store's identity (no credentials), or None
+    object_store: str | None  # the object store's identity (endpoint, bucket, prefix; hashed), or None
     eos_token_ids: tuple[int, ...]  # sorted: what ends a request
     kv_cache_dtype: str = "auto"  # the KV pool's format (engine/kv_quant.py), never "auto" once built
 
@@ -78,6 +79,7 @@ class ExecutorFacts:
             engine.pool.num_blocks,
             tuple(pool.cache_level for pool in engine.cache.pools()),
             engine.cache.remote_store_id,
+            engine.cache.object_store_id,
             tuple(sorted(engine.eos_token_ids)),
             engine.runner.kv_format.name,
         )

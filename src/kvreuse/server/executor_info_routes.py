@@ -11,6 +11,8 @@ and the process's ``instance_id`` (new at every start, also on ``/health``).
 ``remote_store`` identifies the remote store (Redis URL's location and database, and the
 namespace; no credentials, hashed) when there is one: executors reporting the same one read
 each other's ``REMOTE`` blocks, and a router counts them as reachable from all of them.
+``object_store`` does the same for the ``--object-cache`` bucket (endpoint, bucket, prefix
+and namespace, hashed): executors reporting the same one read each other's ``OBJECT`` blocks.
 ``num_blocks`` and ``eos_token_ids`` let a router continue a stream elsewhere exactly as
 this executor would have finished it (``kvreuse.router.migration``).
 ``tokenizer_probe`` holds the token ids of a fixed text and of a fixed chat, so a router
@@ -78,6 +80,7 @@ async def kvreuse_info(request: Request) -> dict:
         "num_blocks": facts.num_blocks,
         "cache_levels": list(facts.cache_levels),
         "remote_store": facts.remote_store,
+        "object_store": facts.object_store,
         "eos_token_ids": list(facts.eos_token_ids),  # what ends a request (a router continuing a stream)
         "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},
         "tokenizer_probe": tokenizer_probe(tokenizer),
