@@ -33,12 +33,15 @@ class RedisClusterServers:
     persistence, in ``workdir``. ``node_timeout_ms`` is how long a node may stay silent before
     the others mark it failed (and, with replicas, fail it over)."""
 
-    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, workdir: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, tls: bool = False
+    ) -> None:
         self.binary = shutil.which("redis-server")
         self.cli = shutil.which("redis-cli")  # same Debian package family: redis-tools, a dependency
         self.workdir = workdir
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
+        self.tls = tls  # clients, replication and the cluster bus over TLS (make_certificates)
         self.ports: list[int] = []
         while len(self.ports) < masters * (1 + replicas):
             port = free_cluster_port()
@@ -46,20 +49,31 @@ class RedisClusterServers:
                 self.ports.append(port)
         self.processes: dict[int, subprocess.Popen] = {}
 
-    def url(self, port: int | None = None, scheme: str = "redis+cluster") -> str:
+    @property
+    def ca_file(self) -> Path:
+        return self.workdir / "tls" / "ca.crt"
+
+    def url(self, port: int | None = None) -> str:
         """The ``--remote-cache`` URL seeded with node ``port`` (default: the first)."""
-        return f"{scheme}://127.0.0.1:{port or self.ports[0]}"
+        if self.tls:
+            return f"rediss+cluster://127.0.0.1:{port or self.ports[0]}?ssl_ca_certs={self.ca_file}"
+        return f"redis+cluster://127.0.0.1:{port or self.ports[0]}"
 
     def node(self, port: int) -> redis.Redis:
         """A plain client of one node (``dbsize``, ``cluster info``: that node only)."""
+        if self.tls:
+            return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, ssl=True, ssl_ca_certs=str(self.ca_file))
         return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
 
     def start(self) -> None:
+        if self.tls:
+            make_certificates(self.workdir / "tls")
         for port in self.ports:
             self._start_node(port)
         subprocess.run(
             [
                 self.cli,
+                *(["--tls", "--cacert", str(self.ca_file)] if self.tls else []),
                 "--cluster",
                 "create",
                 *(f"127.0.0.1:{p}" for p in self.ports),
@@ -141,11 +155,16 @@ class RedisClusterServers:
     def _start_node(self, port: int) -> None:
         node_dir = self.workdir / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
+        certs = self.workdir / "tls"
+        listen = ["--port", str(port)]
+        if self.tls:  # no plain port: clients, replicas and the bus all speak TLS
+            listen = ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes"]
+            listen += ["--tls-cert-file", str(certs / "node.crt"), "--tls-key-file", str(certs / "node.key")]
+            listen += ["--tls-ca-cert-file", str(self.ca_file), "--tls-auth-clients", "no"]
         self.processes[port] = subprocess.Popen(
             [
                 self.binary,
-                "--port",
-                str(port),
+                *listen,
                 "--bind",
                 "127.0.0.1",
                 "--cluster-enabled",
@@ -177,12 +196,27 @@ class RedisClusterServers:
         raise RuntimeError(f"redis-server did not answer on port {port}; see {node_dir / 'redis.log'}")
 
 
+def make_certificates(folder: Path) -> None:
+    """A throwaway CA (``ca.crt``) and a node certificate for 127.0.0.1 (``node.crt``,
+    ``node.key``) signed by it, with Debian's ``openssl``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for cmd in (
+        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.crt -days 2 -subj /CN=kvreuse-test-ca",
+        "req -newkey rsa:2048 -nodes -keyout node.key -out node.csr -subj /CN=127.0.0.1",
+        "x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out node.crt -days 2 -extfile ext.cnf",
+    ):
+        subprocess.run(["openssl", *cmd.split()], cwd=folder, check=True, capture_output=True, timeout=60)
+
+
 def running_cluster(workdir: Path, **kwargs) -> Iterator[RedisClusterServers]:
     """For a fixture (``yield from``): a running cluster (3 masters unless ``kwargs`` say
     otherwise) in ``workdir``; stopped afterwards, also when a test failed mid-way."""
     cluster = RedisClusterServers(workdir, **kwargs)
     if cluster.binary is None or cluster.cli is None:
         pytest.skip("redis-server / redis-cli not on PATH (apt-get install redis-server; .ci/run installs it)")
+    if cluster.tls and shutil.which("openssl") is None:
+        pytest.skip("openssl not on PATH: the TLS cluster needs it for its certificates")
     try:
         cluster.start()
         yield cluster

@@ -150,3 +150,21 @@ def test_a_failed_over_master_is_found_again_after_the_cool_down(tmp_path):
         records = store.get_many(keys, shape=SHAPE, dtype=torch.float32)
         assert all(torch.equal(r.kv, make_record(i).kv) for i, r in enumerate(records))
         assert store.breaker.state is BreakerState.CLOSED and store.stats()["hits"] == 12
+
+
+def test_a_tls_cluster_through_rediss_cluster(tmp_path):
+    for cluster in running_cluster(tmp_path / "cluster", tls=True):  # clients, replication and bus on TLS
+        url = cluster.url(cluster.ports[1])
+        assert url.startswith("rediss+cluster://") and "ssl_ca_certs=" in url
+        store = _store(url)
+        blocks = [make_payload(i) for i in range(12)]
+        for key, payload in blocks:
+            assert store.put(key, payload)
+        records = store.get_many([key for key, _ in blocks], shape=SHAPE, dtype=torch.float32)
+        assert all(torch.equal(r.kv, make_record(i).kv) for i, r in enumerate(records))
+        assert all(cluster.node(port).dbsize() > 0 for port in cluster.ports)
+        assert store.identity == _store(cluster.url(cluster.ports[2])).identity
+        # no CA to verify the nodes' certificate, or no TLS at all: a miss, never an exception
+        for wrong in (url.split("?")[0], url.replace("rediss+cluster", "redis+cluster").split("?")[0]):
+            other = _store(wrong)
+            assert other.get(blocks[0][0]) is None and other.stats()["errors"] + other.stats()["timeouts"] == 1
