@@ -19,6 +19,8 @@ What a ledger holds (docs/events.md, "Disk and remote blocks"):
 - ``REMOTE``: what this executor wrote (Redis acknowledged) or read back verified, and has
   not seen missing since. Redis may expire, evict or flush keys unseen; a read that misses
   a key the ledger holds removes it. Other executors' writes are theirs to announce.
+- ``OBJECT`` (an S3 bucket): as ``REMOTE``, and an object this executor deleted itself
+  (refused on a read, past its age) is removed too.
 
 Stores keep no retention: a block there has the default priority, and a read-back block is
 registered on the device at it. A store block is a copy, so a key can be in a ledger and in
@@ -39,7 +41,7 @@ from kvreuse.events.records import BlocksRemoved, BlocksStored, EventSink, Store
 class StoreChange:
     """One change a store saw, made on any thread, applied on the engine thread."""
 
-    level: str  # DISK_LEVEL or REMOTE_LEVEL
+    level: str  # DISK_LEVEL, REMOTE_LEVEL or OBJECT_LEVEL
     key: BlockHash
     held: bool  # True: the store holds the block now; False: it does not (any more)
     parent_key: BlockHash | None = None  # with held: the block's parent, tokens and chain position
