@@ -1,6 +1,7 @@
 """``kvreuse simulate``: replay a trace through the block pool with each eviction policy.
 
     kvreuse simulate --trace FILE --capacity-blocks N [--policy P ...] [--json]
+                     (or --capacity-gib G [--host-gib H] --kv-cache-dtype int8: kv_memory.py)
                      [--plot out.png] [--trace-block-tokens 512]
                      [--host-blocks M [--host-offload-min-priority 35]]
 
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvreuse.cache.eviction import POLICIES
+from kvreuse.simulator.kv_memory import add_memory_arguments, resolve_capacity
 from kvreuse.simulator.plot import BELADY, PlottingUnavailable, plot_sweep, pyplot, run_policy, sweep
 from kvreuse.simulator.replay import ReplayResult
 from kvreuse.simulator.traces import read_trace
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap-weight W); see 'kvreuse simulate --executors 2 --help'.",
     )
     p.add_argument("--trace", required=True, help="Mooncake or kvreuse JSONL trace (docs/simulator.md)")
-    p.add_argument("--capacity-blocks", type=int, required=True, metavar="N", help="pool size in blocks")
+    p.add_argument("--capacity-blocks", type=int, default=None, metavar="N", help="pool size in blocks")
+    add_memory_arguments(p)  # or --capacity-gib G in --kv-cache-dtype
     p.add_argument(
         "--policy",
         action="append",
@@ -79,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
 def simulate_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvreuse simulate``. Returns the exit status (2 for bad input)."""
     args = build_parser().parse_args(argv)
+    fmt = args.trace_format
+    if fmt == "auto":
+        fmt = _sniff_format(args.trace)
+    block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if args.block_tokens is None else args.block_tokens
+    try:
+        args.capacity_blocks, args.host_blocks = resolve_capacity(args, block_tokens)
+    except ValueError as e:
+        print(f"kvreuse simulate: {e}", file=sys.stderr)
+        return 2
     if args.capacity_blocks <= 0:
         print("kvreuse simulate: --capacity-blocks must be positive", file=sys.stderr)
         return 2
@@ -91,10 +103,6 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
     if args.sweep and not args.plot:
         print("kvreuse simulate: --sweep sets the capacities of --plot; add --plot FILE.png", file=sys.stderr)
         return 2
-    fmt = args.trace_format
-    if fmt == "auto":
-        fmt = _sniff_format(args.trace)
-    block_tokens = DEFAULT_BLOCK_TOKENS[fmt] if args.block_tokens is None else args.block_tokens
     try:
         capacities = _capacities(args.sweep, args.capacity_blocks) if args.plot else []
         trace = read_trace(args.trace, block_tokens=block_tokens, trace_format=fmt, limit=args.limit)
@@ -137,6 +145,8 @@ def simulate_main(argv: Sequence[str] | None = None) -> int:
             "trace": trace.name,
             "block_size": block_tokens,
             "capacity_blocks": capacity,
+            **({} if args.capacity_gib is None else {"capacity_gib": args.capacity_gib}),
+            **({} if args.capacity_gib is None else {"kv_cache_dtype": args.kv_cache_dtype}),
             "requests": len(trace.requests),
             "block_lookups": trace.num_block_lookups,
             "policies": [r.to_dict() for r in results],
