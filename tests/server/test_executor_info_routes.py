@@ -56,3 +56,25 @@ def test_info_says_whether_the_zmq_socket_is_bound(async_engine):
         bound.close()
         connecting.close()
     assert bound.endpoint not in bound_endpoints()
+
+
+def test_info_says_the_kv_format_and_its_model_id(tiny_llama):
+    """``--kv-cache-dtype int8``: the info names the format and a model_id of its own (what a
+    router hashes with), so a router never counts an int8 executor's blocks as another's."""
+    from kvreuse.engine.async_engine import AsyncEngine
+    from kvreuse.engine.llm_engine import EngineConfig, LLMEngine
+
+    infos = {}
+    for kv_cache_dtype in ("auto", "int8"):
+        engine = AsyncEngine(
+            LLMEngine(EngineConfig(kv_cache_memory_gib=0.002, kv_cache_dtype=kv_cache_dtype), tiny_llama)
+        )
+        engine.start()
+        try:
+            with TestClient(build_app(engine, served_model_name="tiny")) as c:
+                infos[kv_cache_dtype] = c.get("/v1/kvreuse/info").json()
+        finally:
+            engine.shutdown()
+    assert infos["auto"]["kv_cache_dtype"] == "float32" and infos["int8"]["kv_cache_dtype"] == "int8"
+    assert infos["auto"]["model_id"] == tiny_llama.model_id != infos["int8"]["model_id"]
+    assert infos["int8"]["num_blocks"] > infos["auto"]["num_blocks"]
