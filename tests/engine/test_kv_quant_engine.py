@@ -76,7 +76,9 @@ def test_int8_hit_gives_the_logits_of_a_miss_exactly(tiny_bf16):
     llm.engine.check_integrity()
 
 
-def test_int8_without_the_invariant_kernels_keeps_greedy_answers_and_stays_close(tiny_llama):
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_int8_without_the_invariant_kernels_keeps_greedy_answers_and_stays_close(arch, request):
+    tiny_llama = request.getfixturevalue(arch)  # Gemma 3: sliding-window layers read int8 by their masked path
     llm = _int8(tiny_llama)
     spy = LogitsSpy(llm)
     miss = llm.generate(PROMPT, GREEDY)[0]
@@ -213,3 +215,15 @@ def test_the_created_event_tells_the_format(tiny_llama):
     assert isinstance(created, CacheCreated) and created.kv_cache_dtype == "int8"
     as_json = record_to_json(created)
     assert as_json["kv_cache_dtype"] == "int8" and record_from_json(as_json) == created
+
+
+def test_int8_batched_decode_answers_as_each_alone(tiny_llama):
+    """Short contexts decode in the padded batch (a gather of every row's slots, dequantized):
+    each row's greedy answer is its answer alone."""
+    prompts = [[(i * (31 + 2 * p)) % 4000 + 10 + p for i in range(40 + 9 * p)] for p in range(4)]
+    llm = _int8(tiny_llama)
+    alone = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    llm.reset_prefix_cache()
+    batch = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in batch] == alone
+    llm.engine.check_integrity()
