@@ -96,15 +96,19 @@ class RedisClusterServers:
 
     def wait_until_ok(self, ports: list[int], timeout_s: float = 30) -> None:
         """Until every node in ``ports`` reports ``cluster_state:ok``."""
+        self.wait_for_state("ok", ports, timeout_s)
+
+    def wait_for_state(self, state: str, ports: list[int], timeout_s: float = 30) -> None:
+        """Until every node in ``ports`` reports ``cluster_state:<state>`` (``ok``, ``fail``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if all(self.node(p).cluster("info")["cluster_state"] == "ok" for p in ports):
+                if all(self.node(p).cluster("info")["cluster_state"] == state for p in ports):
                     return
             except redis.RedisError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"the cluster on {ports} is not ok after {timeout_s} s; see {self.workdir}")
+        raise RuntimeError(f"the cluster on {ports} is not {state} after {timeout_s} s; see {self.workdir}")
 
     def wait_replicated(self, timeout_s: float = 30) -> None:
         """Until every replica holds as many keys as its master (asynchronous replication)."""

@@ -5,6 +5,7 @@ across slots, one identity whatever node seeds the client, a killed master never
 import logging
 
 import pytest
+import redis
 import torch
 from redis.cluster import RedisCluster
 
@@ -168,3 +169,24 @@ def test_a_tls_cluster_through_rediss_cluster(tmp_path):
         for wrong in (url.split("?")[0], url.replace("rediss+cluster", "redis+cluster").split("?")[0]):
             other = _store(wrong)
             assert other.get(blocks[0][0]) is None and other.stats()["errors"] + other.stats()["timeouts"] == 1
+
+
+def test_clusterdown_is_a_miss_and_a_cluster_back_up_is_found_by_the_probe(redis_cluster):
+    clock = Clock()
+    store = _store(redis_cluster.url(), clock=clock, failure_threshold=1)
+    victim = redis_cluster.ports[2]  # slots 10923-16383; the others keep theirs
+    index = next(i for i in range(24) if store.client().keyslot(store.redis_key(make_payload(i)[0])) < 5461)
+    live, payload = make_payload(index)  # a block on the first master, which stays up
+    assert store.put(live, payload)
+    redis_cluster.kill(victim)
+    redis_cluster.wait_for_state("fail", [p for p in redis_cluster.ports if p != victim])
+    raw = redis_cluster.node(redis_cluster.ports[0])
+    with pytest.raises(redis.exceptions.ClusterDownError):
+        raw.get(store.redis_key(live))  # the live master refuses: cluster-require-full-coverage yes
+    assert store.get(live) is None  # its key sits on a live master, yet CLUSTERDOWN: a miss
+    stats = store.stats()
+    assert (stats["errors"], stats["breaker_opened"]) == (1, 1)
+    redis_cluster.restart(victim)  # back (empty), the cluster ok again
+    clock.now = 5.0
+    assert torch.equal(store.get(live).kv, make_record(index).kv)  # the probe finds it: its master never left
+    assert store.breaker.state is BreakerState.CLOSED
