@@ -1,9 +1,11 @@
 """A Redis Cluster as the shared tier, through real ``kvreuse serve`` processes (tiny
 random-weight Llama, a real 3-master cluster from Debian's redis-server on loopback ports):
 executors seeded with different nodes report one store identity; a 2,048-token prompt
-computed on A is a remote hit on B, its blocks on all three masters; a master SIGKILLed in the
-middle of a 40-request load fails no request, and sharing resumes once it is back. Every
-figure comes from the HTTP API (usage, /metrics, /v1/kvreuse/info) and from the nodes."""
+computed on A is a remote hit on B, its blocks on all three masters; behind ``kvreuse route``
+a prompt A wrote counts as reachable from B at the REMOTE weight, as with one redis-server; a
+master SIGKILLed in the middle of a 40-request load fails no request, and sharing resumes once
+it is back. Every figure comes from the HTTP API (usage, /metrics, /v1/kvreuse/info,
+/v1/route/explain) and from the nodes."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvreuse.router.policy import DEFAULT_TIER_WEIGHTS
+from tests.router.cluster import router, wait_healthy
+from tests.router.test_index_shared_store import complete as complete_text, explain_until
 from tests.serve_client import complete, metric, store_events, wait_for_puts
 from tests.serve_process import free_port, running_servers
 from tests.tiers.redis_cluster import running_cluster
@@ -32,6 +37,8 @@ TINY = [
     "0.004",
     "--max-model-len",
     "4096",
+    "--event-buffer-max-size",
+    "10000",  # the router follows each executor's events
     "--log-level",
     "info",
 ]
@@ -53,13 +60,25 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(cluster, tmp_path_factory):
-    """Executors A and B of the same model on one cluster, seeded with different nodes."""
+def served(cluster, tmp_path_factory):
+    """Executors A and B of the same model on one cluster, seeded with different nodes, and
+    ``kvreuse route`` in front of them: ((A, B), router URL)."""
     logs = tmp_path_factory.mktemp("pair")
     a_args = [*TINY, "--remote-cache", cluster.url(cluster.ports[0])]
     b_args = [*TINY, "--remote-cache", cluster.url(cluster.ports[1])]
     with running_servers([(free_port(), a_args, logs / "a.log"), (free_port(), b_args, logs / "b.log")]) as urls:
-        yield tuple(urls)
+        route_port = free_port()
+        proc = router(route_port, urls, str(logs), "--seed", "0").start()
+        try:
+            wait_healthy(f"http://127.0.0.1:{route_port}", [proc], timeout=120, all_of=2)
+            yield tuple(urls), f"http://127.0.0.1:{route_port}"
+        finally:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(served):
+    return served[0]
 
 
 def test_a_2048_token_prompt_computed_on_a_is_a_remote_hit_on_b(pair, cluster):
@@ -80,6 +99,20 @@ def test_a_2048_token_prompt_computed_on_a_is_a_remote_hit_on_b(pair, cluster):
     assert wait_for_puts(b, "remote", 2 * 2048 // BLOCK - 2048 // BLOCK)["put_failures"] == 0
     sizes = {port: cluster.node(port).dbsize() for port in cluster.ports}
     assert sum(sizes.values()) == 2 * 2048 // BLOCK and min(sizes.values()) > 0, sizes
+
+
+def test_the_router_counts_a_blocks_as_reachable_from_b_through_the_cluster(served):
+    (a, b), route = served
+    usage = complete_text(a)  # a text prompt computed on A only; written through to the cluster
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    n = usage["prompt_tokens"] // BLOCK
+    d = explain_until(route, lambda o: o[b] > 0)
+    assert d["prompt_blocks"] == n
+    assert d["overlaps"] == {a: float(n), b: float(sum([DEFAULT_TIER_WEIGHTS["REMOTE"]] * n))}
+    on_b = complete_text(b)  # B reads them back from the cluster
+    assert on_b["prompt_tokens_details"]["cached_tokens_by_tier"]["remote"] == (usage["prompt_tokens"] - 1) // 16 * 16
+    d = explain_until(route, lambda o: o[b] == float(n))
+    assert d["overlaps"] == {a: float(n), b: float(n)}  # now on B's device too
 
 
 def test_a_master_killed_mid_load_fails_no_request_and_sharing_resumes(pair, cluster, tiny_llama):
