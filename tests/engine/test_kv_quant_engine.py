@@ -158,8 +158,12 @@ def test_int8_and_fp32_executors_on_one_redis_share_nothing(tiny_llama, redis_se
         llm.engine.check_integrity()
 
 
-def test_documents_move_int8_keys_into_new_blocks_only(tiny_llama):
-    llm = _int8(tiny_llama, gib=0.01)
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gemma3"])
+def test_documents_move_int8_keys_into_new_blocks_only(arch, request):
+    """Llama reads documents in place (queries rotated into each frame); Gemma 3's sliding
+    layers need one frame, so its documents are copied with their keys re-rotated
+    (``copy_shifted``: dequantized, rotated, quantized into new blocks)."""
+    llm = _int8(request.getfixturevalue(arch), gib=0.01)
     tok = llm.tokenizer
     docs = [tok.encode(f"Document {i}: the harbour office keeps ledger {i} in a green box.") for i in range(3)]
     question = tok.encode(" Which box holds ledger 1?")
@@ -171,6 +175,12 @@ def test_documents_move_int8_keys_into_new_blocks_only(tiny_llama):
     again = llm.generate(DocumentPrompt.of([(docs[1], True), (docs[0], True), (question, False)]), GREEDY)[0]
     assert again.num_cached_tokens > 0 and len(again.token_ids) == len(first.token_ids) == 6
     assert torch.equal(llm.engine.runner.kv_cache[:, :, :, slots], before)  # shared int8 rows never rewritten
+    # not blended: on Llama the documents are read in place, int8 rows in several RoPE frames
+    unblended = {"first_tokens": 0, "ratio": 0, "last_tokens": 0}
+    prompt = DocumentPrompt.of([(docs[0], True), (docs[1], True), (question, False)])
+    in_place = llm.generate(prompt, GREEDY, blend=unblended)[0]
+    assert in_place.num_cached_tokens > 0 and in_place.num_recomputed_tokens == 0 and len(in_place.token_ids) == 6
+    assert torch.equal(llm.engine.runner.kv_cache[:, :, :, slots], before)
     llm.engine.check_integrity()
 
 
