@@ -31,6 +31,10 @@ def test_incompatible_executors_are_refused_with_every_value():
         check_compatible([_info("http://a"), _info("http://b", block_size=32)])
     with pytest.raises(ValueError, match="model_id"):
         ExecutorInfo.from_json("http://c", {"model": "m"})
+    shared = {"model": "m", "model_id": "m@1", "block_size": 16, "hash_algorithm": "sha256"}
+    both = ExecutorInfo.from_json("http://d", shared | {"remote_store": "r" * 16, "object_store": "o" * 16})
+    assert (both.remote_store, both.object_store) == ("r" * 16, "o" * 16)
+    assert _info("http://e").object_store is None  # an executor without the object tier, or an older one
 
 
 def test_load_gauges_are_read_from_metrics():

@@ -71,6 +71,26 @@ def test_store_membership_follows_set_store_and_clear_forgets_the_remote_holders
     assert index.remote_holders == {} and index.overlaps(KEYS, list("abc")) == {"a": 0, "b": 1, "c": 0}
 
 
+def test_object_blocks_count_for_every_executor_of_the_bucket_apart_from_redis():
+    index = cluster()  # a and b share Redis store-s
+    index.set_store("b", "bucket-x", "OBJECT")
+    index.set_store("c", "bucket-x", "OBJECT")  # c shares the bucket, not Redis
+    index.store("b", [1, 2, 3, 4, 5], "OBJECT")  # b wrote the whole chain to the bucket
+    index.check_integrity()
+    assert index.overlaps(KEYS, list("abcd")) == {"a": 4, "b": 5, "c": 5, "d": 0}
+    assert index.overlaps(KEYS, ["c"], W) == {"c": 5 * W["OBJECT"]}
+    assert index.reachable_levels("c", 2) == {"OBJECT"} and index.reachable_levels("a", 5) == frozenset()
+    assert index.reachable_levels("b", 2) == {"REMOTE", "OBJECT"}  # through a's Redis and its own bucket
+    index.remove("b", [3, 4, 5], "OBJECT")  # the bucket lost them (a read found them absent)
+    index.check_integrity()
+    assert index.overlaps(KEYS, list("bc")) == {"b": 4, "c": 2}
+    index.set_store("c", None, "OBJECT")
+    index.clear("b")
+    index.check_integrity()
+    assert index.remote_holders == {k: index.mirror("a").bit for k in (1, 2, 3, 4)}  # a's Redis blocks stay
+    assert index.overlaps(KEYS, list("bc")) == {"b": 4, "c": 0}  # b still reaches them through Redis
+
+
 def test_a_block_held_at_two_levels_survives_a_move_of_one_of_them():
     index = KVIndex()
     index.add_executor("a")

@@ -41,6 +41,7 @@ class ExecutorInfo:
     remote_store: str | None = None  # identity of the remote store it shares (None: none, or an older executor)
     num_blocks: int = 0  # its device KV pool, in blocks (0: not reported)
     eos_token_ids: tuple[int, ...] | None = None  # what ends its requests (None: not reported)
+    object_store: str | None = None  # identity of the S3 bucket and prefix it shares (None: none, or older)
 
     @classmethod
     def from_json(cls, url: str, d: dict) -> ExecutorInfo:
@@ -61,6 +62,7 @@ class ExecutorInfo:
                 d.get("remote_store"),
                 int(d.get("num_blocks") or 0),
                 None if d.get("eos_token_ids") is None else tuple(int(t) for t in d["eos_token_ids"]),
+                object_store=d.get("object_store"),
             )
         except KeyError as exc:
             raise ValueError(f"{url}/v1/kvreuse/info lacks {exc.args[0]!r}: is it a kvreuse executor?") from None

@@ -20,6 +20,8 @@ Shared remote stores: executors that report the same remote store identity (``se
 ``/v1/kvreuse/info``'s ``remote_store``: same Redis and namespace) read each other's
 ``REMOTE`` blocks, so a key one of them holds at ``REMOTE`` is reachable from all of them, at
 the ``REMOTE`` level: ``reach(key) = holders[key] | every store group with a REMOTE holder``.
+The same holds for ``OBJECT`` among executors reporting the same ``object_store`` (one S3
+bucket and prefix): each shared level has its own holders and store groups (``SHARED_LEVELS``).
 
 Events change the index through one path, ``apply_record``, whatever brings them: the SSE
 feed's numbered JSON events (through ``apply``, which checks ids), the ZMQ feed's wire
@@ -62,7 +64,16 @@ def index_key(block_hash: bytes) -> IndexKey:
 
 
 _LEVEL_ORDER = (DEVICE_LEVEL, HOST_LEVEL, DISK_LEVEL, REMOTE_LEVEL, OBJECT_LEVEL)  # nearest first (``level_of``)
+SHARED_LEVELS = (REMOTE_LEVEL, OBJECT_LEVEL)  # levels whose store executors may share (Redis, a bucket)
 _NO_LEVELS: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class _SharedLevel:
+    """One shared level's bookkeeping: who holds each key there, and who shares which store."""
+
+    holders: dict[IndexKey, int] = field(default_factory=dict)  # key -> executors holding it at this level
+    groups: dict[str, int] = field(default_factory=dict)  # store identity -> executors sharing that store
 
 
 @dataclass(slots=True)
@@ -73,7 +84,7 @@ class Mirror:
     levels: dict[IndexKey, frozenset[str]] = field(default_factory=dict)  # key -> every level it is held at
     last_event_id: int = -1  # id of the last event applied (-1: none, or a ZMQ feed)
     num_resyncs: int = 0  # snapshots loaded after a gap
-    store: str | None = None  # identity of the remote store it shares (``KVIndex.set_store``)
+    stores: dict[str, str] = field(default_factory=dict)  # shared level -> its store's identity (``set_store``)
 
 
 class KVIndex:
@@ -82,8 +93,7 @@ class KVIndex:
 
     def __init__(self) -> None:
         self.holders: dict[IndexKey, int] = {}  # key -> bitmask of executors holding it (any level)
-        self.remote_holders: dict[IndexKey, int] = {}  # key -> bitmask of executors holding it at REMOTE
-        self._stores: dict[str, int] = {}  # remote store identity -> bitmask of the executors sharing it
+        self._shared = {level: _SharedLevel() for level in SHARED_LEVELS}
         self._level_sets: dict[frozenset[str], frozenset[str]] = {}  # one object per set of levels
         self._mirrors: dict[str, Mirror] = {}
         self._handlers: dict[type, Callable[[str, Any], None]] = {
@@ -105,20 +115,22 @@ class KVIndex:
     def mirror(self, name: str) -> Mirror:
         return self._mirrors[name]
 
-    def set_store(self, name: str, store: str | None) -> None:
-        """Note that ``name`` shares the remote store ``store`` (its identity; ``None``: none):
-        from now on a key any executor of that store holds at ``REMOTE`` is reachable from
-        ``name`` too. Keeps every mirror as it is."""
-        mirror = self._mirrors[name]
-        if mirror.store is not None:
-            left = self._stores[mirror.store] & ~mirror.bit
-            if left:
-                self._stores[mirror.store] = left
-            else:
-                del self._stores[mirror.store]
-        mirror.store = store
+    @property
+    def remote_holders(self) -> dict[IndexKey, int]:
+        """Key -> bitmask of the executors holding it at ``REMOTE``."""
+        return self._shared[REMOTE_LEVEL].holders
+
+    def set_store(self, name: str, store: str | None, level: str = REMOTE_LEVEL) -> None:
+        """Note that ``name`` shares the store ``store`` of the shared ``level`` (its identity;
+        ``None``: none): from now on a key any executor of that store holds at ``level`` is
+        reachable from ``name`` too. Keeps every mirror as it is."""
+        mirror, groups = self._mirrors[name], self._shared[level].groups
+        old = mirror.stores.pop(level, None)
+        if old is not None:
+            self._drop_bit(groups, old, mirror.bit)
         if store is not None:
-            self._stores[store] = self._stores.get(store, 0) | mirror.bit
+            mirror.stores[level] = store
+            groups[store] = groups.get(store, 0) | mirror.bit
 
     @property
     def executors(self) -> list[str]:
@@ -134,7 +146,7 @@ class KVIndex:
         self, keys: Sequence[IndexKey], names: Sequence[str], tier_weights: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         """For each executor in ``names``: how many leading ``keys`` it can reach (held at any
-        cache level, or at ``REMOTE`` by an executor sharing its remote store); with
+        cache level, or at ``REMOTE`` / ``OBJECT`` by an executor sharing that store); with
         ``tier_weights`` (cache level -> weight, 1.0 for a level not listed), each block
         counts the weight of the best level it is reachable at instead of 1 (a host-tier
         block saves less than a device one). O(length of the longest match). Does not modify
@@ -151,25 +163,27 @@ class KVIndex:
 
     def reach(self, key: IndexKey) -> int:
         """Bitmask of the executors that can reach ``key``: its holders, and every executor
-        sharing a remote store with one that holds it at ``REMOTE``."""
+        sharing a remote store (or bucket) with one that holds it at ``REMOTE`` (``OBJECT``)."""
         held = self.holders.get(key, 0)
-        remote = self.remote_holders.get(key, 0)
-        if remote:
-            for members in self._stores.values():
-                if remote & members:
-                    held |= members
+        for shared in self._shared.values():
+            there = shared.holders.get(key, 0)
+            if there:
+                for members in shared.groups.values():
+                    if there & members:
+                        held |= members
         return held
 
     def reachable_levels(self, name: str, key: IndexKey) -> frozenset[str]:
-        """The levels at which ``name`` reaches ``key``: its own, plus ``REMOTE`` when an
-        executor sharing its remote store holds it there. Empty when unreachable."""
+        """The levels at which ``name`` reaches ``key``: its own, plus ``REMOTE`` (``OBJECT``)
+        when an executor sharing its remote store (bucket) holds it there. Empty when
+        unreachable."""
         mirror = self._mirrors[name]
-        own = mirror.levels.get(key, _NO_LEVELS)
-        if REMOTE_LEVEL in own or mirror.store is None:
-            return own
-        if self.remote_holders.get(key, 0) & self._stores[mirror.store]:
-            return self._interned(own | {REMOTE_LEVEL})
-        return own
+        own = levels = mirror.levels.get(key, _NO_LEVELS)
+        for level, store in mirror.stores.items():
+            shared = self._shared[level]
+            if level not in levels and shared.holders.get(key, 0) & shared.groups[store]:
+                levels = levels | {level}
+        return own if levels is own else self._interned(levels)
 
     def _overlap_counts(self, keys: Sequence[IndexKey], names: Sequence[str]) -> dict[str, int]:
         bits = {name: self._mirrors[name].bit for name in names}
@@ -178,7 +192,7 @@ class KVIndex:
         for b in bits.values():
             alive |= b
         holders, reach = self.holders, self.reach
-        shared = bool(self._stores) and bool(self.remote_holders)  # else reach(key) is holders[key]
+        shared = any(s.groups and s.holders for s in self._shared.values())  # else reach(key) is holders[key]
         i = 0
         for key in keys:
             held = (reach(key) if shared else holders.get(key, 0)) & alive
@@ -218,8 +232,8 @@ class KVIndex:
         mirror = self._mirrors[name]
         for key, levels in mirror.levels.items():
             self._drop_bit(self.holders, key, mirror.bit)
-            if REMOTE_LEVEL in levels:
-                self._drop_bit(self.remote_holders, key, mirror.bit)
+            for level in levels & self._shared.keys():
+                self._drop_bit(self._shared[level].holders, key, mirror.bit)
         mirror.levels = {}
 
     def apply_record(self, name: str, record: KVEvent) -> None:
@@ -254,25 +268,27 @@ class KVIndex:
         mirror.last_event_id = snapshot.last_event_id
 
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError`` unless ``holders``, ``remote_holders`` and the store groups
-        are exactly what the mirrors say. O(keys held): for tests."""
+        """Raise ``RuntimeError`` unless ``holders``, each shared level's holders and the store
+        groups are exactly what the mirrors say. O(keys held): for tests."""
         holders: dict[IndexKey, int] = {}
-        remote: dict[IndexKey, int] = {}
-        stores: dict[str, int] = {}
+        shared = {level: _SharedLevel() for level in SHARED_LEVELS}
         for name, mirror in self._mirrors.items():
             for key, levels in mirror.levels.items():
                 if not levels:
                     raise RuntimeError(f"{name} holds key {key:#x} at no level")
                 holders[key] = holders.get(key, 0) | mirror.bit
-                if REMOTE_LEVEL in levels:
-                    remote[key] = remote.get(key, 0) | mirror.bit
-            if mirror.store is not None:
-                stores[mirror.store] = stores.get(mirror.store, 0) | mirror.bit
-        for what, have, want in (
-            ("holders", self.holders, holders),
-            ("remote_holders", self.remote_holders, remote),
-            ("store groups", self._stores, stores),
-        ):
+                for level in levels & shared.keys():
+                    shared[level].holders[key] = shared[level].holders.get(key, 0) | mirror.bit
+            for level, store in mirror.stores.items():
+                shared[level].groups[store] = shared[level].groups.get(store, 0) | mirror.bit
+        checks: list[tuple[str, dict, dict]] = [("holders", self.holders, holders)]
+        for level, wanted in shared.items():
+            held = self._shared[level]
+            checks += [
+                (f"{level} holders", held.holders, wanted.holders),
+                (f"{level} groups", held.groups, wanted.groups),
+            ]
+        for what, have, want in checks:
             if have != want:
                 raise RuntimeError(
                     f"KVIndex {what} disagree with the mirrors: {len(have)} entries, {len(want)} expected"
@@ -303,16 +319,17 @@ class KVIndex:
     def _hold(self, mirror: Mirror, key: IndexKey, level: str) -> None:
         mirror.levels[key] = self._interned(mirror.levels.get(key, _NO_LEVELS) | {level})
         self.holders[key] = self.holders.get(key, 0) | mirror.bit
-        if level == REMOTE_LEVEL:
-            self.remote_holders[key] = self.remote_holders.get(key, 0) | mirror.bit
+        shared = self._shared.get(level)
+        if shared is not None:
+            shared.holders[key] = shared.holders.get(key, 0) | mirror.bit
 
     def _unhold(self, mirror: Mirror, key: IndexKey, level: str | None) -> None:
         held = mirror.levels.get(key)
         if held is None or (level is not None and level not in held):
             return
         left = _NO_LEVELS if level is None else self._interned(held - {level})
-        if REMOTE_LEVEL in held and REMOTE_LEVEL not in left:
-            self._drop_bit(self.remote_holders, key, mirror.bit)
+        for gone in (held - left) & self._shared.keys():
+            self._drop_bit(self._shared[gone].holders, key, mirror.bit)
         if left:
             mirror.levels[key] = left
         else:
@@ -320,7 +337,7 @@ class KVIndex:
             self._drop_bit(self.holders, key, mirror.bit)
 
     @staticmethod
-    def _drop_bit(masks: dict[IndexKey, int], key: IndexKey, bit: int) -> None:
+    def _drop_bit(masks: dict[Any, int], key: Any, bit: int) -> None:
         mask = masks.get(key, 0) & ~bit
         if mask:
             masks[key] = mask

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvreuse.cache.kv_block import cdiv
+from kvreuse.events.records import OBJECT_LEVEL
 from kvreuse.router.affinity import Affinity
 from kvreuse.router.deadline import DEFAULT_DEADLINES, Deadlines
 from kvreuse.router.executors import (
@@ -223,8 +224,9 @@ class Router:
         self._start_feed(e)
 
     def _start_feed(self, e: Executor) -> None:
-        # executors of one remote store reach each other's REMOTE blocks (KVIndex.set_store)
+        # executors of one remote store (bucket) reach each other's REMOTE (OBJECT) blocks (KVIndex.set_store)
         self.index.set_store(e.name, e.info.remote_store if e.info else None)
+        self.index.set_store(e.name, e.info.object_store if e.info else None, OBJECT_LEVEL)
         feed = self._feed_for(e)
         self.feeds[e.name] = feed
         self._feed_tasks[e.name] = asyncio.create_task(feed.run(), name=f"router-feed-{e.name}")
