@@ -17,6 +17,7 @@ from tests.ray_serve.ray_app import TINY_SERVE_FLAGS, running_ray_app, stop  # n
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 MODEL = "tiny-llama"
+GREEDY = {"temperature": 0}
 FLAGS = (*TINY_SERVE_FLAGS, "--served-model-name", MODEL, "--num-cpus", "4", "--replica-cpus", "1")
 
 
@@ -51,6 +52,19 @@ def test_the_openai_client_gets_a_streamed_chat_reply(app):
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == plain.choices[0].message.content
     assert plain.usage.completion_tokens == 8
+
+
+def test_the_anthropic_client_gets_plain_and_streamed_messages(app):
+    anthropic = pytest.importorskip("anthropic")
+    url, _, _ = app
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = client.messages.create(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=messages)
+    with client.messages.stream(model=MODEL, max_tokens=6, extra_body=GREEDY, messages=messages) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "".join(b.text for b in plain.content)
+    assert final.usage.output_tokens == plain.usage.output_tokens
 
 
 def test_errors_are_kvreuse_serves(app):

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvreuse ray",
         description="kvreuse replicas on Ray Serve behind the KV-aware router; other flags are kvreuse serve's",
+        epilog="Every other flag is kvreuse serve's (see kvreuse serve --help), given to each replica; "
+        "--host / --port are where Ray Serve's HTTP proxy listens. docs/ray.md",
         allow_abbrev=False,  # a kvreuse serve flag must never be taken for a prefix of ours
     )
     p.add_argument("--replicas", type=int, default=1, help="replicas (each one engine); fixed unless --max-replicas")

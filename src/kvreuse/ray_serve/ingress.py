@@ -17,6 +17,7 @@ the first byte, and mid-stream migration when a replica dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -25,7 +26,6 @@ from typing import Any
 import httpx
 from ray import serve
 
-from kvreuse.ray_serve.request_router import TRACKER
 from kvreuse.ray_serve.transport import ReplicaTransport
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,6 @@ class KVReuseIngress:
             migration_limit=args.migration_limit,
             deadlines=Deadlines.of(args.upstream_first_byte_timeout, args.upstream_progress_timeout),
         )
-        TRACKER.attach(self.router, asyncio.get_running_loop())
         logger.info(
             "kvreuse ingress: model %s (%s), block size %d, %s; policy %s",
             info.model_name,
@@ -112,10 +111,27 @@ class KVReuseIngress:
     def __serve_build_asgi_app__(self) -> Any:
         from kvreuse.router.app import build_router_app
 
-        return build_router_app(
+        app = build_router_app(
             self.router,
             api_key=self.keys,
             max_body_bytes=self.args.max_body_bytes,
             limiter=self.limiter,
             metrics_tenant_labels=self.args.metrics_tenant_labels,
         )
+        serve_router = app.router.lifespan_context
+        router = self.router
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Any):
+            # Imported here, not at module level: Ray pickles this class by value (serve.ingress
+            # wraps it in a local class), and a module-level TRACKER would arrive as a copy, not
+            # the one the request routers report to (kvreuse.ray_serve.tracker).
+            from kvreuse.ray_serve.tracker import TRACKER
+
+            # the tracker changes the router on the loop that runs it (the app's, started here)
+            TRACKER.attach(router, asyncio.get_running_loop())
+            async with serve_router(app) as state:
+                yield state
+
+        app.router.lifespan_context = lifespan
+        return app

@@ -1,5 +1,4 @@
-"""Ray Serve request routers for the replicas, and the tracker that keeps kvreuse's router
-in step with the replicas Ray runs.
+"""Ray Serve request routers for the replicas.
 
 Every call the ingress makes to a replica names its target (``TARGET_KWARG``): a proxied
 request goes where kvreuse's ``Router.decide`` sent it (the ``KVIndex`` overlap of the
@@ -17,15 +16,12 @@ migration and in-flight accounting know which executor has the request.
   about one replica still go to it.
 
 Both report the replicas Ray gives them (``update_replicas``, ``on_replica_actor_died``)
-to ``TRACKER``, which adds and removes the ingress router's executors on the ingress's
-event loop. Ray builds the request router itself, from a class path, in the ingress
-process, with JSON arguments only: the tracker is therefore found through this module
-(one per process), as Ray Serve LLM's own KV-aware router finds its token tracker.
+to the process's ``ReplicaTracker`` (``kvreuse.ray_serve.tracker``, which says why it lives
+in a module of its own), which adds and retires the ingress router's executors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -33,94 +29,20 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 if TYPE_CHECKING:
-    from kvreuse.router.router import Router
+    from kvreuse.ray_serve.tracker import ReplicaTracker
 
 logger = logging.getLogger(__name__)
 
 TARGET_KWARG = "kvreuse_target"  # the replica (unique id) a call is for; None: any
 PROXIED_KWARG = "kvreuse_proxied"  # True for a client's request (the baseline routes those itself)
-REPLICA_HOST_SUFFIX = ".replica"  # an executor's URL is http://<replica id>.replica
 
 
-def replica_url(replica_id: str) -> str:
-    return f"http://{replica_id}{REPLICA_HOST_SUFFIX}"
+def tracker() -> ReplicaTracker:
+    """The process's tracker, imported when called (see ``kvreuse.ray_serve.tracker``: a
+    module-level reference here would be pickled with this module, by value)."""
+    from kvreuse.ray_serve.tracker import TRACKER
 
-
-def replica_of_host(host: str) -> str | None:
-    """The replica id in an executor URL's host, ``None`` for any other host."""
-    return host[: -len(REPLICA_HOST_SUFFIX)] if host.endswith(REPLICA_HOST_SUFFIX) else None
-
-
-class ReplicaTracker:
-    """The replicas Ray runs, mirrored as the ingress router's executors. Ray's request
-    router calls ``replicas_changed`` / ``replica_died`` from its own event loop; the
-    changes are applied on the ingress's loop, the only one that touches the router."""
-
-    def __init__(self) -> None:
-        self.router: Router | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.replica_ids: set[str] = set()  # the last set Ray reported (any thread may read it)
-        self._pending: set[str] | None = None  # a set reported before a router was attached
-        self._adding: dict[str, asyncio.Task] = {}
-
-    def attach(self, router: Router, loop: asyncio.AbstractEventLoop) -> None:
-        self.router, self.loop = router, loop
-        if self._pending is not None:
-            loop.call_soon_threadsafe(self._sync, self._pending)
-
-    def knows(self, replica_id: str) -> bool:
-        return replica_id in self.replica_ids
-
-    def replicas_changed(self, replica_ids: set[str]) -> None:
-        self.replica_ids = set(replica_ids)
-        if self.loop is None:
-            self._pending = set(replica_ids)
-            return
-        self.loop.call_soon_threadsafe(self._sync, set(replica_ids))
-
-    def replica_died(self, replica_id: str) -> None:
-        self.replicas_changed(self.replica_ids - {replica_id})
-
-    def _sync(self, replica_ids: set[str]) -> None:
-        router = self.router
-        assert router is not None  # attached before the loop is known
-        current = {name for name in router.executors if name not in router.retired}
-        wanted = {replica_url(r) for r in replica_ids}
-        for url in wanted - current:
-            if url not in self._adding:
-                self._adding[url] = asyncio.get_running_loop().create_task(self._add(url))
-        for url in current - wanted:
-            logger.info("replica %s left: its executor is retired", url)
-            asyncio.get_running_loop().create_task(router.retire_executor(url))
-
-    async def _add(self, url: str) -> None:
-        """Ask the new replica for its info (until it answers, or Ray drops it), then route to it."""
-        from kvreuse.router.executors import Executor
-        from kvreuse.router.router import fetch_info
-
-        router = self.router
-        assert router is not None
-        try:
-            while replica_of_host(url.removeprefix("http://")) in self.replica_ids:
-                try:
-                    info = await fetch_info(router.client, url, router.control_headers)
-                except Exception as exc:  # noqa: BLE001 - not up yet: ask again
-                    logger.debug("replica %s: no info yet (%r)", url, exc)
-                    await asyncio.sleep(1.0)
-                    continue
-                if info.settings != router.settings:
-                    logger.error(
-                        "replica %s serves %s, the ingress %s: not routed to", url, info.settings, router.settings
-                    )
-                    return
-                router.add_executor(Executor(url, info, healthy=True))
-                logger.info("replica %s joined (instance %s)", url, info.instance_id)
-                return
-        finally:
-            self._adding.pop(url, None)
-
-
-TRACKER = ReplicaTracker()
+    return TRACKER
 
 
 def _target(pending_request: PendingRequest | None) -> str | None:
@@ -142,11 +64,11 @@ class KVReuseRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        TRACKER.replicas_changed({r.replica_id.unique_id for r in replicas})
+        tracker().replicas_changed({r.replica_id.unique_id for r in replicas})
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        TRACKER.replica_died(replica_id.unique_id)
+        tracker().replica_died(replica_id.unique_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -167,11 +89,11 @@ class PowerOfTwoBaseline(PowerOfTwoChoicesRequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        TRACKER.replicas_changed({r.replica_id.unique_id for r in replicas})
+        tracker().replicas_changed({r.replica_id.unique_id for r in replicas})
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        TRACKER.replica_died(replica_id.unique_id)
+        tracker().replica_died(replica_id.unique_id)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -31,7 +31,8 @@ import httpx
 
 from kvreuse.ray_serve.asgi_call import ResponseStart
 from kvreuse.ray_serve.replica import ACCEPTED
-from kvreuse.ray_serve.request_router import PROXIED_KWARG, TARGET_KWARG, replica_of_host
+from kvreuse.ray_serve.request_router import PROXIED_KWARG, TARGET_KWARG
+from kvreuse.ray_serve.tracker import replica_of_host
 
 # a client's request: the pow2 baseline routes these itself (everything else names its replica)
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
