@@ -70,7 +70,8 @@ def run_serve(args: argparse.Namespace) -> int:
     console.print(f"kvreuse: {_pool_summary(engine.engine)}")
     if publisher is not None:
         console.print(
-            f"kvreuse: KV events on {publisher.endpoint}"
+            # a tcp://HOST:PORT with a concrete host connects (vLLM's rule): say which, subscribers need a bind
+            f"kvreuse: KV events {'bound on' if publisher.bound else 'connecting to'} {publisher.endpoint}"
             + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
             + (", CURVE" if publisher.curve else "")
             + ("" if publisher.include_token_ids else ", no token ids")

@@ -92,7 +92,7 @@ def test_events_of_a_keyed_server_reach_only_allowed_subscribers(tmp_path):
         finally:
             ctx.destroy(linger=0)
     sealed_log, exposed_log = logs[0].read_text(), logs[1].read_text()
-    assert f"kvreuse: KV events on tcp://127.0.0.1:{sealed_pub}, CURVE" in sealed_log
+    assert f"kvreuse: KV events bound on tcp://127.0.0.1:{sealed_pub}, CURVE" in sealed_log
     assert "kvreuse: warning: KV events" not in sealed_log
     assert (
         f"kvreuse: warning: KV events on tcp://0.0.0.0:{open_pub} can leave this host unencrypted and "
