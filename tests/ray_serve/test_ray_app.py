@@ -87,7 +87,7 @@ def test_a_repeated_prefix_goes_where_its_blocks_are(app):
     that replica alone, and the same prompt again is routed there and reuses them."""
     url, _, _ = app
     client = _client(url)
-    prompt = " ".join(f"word{i}" for i in range(300))
+    prompt = " ".join(f"word{i}" for i in range(100))  # within the 1,024-token context
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     blocks = first.usage.prompt_tokens // 16
     deadline = time.monotonic() + 30

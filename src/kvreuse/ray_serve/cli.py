@@ -139,13 +139,15 @@ def ray_main(argv: Sequence[str] | None = None) -> int:
         print(f"kvreuse ray: {exc}", file=sys.stderr)
         return 2
     local = ray_args.address is None
-    stop = _stop_on_sigterm()
+    got_sigterm: list[int] = []
     status = 0
     try:
         if local:
             ray.init(address="local", num_cpus=ray_args.num_cpus, include_dashboard=False)
         else:
             ray.init(address=ray_args.address)
+        # after ray.init, which installs a SIGTERM handler of its own (it aborts the driver)
+        signal.signal(signal.SIGTERM, lambda signum, _frame: got_sigterm.append(signum))
         serve.start(http_options={"host": serve_flags.host, "port": serve_flags.port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         print(
@@ -153,7 +155,7 @@ def ray_main(argv: Sequence[str] | None = None) -> int:
             f"listening on http://{serve_flags.host}:{serve_flags.port} (OpenAI API under /v1)",
             file=sys.stderr,
         )
-        while not stop():
+        while not got_sigterm:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -162,17 +164,12 @@ def ray_main(argv: Sequence[str] | None = None) -> int:
         status = 1
     finally:
         print("kvreuse ray: stopping", file=sys.stderr)
-        if local:
+        if not ray.is_initialized():
+            pass  # Ray never started (serve.shutdown would start a cluster just to stop it)
+        elif local:
             serve.shutdown()
             ray.shutdown()
-        elif ray.is_initialized():
+        else:
             serve.delete(APP_NAME)
             ray.shutdown()
     return status
-
-
-def _stop_on_sigterm():
-    """A function that says whether SIGTERM came (Ctrl-C raises ``KeyboardInterrupt``)."""
-    got: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
-    return lambda: bool(got)
