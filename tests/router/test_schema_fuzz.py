@@ -1,5 +1,5 @@
 """Schema-driven fuzzing of ``kvreuse route``'s own ``/openapi.json`` (issue 31): the
-completions, chat, Messages and count_tokens bodies, positive and negative cases
+completions, chat, Messages, count_tokens and explain bodies, positive and negative cases
 (``tests.schema_fuzz``), through a router app built as ``kvreuse route`` builds it, in front
 of a real executor (the tiny random Llama behind uvicorn, in this process: no start-up of two
 processes). No answer is a 5xx, every 4xx is in the endpoint's own error shape (the router's
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.schema_fuzz import ANTHROPIC_PATHS, MAX_EXAMPLES, MODES, OPENAI_PATHS, fuzz
+from tests.schema_fuzz import ANTHROPIC_PATHS, EXPLAIN_PATH, MAX_EXAMPLES, MODES, OPENAI_PATHS, fuzz
 from tests.serve_process import free_port
 from tests.server.fresh_app import fresh_server
 from tests.server.helpers import wait_idle
@@ -62,7 +62,7 @@ def routed(tiny_llama):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("path", OPENAI_PATHS + ANTHROPIC_PATHS)
+@pytest.mark.parametrize("path", (*OPENAI_PATHS, *ANTHROPIC_PATHS, EXPLAIN_PATH))
 def test_fuzzed_bodies_get_no_5xx_and_the_apis_own_error_shape(routed, path, mode):
     cases, problems = fuzz(routed[0], path, mode)
     assert cases == MAX_EXAMPLES
