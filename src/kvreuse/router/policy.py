@@ -32,7 +32,9 @@ DEFAULT_OVERLAP_WEIGHT = 8.0
 # (recompute TTFT - tier TTFT) / (recompute TTFT - device-hit TTFT), rounded.
 # 4,096-token prefix + 32, default model, fp32: device 0.259 s, host 0.286, disk 0.345,
 # Redis on loopback 0.574, recompute 10.92 (bench/results/tiers.json).
-# The object tier (S3) is not measured yet: set below Redis, as a bucket is further away.
+# Object tier (S3), bench/tiers/tiers_object.py: 4,096-token prefix + 32, SeaweedFS's S3 gateway
+# on loopback: device 2.93 s, object 9.73, recompute 138.4 (a machine at load ~10, run at nice
+# 19: the absolute times are slow, the ratio is what counts; bench/results/tiers_object.json).
 DEFAULT_TIER_WEIGHTS = {
     DEVICE_LEVEL: 1.0,
     HOST_LEVEL: 0.997,
