@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "tiers.json"))
     args = ap.parse_args()
 
-    import bench.memcpy_bw as memcpy_bw
+    import bench.tiers.memcpy_bw as memcpy_bw
 
     from bench.common import RedisServer  # only the redis tier needs it
 
