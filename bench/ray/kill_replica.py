@@ -41,9 +41,22 @@ REPLICA_TITLE = "ServeReplica:kvreuse:kvreuse-replica"  # Ray's process title fo
 KINDS = ("whole_identical", "whole_differing", "error_event", "silent_cut", "refused")
 
 
-def replica_pids() -> list[int]:
+def _ancestors(pid: int) -> set[int]:
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return seen
+
+
+def replica_pids(driver: int) -> list[int]:
+    """The replica workers of the cluster ``driver`` (our ``kvreuse ray``) started: other
+    clusters on the machine (other test runs) have workers with the same title."""
     out = subprocess.run(["pgrep", "-f", REPLICA_TITLE], capture_output=True, text=True).stdout
-    return sorted(int(p) for p in out.split())
+    return sorted(int(p) for p in out.split() if driver in _ancestors(int(p)))
 
 
 def executors(url: str) -> set[str]:
@@ -92,12 +105,13 @@ def main() -> None:
         flags.append("--deterministic")
     requests = [request(i, args.max_tokens) for i in range(args.streams)]
     logs = Path(tempfile.mkdtemp(prefix="ray-kill-"))
-    with running_ray_app(2, flags, logs / "kvreuse-ray.log") as (url, _):
+    with running_ray_app(2, flags, logs / "kvreuse-ray.log") as (url, driver):
         with ThreadPoolExecutor(args.streams) as pool:
             refs = list(pool.map(lambda r: stream(url, *r), requests))
         reference = [outcome(res, path.endswith("chat/completions")) for res, (path, _) in zip(refs, requests)]
         assert all(kind == "whole" for kind, _ in reference), f"the reference run was not clean: {reference}"
-        before, pids = executors(url), replica_pids()
+        before, pids = executors(url), replica_pids(driver.pid)
+        assert len(pids) == 2, f"expected 2 replica processes of this cluster, found {pids}"
         killed: list[int] = []
 
         def kill(_victim: str) -> None:
