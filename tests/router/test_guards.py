@@ -166,13 +166,15 @@ def test_a_tenant_keys_requests_are_hashed_explained_and_forwarded_with_the_tena
                 )
                 plain = await c.post("/v1/completions", json=prompt, headers=_bearer("acme-key"))
                 admin = await c.post("/v1/completions", json=prompt, headers=_bearer(KEY))
+                # not a salt: forwarded as sent, for the executor's 400 naming cache_salt
+                await c.post("/v1/completions", json={**prompt, "cache_salt": ""}, headers=_bearer("acme-key"))
                 explained = await c.post("/v1/route/explain", json=prompt, headers=_bearer("acme-key"))
                 as_admin = await c.post("/v1/route/explain", json=prompt, headers=_bearer(KEY))
             return served, plain, admin, explained, as_admin
 
     served, plain, admin, explained, as_admin = asyncio.run(scenario())
     assert [r.status_code for r in (served, plain, admin, explained, as_admin)] == [200] * 5
-    assert [b.get("cache_salt") for b in bodies] == ["tenant:acme|x", "tenant:acme", None]
+    assert [b.get("cache_salt") for b in bodies] == ["tenant:acme|x", "tenant:acme", None, ""]
     # explain sees acme's blocks only under acme's key: another key learns nothing of them
     assert [e["overlap_blocks"] for e in explained.json()["executors"]] == [2]
     assert [e["overlap_blocks"] for e in as_admin.json()["executors"]] == [0]

@@ -316,14 +316,18 @@ def _for_client(request: Request, response: Response) -> Response:
 async def _client_body(request: Request) -> tuple[bytes, object]:
     """``(bytes to forward, parsed body)``: for a tenant key, the body with the tenant's salt
     in ``cache_salt`` (unchanged for an admin key, or when it is not a JSON object, which
-    the caller answers). Raises the executor's ``APIError`` (400) for a body that does not parse."""
+    the caller answers, or whose ``cache_salt`` is neither absent, null nor a non-empty string:
+    the executor refuses that one with its 400 naming the field, as it would without the router).
+    Raises the executor's ``APIError`` (400) for a body that does not parse."""
     raw = await request.body()
     body = parse_json_body(raw)
     tenant = tenant_of(request.scope)
     if tenant is None or not isinstance(body, dict):
         return raw, body
     salt = body.get("cache_salt")
-    body["cache_salt"] = tenant_salt(tenant, salt if isinstance(salt, str) and salt else None)
+    if salt is not None and not (isinstance(salt, str) and salt):
+        return raw, body  # "" or 5: not a salt; salting it would make an invalid request valid
+    body["cache_salt"] = tenant_salt(tenant, salt)
     return _dumps(body), body
 
 
