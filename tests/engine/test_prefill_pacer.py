@@ -162,3 +162,53 @@ def test_module_recompute_steps_running_decode_between_chunks(tiny_llama):
     done = step_to_end(engine)
     engine.check_integrity()
     assert done["p"].output_token_ids == expected
+
+
+def test_a_context_reacquired_inside_a_step_never_runs_a_step_inside_it(tiny_llama):
+    """Review finding: a documents request that arrives while the pool is full waits with its
+    context let go; a later step re-acquires it while another request decodes. That pass must
+    not pace (a step inside the step acquired the same context twice and leaked its first
+    hold: 11 of 40 blocks lost). Through the server's own loop (``EngineLoop._step``)."""
+    from kvreuse.engine import llm_engine as le
+    from kvreuse.engine.engine_loop import EngineLoop
+
+    llm = LLM(
+        loaded=tiny_llama,
+        kv_cache_memory_gib=40 * 4 * 512 / 2**30,  # 40 blocks of 4 tokens (tiny Llama: 512 B a token)
+        block_size=4,
+        max_prefill_tokens_while_decoding=8,
+        **NO_REPAIR,
+    )
+    engine = llm.engine
+    assert engine.pool.num_blocks == 40
+    loop = EngineLoop(engine)  # attaches the pacer to loop._step
+    depth, deepest = [0], [0]
+    real = le.LLMEngine.step
+
+    def counted(self):
+        depth[0] += 1
+        deepest[0] = max(deepest[0], depth[0])
+        try:
+            return real(self)
+        finally:
+            depth[0] -= 1
+
+    le.LLMEngine.step = counted
+    try:
+        engine.add_request(
+            "a", [(i * 7) % 900 + 20 for i in range(120)], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        )
+        engine.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        while not engine.scheduler.has_decoding() or len(engine.scheduler.running) < 2:
+            loop._step()
+        prompt = DocumentPrompt.of([([7, 8, 9], False), (list(range(100, 140)), True), ([11, 12], False)])
+        engine.add_prepared_request("doc", prompt, ONE)
+        assert not engine._requests["doc"].context.blocks  # the pool is full: it waits, let go
+        while engine.has_unfinished_requests():
+            loop._step()
+            engine.check_integrity()
+    finally:
+        le.LLMEngine.step = real
+    assert deepest[0] == 1
+    engine.reset_prefix_cache()
+    assert engine.pool.num_free_blocks == 40

@@ -239,7 +239,12 @@ class LLMEngine:
         (listed first), its blocks freed, and the others' outputs are those of a step without
         it. An exception that no single request explains (every chunk's forward fails alone,
         scheduling, the stores, the pool) is raised and leaves the requests in the plan in an
-        undefined state: the caller aborts them all (``AsyncEngine`` does)."""
+        undefined state: the caller aborts them all (``AsyncEngine`` does). A context
+        re-acquired here computes whole: the pacer never runs a step inside a step."""
+        with self.pacer.paused():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.cache.sync_stores()
         reacquire_head(self.scheduler.waiting)
         self.documents.move_framed(self.scheduler.running)

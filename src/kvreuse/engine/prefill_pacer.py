@@ -12,13 +12,16 @@ gives those passes the scheduler's rule::
                        pacer.between() ──────────────────▶ one engine step (decodes + capped prefill)
 
 Without ``attach`` (the synchronous ``LLM``: requests are added before any step) the pacer
-changes nothing. ``between`` never nests: a context acquired inside that step (the waiting
-head's) runs its chunks whole, as before. Engine thread only.
+changes nothing. Only a pass run while a request is added paces: inside any engine step
+(``LLMEngine.step`` holds ``paused``; the step ``between`` runs is one), a context acquired
+there (the waiting head's, re-acquired) runs its chunks whole, as before, so a step never runs
+inside a step. Engine thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class PrefillPacer:
@@ -44,6 +47,16 @@ class PrefillPacer:
         not already inside a step the pacer ran)."""
         return self._step is not None and self.cap is not None and not self._inside and self._decoding()
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No pacing while inside (an engine step: a step must never run inside a step, or a
+        context acquired in both would be acquired twice and its first hold leak)."""
+        saved, self._inside = self._inside, True
+        try:
+            yield
+        finally:
+            self._inside = saved
+
     def chunk_tokens(self, default: int) -> int:
         """Tokens the next chunk of a context pass runs: the cap while ``active``, else ``default``."""
         return min(default, self.cap) if self.active and self.cap is not None else default
@@ -53,9 +66,6 @@ class PrefillPacer:
         blocks are held by their caller, so the step cannot evict them."""
         if not self.active or self._step is None:
             return
-        self._inside = True
-        try:
+        with self.paused():
             self._step()
             self.steps_between += 1
-        finally:
-            self._inside = False
