@@ -121,6 +121,24 @@ def test_cluster_urls():
     for bad in ("redis+cluster://h:1/3", "redis+cluster://h:1?db=2", "redis+cluster:///x", "http://nowhere"):
         with pytest.raises(ValueError):
             parse_target(bad)
+    # database 0 named in the query is database 0; a query value merely containing "db=" is no database
+    assert parse_target("redis+cluster://h:1?db=0").cluster
+    assert parse_target("redis+cluster://h:1?ssl_ca_path=/etc/db=certs").cluster
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+cluster://default:s3cretpw@127.0.0.1:7000/2",
+        "redis+cluster://default:s3cretpw@:7000",
+        "http://default:s3cretpw@node1:7000",
+    ],
+)
+def test_a_refused_url_never_shows_its_password(url):
+    with pytest.raises(ValueError) as refused:
+        parse_target(url)
+    assert "s3cretpw" not in str(refused.value) and "default" not in str(refused.value)
+    assert "***@" in str(refused.value)
 
 
 class Clock:

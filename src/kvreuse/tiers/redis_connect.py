@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -43,21 +43,31 @@ class StoreTarget:
     where: str  # host:port or socket path of the seed (logs; the identity of one server)
 
 
+def redacted(url: str) -> str:
+    """``url`` with its user and password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+
+
 def parse_target(url: str) -> StoreTarget:
-    """Raises ``ValueError`` for a URL that names no Redis, or a cluster URL with a database
-    other than 0 (a cluster has only database 0)."""
+    """Raises ``ValueError`` (the URL's credentials redacted) for a URL that names no Redis,
+    or a cluster URL with a database other than 0 (a cluster has only database 0)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     cluster = scheme in CLUSTER_SCHEMES
     if cluster:
-        if parts.path.strip("/") not in ("", "0") or "db=" in parts.query:
-            raise ValueError(f"a Redis Cluster has only database 0: {url!r}")
+        if parts.path.strip("/") not in ("", "0") or parse_qs(parts.query).get("db", ["0"]) != ["0"]:
+            raise ValueError(f"a Redis Cluster has only database 0: {redacted(url)!r}")
         if not parts.hostname:
-            raise ValueError(f"a cluster URL names one node as the seed (HOST:PORT): {url!r}")
+            raise ValueError(f"a cluster URL names one node as the seed (HOST:PORT): {redacted(url)!r}")
         url = urlunsplit((CLUSTER_SCHEMES[scheme], parts.netloc, "", parts.query, ""))
     elif scheme not in ("redis", "rediss", "unix"):
         raise ValueError(
-            f"--remote-cache takes redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, got {url!r}"
+            "--remote-cache takes redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://, "
+            f"got {redacted(url)!r}"
         )
     where = parts.path if scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
     return StoreTarget(url, cluster, where)
