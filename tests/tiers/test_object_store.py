@@ -130,6 +130,25 @@ def test_purge_deletes_objects_past_their_age_and_keeps_younger_ones(s3):
     store.close()
 
 
+def test_purge_touches_only_names_this_store_writes(s3):
+    """Review finding: any ``<hex>.kvb`` under the prefix was purged and announced as a removed
+    block: ``ab.kvb`` (no block hash) was deleted, and ``<UPPER HEX>.kvb`` was counted and
+    announced on every pass while the delete, sent for the lowercase name, removed nothing."""
+    now = [0.0]
+    store, removed = new_store(s3, ttl_s=30, clock=lambda: now[0])
+    (key,) = put_chain(store, 1)
+    client = s3.client()
+    strangers = [f"{store.key_prefix}ab.kvb", f"{store.key_prefix}{'AB' * 32}.kvb"]
+    for name in strangers:
+        client.put_object(Bucket=s3.bucket, Key=name, Body=b"not a block")
+    now[0] = time.time() + 3600  # everything is past its age
+    assert store.purge_expired() == 1 and removed == [key]
+    assert store.purge_expired() == 0 and removed == [key] and store.stats()["expired"] == 1
+    listed = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket, Prefix=store.key_prefix)["Contents"])
+    assert listed == sorted(strangers)
+    store.close()
+
+
 def test_a_read_refuses_an_object_past_its_age_before_any_purge(s3):
     now = [0.0]
     store, removed = new_store(s3, ttl_s=30, clock=lambda: now[0], parallel_reads=1)

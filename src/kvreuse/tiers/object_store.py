@@ -69,6 +69,7 @@ COUNTERS = (
     "breaker_opened",
 )
 SUFFIX = ".kvb"
+BLOCK_HASH_BYTES = (32, 8)  # sha256 and xxh3_64 digests (kvreuse.cache.hashing): a block's key length
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
 _ABSENT_CODES = {"NoSuchKey", "404", "NotFound"}  # an answer: the object is not there
 _TIMEOUTS = (botocore.exceptions.ConnectTimeoutError, botocore.exceptions.ReadTimeoutError, TimeoutError)
@@ -236,21 +237,27 @@ class ObjectStore:
         purged = 0
         for start in range(0, len(old or ()), 1000):  # DeleteObjects takes 1,000 keys at most
             batch = (old or [])[start : start + 1000]
-            if not self._delete_many(batch):
+            deleted = self._delete_many(batch)
+            if deleted is None:
                 break
-            purged += len(batch)
+            purged += deleted
         self._counters.add("expired", purged)
         return purged
 
-    def _delete_many(self, keys: list[BlockHash]) -> bool:
+    def _delete_many(self, keys: list[BlockHash]) -> int | None:
+        """Delete ``keys``' objects; the number deleted (those the store reported no error
+        for: only they are announced as removed), ``None`` when the call failed."""
         objects = [{"Key": self.object_key(key)} for key in keys]
-        done, _ = self._call(
+        done, answer = self._call(
             lambda: self._client.delete_objects(Bucket=self.location.bucket, Delete={"Objects": objects, "Quiet": True})
         )
-        if done:
-            for key in keys:
-                self._removed(key)
-        return done
+        if not done:
+            return None
+        failed = {e.get("Key") for e in (answer or {}).get("Errors", ())}
+        deleted = [key for key in keys if self.object_key(key) not in failed]
+        for key in deleted:
+            self._removed(key)
+        return len(deleted)
 
     def _list_expired(self) -> list[BlockHash]:
         now, ttl = self._clock(), self.ttl_s or 0.0
@@ -263,9 +270,12 @@ class ObjectStore:
                 name = item["Key"][len(self.key_prefix) :]
                 if name.endswith(SUFFIX) and now - item["LastModified"].timestamp() >= ttl:
                     try:
-                        old.append(BlockHash(bytes.fromhex(name[: -len(SUFFIX)])))
+                        key = BlockHash(bytes.fromhex(name[: -len(SUFFIX)]))
                     except ValueError:  # not a block of this store: not ours to delete
                         continue
+                    # only a name this store writes (lowercase hex of a block hash's length)
+                    if len(key) in BLOCK_HASH_BYTES and self.object_key(key) == item["Key"]:
+                        old.append(key)
         return old
 
     def start_purging(self, interval_s: float | None = None) -> None:
