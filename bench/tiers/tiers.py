@@ -67,7 +67,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import bench.tiers.memcpy_bw as memcpy_bw
-
     from bench.common import RedisServer  # only the redis tier needs it
 
     loaded = load_model(args.model, dtype=args.dtype, device="cpu")
