@@ -86,7 +86,7 @@ def test_a_stream_cut_mid_response_ends_with_an_error_event_the_client_raises(br
     raw, texts, error, router, marked_down = _stream([_event("Hello"), _event(" wor") + half], breaks=breaks)
     failure = "the connection broke (ReadError)" if breaks else "it closed the stream before [DONE]"
     message = (
-        f"the executor serving this stream (http://a) failed mid-response: {failure}; it could not be "
+        f"the executor serving this stream (executor 0) failed mid-response: {failure}; it could not be "
         "continued on another executor: migration is off (--migration-limit 0); the output is incomplete"
     )
     error_event = {"error": {"message": message, "type": "server_error", "param": None, "code": "executor_failed"}}
