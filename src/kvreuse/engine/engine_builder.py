@@ -31,6 +31,7 @@ from kvreuse.engine.document_cache import DocumentCache
 from kvreuse.engine.kv_quant import KVFormat
 from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.engine.model_runner import KVLayout, ModelRunner
+from kvreuse.engine.prefill_pacer import PrefillPacer
 from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.pml.module_cache import ModuleCache, SchemaInfo
@@ -59,6 +60,7 @@ class EngineParts:
     documents: DocumentCache  # schema-free documents: KV computed once, moved to each request's positions
     registrations: RegistrationQueue  # schemas registered while serving, a slice between steps
     restored_schemas: list[SchemaInfo]  # schemas a schema store restored at start
+    pacer: PrefillPacer  # lets decodes step between the chunks of a context pass (the engine loop attaches it)
 
 
 def build_engine(
@@ -146,12 +148,16 @@ def build_engine(
         limits=SchemaLimits(config.schema_max_tokens, config.schema_max_bytes),
         kv_bytes_per_token=kv_bytes_per_token,
     )
+    # context passes (documents, evicted modules) yield to decodes; the engine loop attaches it
+    pacer = PrefillPacer(scheduler.max_prefill_tokens_while_decoding)
+    modules.between_chunks = pacer.between
     documents = DocumentCache(
         kv,
         runner,
         model_id=loaded.model_id,
         hash_algorithm=config.hash_algorithm,
         chunk_tokens=config.max_num_batched_tokens,
+        pacer=pacer,
     )
     registrations = RegistrationQueue(config.schema_slice_tokens)
     restored = modules.load_store()  # schemas persisted by an earlier run
@@ -168,6 +174,7 @@ def build_engine(
         documents,
         registrations,
         restored,
+        pacer,
     )
     torch.manual_seed(config.seed)
     return parts

@@ -23,7 +23,6 @@ from kvreuse.engine.forward_isolation import isolate
 from kvreuse.engine.introspection import check_engine_integrity, engine_stats
 from kvreuse.engine.output_processor import OutputProcessor
 from kvreuse.engine.outputs import EngineStats, RequestOutput  # re-exported: the engine's results
-from kvreuse.engine.prefill_pacer import PrefillPacer
 from kvreuse.engine.prompt_intake import AssembledPrompt, PromptIntake
 from kvreuse.engine.request_checks import check_request
 from kvreuse.engine.sampler import make_generator
@@ -77,9 +76,7 @@ class LLMEngine:
         self.blend_pass = parts.blend_pass
         self.modules = parts.modules
         self.documents = parts.documents
-        # context passes (documents, evicted modules) yield to decodes; the engine loop attaches it
-        self.pacer = parts.documents.pacer = PrefillPacer(parts.scheduler.max_prefill_tokens_while_decoding)
-        parts.modules.between_chunks = self.pacer.between
+        self.pacer = parts.pacer  # context passes yield to decodes; the engine loop attaches it
         self.registrations = parts.registrations
         self.schemas = SchemaService(parts.modules, parts.registrations)
         self.restored_schemas = parts.restored_schemas  # schemas persisted by an earlier run
