@@ -48,26 +48,15 @@ from botocore.config import Config
 
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.tiers.block_codec import BlockRecord, CorruptBlock, ForeignBlock, decode_block
-from kvreuse.tiers.circuit_breaker import BreakerState, CircuitBreaker
+from kvreuse.tiers.circuit_breaker import CircuitBreaker
 from kvreuse.tiers.namespace import FORMAT_VERSION, TierNamespace
+from kvreuse.tiers.store_calls import STORE_COUNTERS, GuardedCalls
 from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "errors",
-    "timeouts",
-    "skipped",
-    "corrupt",
-    "foreign",
-    "expired",
-    "breaker_opened",
-)
+COUNTERS = (*STORE_COUNTERS, "expired")
 SUFFIX = ".kvb"
 BLOCK_HASH_BYTES = (32, 8)  # sha256 and xxh3_64 digests (kvreuse.cache.hashing): a block's key length
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
@@ -133,7 +122,15 @@ class ObjectStore:
         self._clock = clock  # wall-clock seconds: compared with the server's LastModified
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s)
         self._counters = StoreCounters(COUNTERS)
-        self._streak = FailureStreak(logger, f"object cache s3://{self.location.bucket}/{self.key_prefix}")
+        self._calls = GuardedCalls(
+            "object cache",
+            breaker=self.breaker,
+            counters=self._counters,
+            streak=FailureStreak(logger, f"object cache s3://{self.location.bucket}/{self.key_prefix}"),
+            errors=_STORE_ERRORS,
+            timeouts=_TIMEOUTS,
+            logger=logger,
+        )
         self._on_removed: Callable[[BlockHash], None] | None = None
         self._stop_purging = threading.Event()
         self._purger: threading.Thread | None = None
@@ -309,7 +306,7 @@ class ObjectStore:
 
     def stats(self) -> dict[str, int]:
         """Counters since start, plus ``breaker_open`` (1 while calls are skipped)."""
-        return self._counters.snapshot() | {"breaker_open": int(self.breaker.state is not BreakerState.CLOSED)}
+        return self._counters.snapshot() | {"breaker_open": self._calls.breaker_open()}
 
     def close(self) -> None:
         """Stop the purges and the read threads, close the connections."""
@@ -324,28 +321,9 @@ class ObjectStore:
             self._on_removed(key)
 
     def _call(self, operation: Callable[[], _T]) -> tuple[bool, _T | None]:
-        """Run one S3 operation under the breaker: (True, result), or (False, None) when it
-        was skipped or failed."""
-        if not self.breaker.allow():
-            self._counters.add("skipped")
-            return False, None
-        try:
-            result = operation()
-        except _STORE_ERRORS as exc:
-            self._counters.add("timeouts" if isinstance(exc, _TIMEOUTS) else "errors")
-            self._streak.failed("%s: %s", type(exc).__name__, exc)
-            if self.breaker.record_failure():
-                self._counters.add("breaker_opened")
-                logger.warning(
-                    "object cache: circuit breaker open after %d consecutive failures; skipping the store for %.1f s",
-                    self.breaker.failure_threshold,
-                    self.breaker.cooldown_s,
-                )
-            return False, None
-        if self.breaker.record_success():
-            logger.info("object cache: circuit breaker closed, store reachable again")
-        self._streak.succeeded()
-        return True, result
+        """Run one S3 operation under the breaker (``GuardedCalls``): (True, result), or
+        (False, None) when it was skipped or failed."""
+        return self._calls.run(operation)
 
 
 def store_identity(endpoint_url: str, location: ObjectLocation, key_prefix: str) -> str:

@@ -49,26 +49,16 @@ from redis.cluster import RedisCluster
 
 from kvreuse.cache.hashing import BlockHash
 from kvreuse.tiers.block_codec import BlockRecord, CorruptBlock, ForeignBlock, decode_block
-from kvreuse.tiers.circuit_breaker import BreakerState, CircuitBreaker
+from kvreuse.tiers.circuit_breaker import CircuitBreaker
 from kvreuse.tiers.namespace import FORMAT_VERSION, TierNamespace
 from kvreuse.tiers.redis_connect import STORE_ERRORS, cluster_client, cluster_members, parse_target, single_client
+from kvreuse.tiers.store_calls import STORE_COUNTERS, GuardedCalls
 from kvreuse.tiers.store_counters import FailureStreak, StoreCounters
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")  # what a Redis operation returns
 
-COUNTERS = (
-    "hits",
-    "misses",
-    "puts",
-    "put_failures",
-    "errors",
-    "timeouts",
-    "skipped",
-    "corrupt",
-    "foreign",
-    "breaker_opened",
-)
+COUNTERS = STORE_COUNTERS
 
 
 class RemoteStore:
@@ -98,7 +88,15 @@ class RemoteStore:
         self.breaker = CircuitBreaker(failure_threshold, cooldown_s, clock)
         self._counters = StoreCounters(COUNTERS)
         kind = "remote cache cluster" if self.target.cluster else "remote cache"
-        self._streak = FailureStreak(logger, f"{kind} {self.target.where}")
+        self._calls = GuardedCalls(
+            "remote cache",
+            breaker=self.breaker,
+            counters=self._counters,
+            streak=FailureStreak(logger, f"{kind} {self.target.where}"),
+            errors=STORE_ERRORS,
+            timeouts=(redis.TimeoutError, TimeoutError),
+            logger=logger,
+        )
         self._client: redis.Redis | RedisCluster | None = None
         self._connect_lock = threading.Lock()
         if self.target.cluster:
@@ -173,7 +171,7 @@ class RemoteStore:
 
     def stats(self) -> dict[str, int]:
         """Counters since start, plus ``breaker_open`` (1 while calls are skipped)."""
-        return self._counters.snapshot() | {"breaker_open": int(self.breaker.state is not BreakerState.CLOSED)}
+        return self._counters.snapshot() | {"breaker_open": self._calls.breaker_open()}
 
     def close(self) -> None:
         """Close the connections (a later call would open new ones)."""
@@ -236,32 +234,13 @@ class RemoteStore:
         return record
 
     def _call(self, operation: Callable[[], _T]) -> _T | None:
-        """Run one Redis operation under the breaker; None when skipped or failed."""
-        if not self.breaker.allow():
-            self._counters.add("skipped")
-            return None
-        probe = self.breaker.state is BreakerState.HALF_OPEN
-        try:
-            if probe and self.target.cluster:
-                # the slot map was last loaded when a call failed, maybe before the cluster
-                # failed the master over: reload it, or the probe asks the dead master again
-                cast("RedisCluster", self.client()).nodes_manager.initialize()
-            result = operation()
-        except STORE_ERRORS as exc:
-            self._counters.add("timeouts" if isinstance(exc, (redis.TimeoutError, TimeoutError)) else "errors")
-            self._streak.failed("%s: %s", type(exc).__name__, exc)
-            if self.breaker.record_failure():
-                self._counters.add("breaker_opened")
-                logger.warning(
-                    "remote cache: circuit breaker open after %d consecutive failures; skipping the store for %.1f s",
-                    self.breaker.failure_threshold,
-                    self.breaker.cooldown_s,
-                )
-            return None
-        if self.breaker.record_success():
-            logger.info("remote cache: circuit breaker closed, store reachable again")
-        self._streak.succeeded()
-        return result
+        """Run one Redis operation under the breaker (``GuardedCalls``); None when skipped or failed."""
+        return self._calls.run(operation, before_probe=self._reload_slots if self.target.cluster else None)[1]
+
+    def _reload_slots(self) -> None:
+        # the slot map was last loaded when a call failed, maybe before the cluster failed
+        # the master over: reload it, or the probe asks the dead master again
+        cast("RedisCluster", self.client()).nodes_manager.initialize()
 
 
 def store_identity(where: str, prefix: str) -> str:
