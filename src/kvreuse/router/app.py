@@ -138,7 +138,9 @@ def build_router_app(
         # Tokenizing a long prompt takes milliseconds: keep it off the event loop.
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
         if tap is not None and isinstance(body, dict):  # a tap is made only for a dict body
-            cost = await asyncio.to_thread(request_cost, router.hasher, chat, body, keys, router.default_max_tokens)
+            cost = await asyncio.to_thread(
+                request_cost, router.hasher, chat, body, keys, router.default_max_tokens, router.fits_context
+            )
             if cost is not None:
                 lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
         return _for_client(
@@ -175,7 +177,7 @@ def build_router_app(
             lease is not None
             and lease.limits_tokens
             and path == "/v1/messages"
-            and (cost := messages_cost(body, keys)) is not None
+            and (cost := messages_cost(router, body, keys)) is not None
         ):
             lease.reserve(*cost)  # LimitExceeded: the 429, and nothing is sent
             usage = MessagesUsage(lease)

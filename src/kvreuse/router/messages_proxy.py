@@ -61,11 +61,14 @@ def messages_keys(router: Router, body: object) -> RequestKeys:
     return RequestKeys(len(prompt.token_ids), keys)
 
 
-def messages_cost(body: object, keys: RequestKeys) -> tuple[int, int] | None:
+def messages_cost(router: Router, body: object, keys: RequestKeys) -> tuple[int, int] | None:
     """``(prompt tokens, completion tokens)`` a Messages request may use at most (its prompt
-    and ``max_tokens``), or ``None`` when the executor would not run it (it answers that)."""
+    and ``max_tokens``), or ``None`` when the executor would not run it (it answers that): a
+    bad body, or one no executor's context holds (``Router.fits_context``)."""
     max_tokens = body.get("max_tokens") if isinstance(body, dict) else None
     if keys.num_tokens == 0 or not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        return None
+    if not router.fits_context(keys.num_tokens, max_tokens):
         return None
     return keys.num_tokens, max_tokens
 

@@ -124,6 +124,17 @@ class Router:
             ]
         )
 
+    def fits_context(self, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Whether the longest context of a known executor holds a prompt of ``prompt_tokens``
+        and ``max_tokens`` more (None: the default, which fits whatever room is left); else
+        every executor answers the request with its 400 (``check_prompt_length``), which a
+        tenant's limiter must not turn into a 429. True while no executor reported its context."""
+        lengths = [e.info.max_model_len for e in self.executors.values() if e.info and e.info.max_model_len > 0]
+        if not lengths:
+            return True
+        longest = max(lengths)
+        return prompt_tokens < longest and prompt_tokens + (max_tokens or 0) <= longest
+
     # ------------------------------------------------------------------ decisions
     def candidates(self, keys: RequestKeys, exclude: Collection[str] = ()) -> list[Candidate]:
         names = [n for n, e in self.executors.items() if e.healthy and n not in exclude]

@@ -6,6 +6,8 @@ executor does, ``PromptHasher``) plus ``n`` times each prompt's ``max_tokens``; 
 ``max_tokens``, the executors' default (``kvreuse.api.protocol.default_max_tokens``: 16 or
 what the context leaves for a completion, what the context and the pool leave for a chat),
 the largest any executor would give, since none is chosen yet (``Router.default_max_tokens``).
+A request no executor's context holds (``Router.fits_context``) reserves nothing: every
+executor answers it with a 400 naming the field, and that is what its client gets, not a 429.
 
 ``UsageTap`` reads the ``usage`` the executor answers with into the lease: the JSON body of
 a non-streamed response, the usage event of a stream. A stream whose client did not ask for
@@ -28,12 +30,19 @@ from kvreuse.router.sse import SSE_SEPARATOR, payload
 
 
 def request_cost(
-    hasher: PromptHasher, chat: bool, body: dict, keys: RequestKeys, default_max_tokens: Callable[[bool, int], int]
+    hasher: PromptHasher,
+    chat: bool,
+    body: dict,
+    keys: RequestKeys,
+    default_max_tokens: Callable[[bool, int], int],
+    fits_context: Callable[[int, int | None], bool],
 ) -> tuple[int, int] | None:
     """``(prompt tokens, completion tokens)`` the request may use at most, or ``None`` when
     the body is not one the executor would run (it answers that itself, and nothing is
-    reserved). ``keys`` are the request's (their ``num_tokens`` is the first prompt's);
-    ``default_max_tokens(chat, prompt_tokens)`` is ``Router.default_max_tokens``."""
+    reserved): a bad body, or a prompt and ``max_tokens`` over the context. ``keys`` are the
+    request's (their ``num_tokens`` is the first prompt's); ``default_max_tokens(chat,
+    prompt_tokens)`` is ``Router.default_max_tokens``, ``fits_context(prompt_tokens,
+    max_tokens)`` ``Router.fits_context``."""
     from kvreuse.api.errors import APIError
     from kvreuse.api.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -42,6 +51,8 @@ def request_cost(
     try:
         if chat:
             req = ChatCompletionRequest.model_validate(body)
+            if not fits_context(keys.num_tokens, req.max_tokens):
+                return None
             return keys.num_tokens, req.n * (req.max_tokens or default_max_tokens(True, keys.num_tokens))
         creq = CompletionRequest.model_validate(body)
         prompts = creq.prompts()
@@ -49,6 +60,8 @@ def request_cost(
             len(hasher.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts[1:]
         ]
     except (ValueError, APIError):
+        return None
+    if not all(fits_context(n, creq.max_tokens) for n in lengths):
         return None
     completion = sum(creq.n * (creq.max_tokens or default_max_tokens(False, n)) for n in lengths)
     return sum(lengths), completion
