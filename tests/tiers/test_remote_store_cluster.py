@@ -11,7 +11,7 @@ from redis.cluster import RedisCluster
 
 from kvreuse.tiers.circuit_breaker import BreakerState
 from kvreuse.tiers.redis_connect import parse_target
-from kvreuse.tiers.remote_store import RemoteStore
+from kvreuse.tiers.remote_store import RemoteStore, store_identity
 
 from .conftest import NS, OTHER_MODEL, SHAPE, make_payload, make_record
 from .redis_cluster import running_cluster
@@ -208,3 +208,23 @@ def test_clusterdown_is_a_miss_and_a_cluster_back_up_is_found_by_the_probe(redis
     clock.now = 5.0
     assert torch.equal(store.get(live).kv, make_record(index).kv)  # the probe finds it: its master never left
     assert store.breaker.state is BreakerState.CLOSED
+
+
+def test_a_seed_down_at_start_gives_the_clusters_identity_once_it_is_back(redis_cluster):
+    clock = Clock()
+    seed, other = redis_cluster.ports[0], redis_cluster.ports[1]
+    shared = _store(redis_cluster.url(other)).identity  # what every executor of the cluster reports
+    redis_cluster.kill(seed)
+    store = _store(redis_cluster.url(seed), clock=clock, failure_threshold=1)
+    assert store.provisional and store.identity == store_identity(f"cluster-seed:127.0.0.1:{seed}", store.prefix)
+    assert store.identity != shared
+    key, payload = make_payload(0)
+    assert store.put(key, payload) is False  # still down: the breaker opens, the stand-in stays
+    assert store.breaker.state is BreakerState.OPEN and store.provisional
+    redis_cluster.restart(seed)  # back, the cluster ok again
+    assert store.get(key) is None and store.stats()["skipped"] == 1 and store.provisional  # the cool-down
+    clock.now = 5.0
+    assert store.put(key, payload)  # the probe works: the identity is derived as at start
+    assert store.breaker.state is BreakerState.CLOSED
+    assert (store.identity, store.provisional) == (shared, False)
+    assert torch.equal(_store(redis_cluster.url(other)).get(key).kv, make_record(0).kv)

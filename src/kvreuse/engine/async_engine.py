@@ -63,7 +63,6 @@ class ExecutorFacts:
     enable_prefix_caching: bool
     num_blocks: int
     cache_levels: tuple[str, ...]  # the device pool's level, then the tiers below it
-    remote_store: str | None  # the remote store's identity (no credentials), or None
     object_store: str | None  # the object store's identity (endpoint, bucket, prefix; hashed), or None
     eos_token_ids: tuple[int, ...]  # sorted: what ends a request
     kv_cache_dtype: str = "auto"  # the KV pool's format (engine/kv_quant.py), never "auto" once built
@@ -78,7 +77,6 @@ class ExecutorFacts:
             engine.config.enable_prefix_caching,
             engine.pool.num_blocks,
             tuple(pool.cache_level for pool in engine.cache.pools()),
-            engine.cache.remote_store_id,
             engine.cache.object_store_id,
             tuple(sorted(engine.eos_token_ids)),
             engine.runner.kv_format.name,
@@ -154,6 +152,13 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._loop.running and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def remote_store(self) -> str | None:
+        """The remote store's identity (no credentials), or None; read live, not a fact: a
+        Redis Cluster unreachable at start has a stand-in until it answers
+        (``RemoteStore.provisional``)."""
+        return self.engine.cache.remote_store_id
 
     # ------------------------------------------------------------------ requests
     async def generate(

@@ -51,6 +51,7 @@ from kvreuse.router.prompt_keys import HashSettings, PromptHasher, RequestKeys
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "x-kvreuse-instance-id"  # on an executor's /health: its process's instance id
+REMOTE_STORE_HEADER = "x-kvreuse-remote-store"  # on an executor's /health: its remote store's identity
 DEFAULT_MIGRATION_LIMIT = 3  # --migration-limit
 
 
@@ -266,8 +267,9 @@ class Router:
 
     async def probe(self, e: Executor) -> None:
         """One health check: ``/health`` 200; for an executor that comes back or reports a
-        new instance id (it restarted), a matching ``/v1/kvreuse/info`` and a ``resync``;
-        then its load gauges from ``/metrics``."""
+        new instance id (it restarted), a matching ``/v1/kvreuse/info`` and a ``resync``; for
+        one whose remote store identity changed (``x-kvreuse-remote-store``), its info again
+        (``_store_changed``); then its load gauges from ``/metrics``."""
         headers = self.control_headers
         try:
             resp = await self.client.get(f"{e.url}/health", headers=headers, timeout=2.0)
@@ -291,6 +293,10 @@ class Router:
                 else:
                     logger.warning("executor %s restarted (instance %s): reloading its blocks", e.url, instance)
                 await self.resync(e)
+            elif (
+                (store := resp.headers.get(REMOTE_STORE_HEADER)) is not None and e.info and store != e.info.remote_store
+            ):
+                await self._store_changed(e, store)
             metrics = await self.client.get(f"{e.url}/metrics", headers=headers, timeout=2.0)
             if metrics.status_code == 200:
                 e.remote = parse_load_metrics(metrics.text)
@@ -298,6 +304,17 @@ class Router:
             if e.healthy:
                 logger.warning("executor %s is down: %r", e.url, exc)
             e.mark_down(repr(exc))
+
+    async def _store_changed(self, e: Executor, store: str) -> None:
+        """``e`` reports another remote store identity than its info said (a Redis Cluster
+        down when it started, up since): read its info again and count the REMOTE blocks of
+        the store it now names as reachable from it. Its own blocks stay as they are."""
+        info = await fetch_info(self.client, e.url, self.control_headers)
+        if info.settings != self.settings:
+            raise IncompatibleExecutors(f"{e.url} now reports {info.settings}, the router serves {self.settings}")
+        e.info = info
+        self.index.set_store(e.name, info.remote_store)
+        logger.info("executor %s: remote store %s (was reported as another one)", e.url, store)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

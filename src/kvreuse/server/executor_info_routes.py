@@ -79,7 +79,7 @@ async def kvreuse_info(request: Request) -> dict:
         "max_model_len": engine.max_model_len,
         "num_blocks": facts.num_blocks,
         "cache_levels": list(facts.cache_levels),
-        "remote_store": facts.remote_store,
+        "remote_store": engine.remote_store,  # live: a cluster down at start settles it later
         "object_store": facts.object_store,
         "eos_token_ids": list(facts.eos_token_ids),  # what ends a request (a router continuing a stream)
         "events": {"http": ctx.events is not None, **_zmq_facts(ctx.publisher)},

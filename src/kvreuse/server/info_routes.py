@@ -13,6 +13,7 @@ from kvreuse.server.serving import check_model
 router = APIRouter()
 
 INSTANCE_HEADER = "x-kvreuse-instance-id"  # on /health: this process's id (ServerContext.instance_id)
+REMOTE_STORE_HEADER = "x-kvreuse-remote-store"  # on /health: the remote store's identity, when there is one
 
 
 def _model_card(ctx, name: str, created: int) -> dict:
@@ -46,10 +47,14 @@ async def health(request: Request) -> JSONResponse:
     """200 while the engine thread runs and the last idle integrity check passed, else 503
     (so a router takes this executor out of rotation). Every answer carries the process's
     instance id in the ``x-kvreuse-instance-id`` header: a router that sees it change knows
-    the executor restarted (its cached blocks are gone) even if it never saw it down."""
+    the executor restarted (its cached blocks are gone) even if it never saw it down; with a
+    remote store, its identity in ``x-kvreuse-remote-store``: a router that sees it differ
+    from ``/v1/kvreuse/info``'s (a Redis Cluster down at start, up since) reads the info again."""
     ctx = context_of(request)
     engine = ctx.engine
     headers = {INSTANCE_HEADER: ctx.instance_id}
+    if (store := engine.remote_store) is not None:
+        headers[REMOTE_STORE_HEADER] = store
     if not engine.is_running:
         return JSONResponse(
             {"status": "error", "detail": "engine thread is not running"}, status_code=503, headers=headers

@@ -31,6 +31,10 @@ Contracts (a down, slow or flushed Redis never fails a request):
   miss. A batch that touches a dead master misses as a whole; the client reloads its slot
   map after the error, and the breaker's probe reloads it again first, so once the cluster
   has failed the master over to a replica the probe (and every call after it) hits again.
+- A cluster that no node of answers at start gets a stand-in identity (its seed's address,
+  ``provisional``) for as long as it does not answer; the first call that works derives the
+  identity from the cluster's members, as at start, so executors seeded with different
+  nodes agree again once it is up.
 - Thread-safe (redis-py's connection pools; the cluster client is built once, under a lock).
 """
 
@@ -99,6 +103,8 @@ class RemoteStore:
         )
         self._client: redis.Redis | RedisCluster | None = None
         self._connect_lock = threading.Lock()
+        self._identity_lock = threading.Lock()
+        self.provisional = False  # True while ``identity`` is the seed's stand-in (``_cluster_where``)
         if self.target.cluster:
             self.identity = store_identity(self._cluster_where(), self.prefix)
         else:
@@ -191,7 +197,8 @@ class RemoteStore:
 
     def _cluster_where(self) -> str:
         """The cluster's members (``cluster_members``), asked now; the seed's address when
-        no node answers (executors seeded alike still agree; the store stays usable)."""
+        no node answers (executors seeded alike still agree; the store stays usable), and
+        ``provisional`` is set: the first call that works asks again (``_settle_identity``)."""
         try:
             return cluster_members(cast("RedisCluster", self.client()))
         except STORE_ERRORS as exc:
@@ -201,7 +208,24 @@ class RemoteStore:
                 type(exc).__name__,
                 exc,
             )
+            self.provisional = True
             return f"cluster-seed:{self.target.where}"
+
+    def _settle_identity(self) -> None:
+        """A call worked, so the cluster answers: derive the identity from its members, as at
+        start-up, in place of the seed's stand-in (``/v1/kvreuse/info`` and ``/health`` report
+        it from now on, and a router counts the other executors' REMOTE blocks again). Stays
+        provisional, to be asked again, when the cluster stops answering before it is asked."""
+        with self._identity_lock:
+            if not self.provisional:
+                return
+            try:
+                where = cluster_members(cast("RedisCluster", self.client()))
+            except STORE_ERRORS as exc:
+                logger.debug("remote cache cluster %s: members not known yet (%r)", self.target.where, exc)
+                return
+            self.identity, self.provisional = store_identity(where, self.prefix), False
+        logger.info("remote cache cluster %s reachable: store identity %s", self.target.where, self.identity)
 
     def _fetch(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         # the client does not decode responses: values are bytes (redis's types allow str)
@@ -235,7 +259,10 @@ class RemoteStore:
 
     def _call(self, operation: Callable[[], _T]) -> _T | None:
         """Run one Redis operation under the breaker (``GuardedCalls``); None when skipped or failed."""
-        return self._calls.run(operation, before_probe=self._reload_slots if self.target.cluster else None)[1]
+        ok, result = self._calls.run(operation, before_probe=self._reload_slots if self.target.cluster else None)
+        if ok and self.provisional:
+            self._settle_identity()
+        return result
 
     def _reload_slots(self) -> None:
         # the slot map was last loaded when a call failed, maybe before the cluster failed
