@@ -37,6 +37,8 @@ def project(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     parts = getattr(layer, "parts", None)
     if parts is not None:
         return torch.cat([project(p, x) for p in parts], dim=-1)
+    if isinstance(layer, (Int4Linear, Int8Linear)) and layer.native:  # each row alone by construction
+        return layer.native_linear(x.contiguous())
     if isinstance(layer, Int4Linear) and layer.use_kernel:
         sz = layer.scale_zero if layer.scale_zero.dtype == x.dtype else layer.scale_zero.to(x.dtype)
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), layer.qweight, layer.group, sz)

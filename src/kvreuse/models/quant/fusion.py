@@ -8,6 +8,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from kvreuse.models.kernels.packing import ROWS
 from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS
 from kvreuse.models.quant.int8_linear import Int8Linear
@@ -50,47 +51,34 @@ def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
             part.weight = nn.Parameter(fused_dense.weight.detach()[rows], requires_grad=False)
         return fused_dense
     quantized = cast("list[Int8Linear | Int4Linear]", parts)
-    if len({(m.use_kernel, _buffer_dtype(m)) for m in quantized}) != 1:
+    if len({(m.use_kernel, m.native, _buffer_dtype(m)) for m in quantized}) != 1:
         return None
     fused = cast("Int8Linear | Int4Linear", kind.__new__(kind))
     nn.Module.__init__(fused)
     fused.in_features, fused.out_features = quantized[0].in_features, sum(m.out_features for m in quantized)
-    fused.use_kernel = quantized[0].use_kernel
+    fused.use_kernel, fused.native = quantized[0].use_kernel, quantized[0].native
+    # the native layouts hold rows in blocks of ROWS: qweight's dim 0 counts blocks
+    per_row = ROWS if fused.native else 1
     if isinstance(fused, Int8Linear):
         int8 = cast("list[Int8Linear]", quantized)
-        fused.register_buffer("qweight", torch.cat([m.qweight for m in int8]))  # [out, in] int8
+        fused.q8_unsigned = int8[0].q8_unsigned
+        fused.register_buffer("qweight", torch.cat([m.qweight for m in int8]))  # [out, in] int8 or blocks
         fused.register_buffer("scale", torch.cat([m.scale for m in int8]))  # [out]
+        if fused.native:
+            fused.register_buffer("scale_bits", torch.cat([m.scale_bits for m in int8]))  # [out]
     else:
         int4 = cast("list[Int4Linear]", quantized)
-        if int4[0].use_kernel and any(m.out_features % INT4_PACK_ROWS for m in int4):
+        if int4[0].use_kernel and not int4[0].native and any(m.out_features % INT4_PACK_ROWS for m in int4):
             return None
-        fused.group = int4[0].group
+        fused.group, fused.act_dtype = int4[0].group, int4[0].act_dtype
         fused.register_buffer("qweight", torch.cat([m.qweight for m in int4]))  # packed rows, or [out, in/2]
-        # (scale, zero): [in/group, out, 2] for the kernel, [out, groups, 2] unpacked
-        fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=1 if int4[0].use_kernel else 0))
+        # (scale, zero): [2, out/16, in/32, 16] native, [in/group, out, 2] for torch's kernel, [out, groups, 2] unpacked
+        dim = 1 if int4[0].use_kernel else 0
+        fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=dim))
     fused.register_buffer("bias", None)
     for m, rows in zip(quantized, _row_spans(quantized)):
-        m.qweight = fused.qweight[rows]  # a view: the codes are stored once (scales stay the part's own)
-    return fused
-    if len({(m.use_kernel, _buffer_dtype(m)) for m in layers}) != 1:
-        return None
-    fused = kind.__new__(kind)
-    nn.Module.__init__(fused)
-    fused.in_features, fused.out_features = first.in_features, sum(m.out_features for m in layers)
-    fused.use_kernel = first.use_kernel
-    if kind is Int8Linear:
-        fused.register_buffer("qweight", torch.cat([m.qweight for m in layers]))  # [out, in] int8
-        fused.register_buffer("scale", torch.cat([m.scale for m in layers]))  # [out]
-    else:
-        if first.use_kernel and any(m.out_features % INT4_PACK_ROWS for m in layers):
-            return None
-        fused.group = first.group
-        fused.register_buffer("qweight", torch.cat([m.qweight for m in layers]))  # packed rows, or [out, in/2]
-        # (scale, zero): [in/group, out, 2] for the kernel, [out, groups, 2] unpacked
-        fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in layers], dim=1 if first.use_kernel else 0))
-    fused.register_buffer("bias", None)
-    for m, rows in zip(layers, _row_spans(layers)):
-        m.qweight = fused.qweight[rows]  # a view: the codes are stored once (scales stay the part's own)
+        # a view: the codes are stored once (scales stay the part's own)
+        m.qweight = fused.qweight[rows.start // per_row : rows.stop // per_row]
     return fused
 
 

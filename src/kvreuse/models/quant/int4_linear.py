@@ -1,5 +1,6 @@
 """``Int4Linear``: asymmetric 4-bit weights, one (scale, min) per group of ``INT4_GROUP`` input
-channels, on ``torch._weight_int4pack_mm_for_cpu`` (tinygemm layout)."""
+channels, on kvreuse's own CPU kernel (:mod:`kvreuse.models.kernels`) where it is built, else on
+``torch._weight_int4pack_mm_for_cpu`` (tinygemm layout)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvreuse.models.kernels import native_kernels
+from kvreuse.models.kernels.packing import pack_q4, q4_packable, unpack_q4
 from kvreuse.models.quant import dense_rule
 from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS, int4_pack_layout, int4_pack_order
 from kvreuse.models.quant.mode import INT4_GROUP
@@ -28,27 +31,52 @@ def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 class Int4Linear(nn.Module):
     """Group-wise 4-bit weights (``INT4_GROUP`` input channels per scale/zero).
 
-    CPU: packed by ``_convert_weight_to_int4pack_for_cpu`` and multiplied by
+    CPU with kvreuse's kernels built (``native``): ``kvreuse.models.kernels.packing``'s int4
+    layout, ``torch.ops.kvreuse.q4_linear`` (activations quantized to int8 per group of 32, the
+    scales kept as float16 so a GGUF Q4_1 / Q4_0 block's own scale and min are exact).
+    CPU otherwise: packed by ``_convert_weight_to_int4pack_for_cpu`` and multiplied by
     ``_weight_int4pack_mm_for_cpu``. Elsewhere (or ``out % 16 != 0``): two codes per uint8,
     dequantized on the fly.
     """
 
     # buffers (register_buffer): declared so the type checker knows them
-    qweight: torch.Tensor  # CPU kernel: its packed rows; else [out, in/2] uint8, two codes a byte
-    scale_zero: torch.Tensor  # (scale, zero): [in/group, out, 2] for the kernel, else [out, groups, 2]
+    # native: [out/16, in/32, 256] uint8; torch kernel: its packed rows; else [out, in/2] uint8, two codes a byte
+    qweight: torch.Tensor
+    # native: (scale, min) float16 bits as int16 [2, out/16, in/32, 16] (int16: a module's .to(dtype)
+    # leaves it alone); torch kernel: (scale, zero) [in/group, out, 2]; else [out, groups, 2]
+    scale_zero: torch.Tensor
     bias: torch.Tensor | None  # [out]
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, act_dtype: torch.dtype, group: int = INT4_GROUP
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        act_dtype: torch.dtype,
+        group: int = INT4_GROUP,
+        native: bool | None = None,
     ) -> None:
+        """``native``: None uses kvreuse's kernel where it is built and fits; False keeps torch's."""
         super().__init__()
         n, k = weight.shape
         if k % group:
             raise ValueError(f"in_features {k} is not a multiple of the int4 group {group}")
         self.in_features, self.out_features, self.group = k, n, group
+        self.act_dtype = act_dtype
         q, scale, zero = _int4_codes(weight.detach(), group)
         self.use_kernel = weight.device.type == "cpu" and n % 16 == 0
-        if self.use_kernel:
+        self.native = (
+            native is not False
+            and self.use_kernel
+            and group == 32
+            and q4_packable(n, k)
+            and act_dtype == torch.bfloat16
+            and native_kernels() is not None
+        )
+        if self.native:
+            packed, d, m = pack_q4(q, scale, zero - 8 * scale)  # w ~= q * scale + min
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scale_zero", torch.stack([d, m]).view(torch.int16))
+        elif self.use_kernel:
             self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # [out, in/2] uint8
             # [in/group, out, 2]: the kernel's (scale, zero) layout
             self.register_buffer("scale_zero", torch.stack([scale.T, zero.T], dim=-1).contiguous().to(act_dtype))
@@ -60,6 +88,8 @@ class Int4Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """``[out, in]`` in the activation dtype (reference / fallback path)."""
         n, k, g = self.out_features, self.in_features, self.group
+        if self.native:
+            return self._native_weight(self.act_dtype)
         if self.use_kernel:  # the packed layout is opaque: multiply the identity through the kernel
             eye = torch.eye(k, dtype=self.scale_zero.dtype, device=self.qweight.device)
             return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, g, self.scale_zero).T
@@ -74,6 +104,8 @@ class Int4Linear(nn.Module):
         each block's nibbles in an order that depends on the CPU capability torch dispatches to
         (AVX512, AVX2 and the default kernels differ): ``int4_pack_order`` reads it off probe
         packs, so the unpack is the kernel's on any of them."""
+        if self.native:
+            return self._native_weight(dtype)
         n, k, g = self.out_features, self.in_features, self.group
         layout = int4_pack_layout(k)
         if layout == "avx512":  # byte [block, k, j] holds row j (low nibble) and j + 32 (high)
@@ -92,14 +124,30 @@ class Int4Linear(nn.Module):
         low = (self.scale_zero[..., 1].float() - 8 * scale).t().unsqueeze(-1).to(dtype).contiguous()  # [n, groups, 1]
         return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
 
+    def _native_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[out, in]`` in ``dtype`` from the native layout (``code * scale + min`` in fp32)."""
+        n, k, g = self.out_features, self.in_features, self.group
+        codes, scale, minimum = unpack_q4(self.qweight, self.scale_zero[0], self.scale_zero[1])
+        w = codes.view(n, k // g, g).float() * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def native_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]`` (contiguous, bf16 / fp32) through the native kernel: ``[T, out]``, each
+        row computed alone (batch-invariant)."""
+        y = torch.ops.kvreuse.q4_linear(x, self.qweight, self.scale_zero[0], self.scale_zero[1])
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
             return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
         dense = dense_rule.dense_dtype(x.numel() // self.in_features, x.dtype)
-        if dense is not None and self.out_features % INT4_PACK_ROWS == 0:
+        if dense is not None and (self.native or self.out_features % INT4_PACK_ROWS == 0):
             # a prefill chunk: the kernel's cost grows with rows (it decodes the codes per row
             # block), one dense GEMM over a transient dequantized copy does not
             return dense_rule.dense_linear(x, self.unpacked_weight(dense), self.bias)
+        if self.native:
+            y = self.native_linear(x.reshape(-1, self.in_features).contiguous())
+            return y.view(*x.shape[:-1], self.out_features)
         sz = self.scale_zero if self.scale_zero.dtype == x.dtype else self.scale_zero.to(x.dtype)
         if x.dim() == 2:  # the own forward's [T, in]: no reshapes
             y = torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, sz)
@@ -109,4 +157,5 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group={self.group}, kernel={self.use_kernel}"
+        kernel = "kvreuse" if self.native else "torch" if self.use_kernel else "none"
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}, kernel={kernel}"

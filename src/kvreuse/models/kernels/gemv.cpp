@@ -1,0 +1,362 @@
+// kvreuse's CPU kernels for few-row quantized linear layers (a decode step): the weights are
+// streamed once per call, row-interleaved so one vector lane is one output row and no
+// horizontal sum is needed, and the activations are quantized to int8 per group of 32 (a
+// llama.cpp Q8_0 block) so the products run on 8-bit dot-product instructions
+// (AVX512-VNNI vpdpbusd, or AVX2 vpmaddubsw + vpmaddwd).
+//
+// Contract shared by every op: a row of the output depends on its own row of x and the weights
+// only: the same instructions in the same order run for it whatever the number of rows, so the
+// kernels are batch-invariant (kvreuse's --deterministic mode relies on it).
+//
+// Built at first use by kvreuse/models/kernels/native.py with the machine's own -march=native.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 16;   // output rows per interleaved block (one AVX-512 vector of fp32)
+constexpr int kGroup = 32;  // input channels per activation / weight scale
+constexpr int kMaxM = 4;    // activation rows multiplied per pass over a weight block
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr const char* kIsa = "avx512vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+#else
+constexpr const char* kIsa = "scalar";
+#endif
+
+// One activation row quantized per group of 32: q = round(x / s) in [-127, 127], s = amax / 127.
+struct QuantRow {
+  std::vector<int8_t> q;       // [K]
+  std::vector<float> scale;    // [K / 32]
+  std::vector<float> sum;      // [K / 32] the group's sum of x (exact, for the int4 min term)
+  std::vector<int32_t> qsum;   // [K / 32] the group's sum of q (the int8 kernel's +128 term)
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t k, QuantRow& out) {
+  const int64_t groups = k / kGroup;
+  out.q.resize(k);
+  out.scale.resize(groups);
+  out.sum.resize(groups);
+  out.qsum.resize(groups);
+  float v[kGroup];
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < kGroup; ++i) {
+      v[i] = static_cast<float>(x[g * kGroup + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+      sum += v[i];
+    }
+    const float s = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qsum = 0;
+    for (int i = 0; i < kGroup; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      const int8_t c = static_cast<int8_t>(std::max(-127, std::min(127, q)));
+      out.q[g * kGroup + i] = c;
+      qsum += c;
+    }
+    out.scale[g] = s;
+    out.sum[g] = sum;
+    out.qsum[g] = qsum;
+  }
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline void store_rows(const float* acc, at::Tensor& y, int64_t m, int64_t n0) {
+  if (y.scalar_type() == at::kFloat) {
+    std::memcpy(y.data_ptr<float>() + m * y.size(1) + n0, acc, kRows * sizeof(float));
+  } else {
+    auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m * y.size(1) + n0;
+    for (int r = 0; r < kRows; ++r) out[r] = to_bf16(acc[r]);
+  }
+}
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+// ---- int4: qw [N/16, K/32, 256] u8, d / mn [N/16, K/32, 16] fp16; w = code * d + mn ----------
+// Byte (p, r, i) of a group's 256 holds row r's code for input 8p + i (low nibble) and 8p + 4 + i
+// (high nibble).
+template <int M>
+void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t groups,
+              const QuantRow* const* xr, float (*acc)[kRows]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  __m512 f[M];
+  for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i s[M];
+    for (int m = 0; m < M; ++m) s[m] = _mm512_setzero_si512();
+    const uint8_t* w = qw + g * 256;
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * p);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup + 8 * p);
+        s[m] = _mm512_dpbusd_epi32(s[m], lo, _mm512_set1_epi32(xq[0]));
+        s[m] = _mm512_dpbusd_epi32(s[m], hi, _mm512_set1_epi32(xq[1]));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kRows)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * kRows)));
+    for (int m = 0; m < M; ++m) {
+      const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(xr[m]->scale[g]));
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), ds, f[m]);
+      f[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xr[m]->sum[g]), f[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], f[m]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[M][2];
+  for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i s[M][2];
+    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
+    const uint8_t* w = qw + g * 256;
+    for (int p = 0; p < 4; ++p) {
+      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * p + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup + 8 * p);
+          const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[0])), ones);
+          const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[1])), ones);
+          s[m][h] = _mm256_add_epi32(s[m][h], _mm256_add_epi32(a, b));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kRows + 8 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kRows + 8 * h)));
+      for (int m = 0; m < M; ++m) {
+        const __m256 ds = _mm256_mul_ps(dv, _mm256_set1_ps(xr[m]->scale[g]));
+        f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), ds, f[m][h]);
+        f[m][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xr[m]->sum[g]), f[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm256_storeu_ps(acc[m], f[m][0]);
+    _mm256_storeu_ps(acc[m] + 8, f[m][1]);
+  }
+#else
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = qw + g * 256;
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = xr[m]->q.data() + g * kGroup;
+      for (int r = 0; r < kRows; ++r) {
+        int32_t s = 0;
+        for (int p = 0; p < 4; ++p)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t b = w[64 * p + 4 * r + i];
+            s += (b & 0x0f) * xq[8 * p + i] + (b >> 4) * xq[8 * p + 4 + i];
+          }
+        const float ds = half_to_float(d[g * kRows + r]) * xr[m]->scale[g];
+        acc[m][r] = std::fma(static_cast<float>(s), ds, acc[m][r]);
+        acc[m][r] = std::fma(half_to_float(mn[g * kRows + r]), xr[m]->sum[g], acc[m][r]);
+      }
+    }
+  }
+#endif
+}
+
+// ---- int8: qw [N/16, K/4, 64] (AVX512-VNNI: u8 = w + 128; else s8 = w), scale [N] fp32 -----
+// Byte (r, i) of chunk c holds row r's weight for input 4c + i.
+template <int M>
+void q8_block(const uint8_t* qw, const float* scale, int64_t groups, const QuantRow* const* xr,
+              float (*acc)[kRows]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // vpdpbusd multiplies unsigned by signed bytes: the weights carry +128, taken back per group
+  // as 128 * sum(q) of the activations (exact in int32)
+  __m512 f[M];
+  for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i s[M];
+    for (int m = 0; m < M; ++m) s[m] = _mm512_set1_epi32(-128 * xr[m]->qsum[g]);
+    const uint8_t* w = qw + g * 8 * 64;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * c);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup);
+        s[m] = _mm512_dpbusd_epi32(s[m], v, _mm512_set1_epi32(xq[c]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_set1_ps(xr[m]->scale[g]), f[m]);
+  }
+  const __m512 sc = _mm512_loadu_ps(scale);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], _mm512_mul_ps(f[m], sc));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // vpmaddubsw with |x| unsigned and the weights carrying x's sign: pairs stay below 2^15
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[M][2];
+  for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i s[M][2];
+    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
+    const uint8_t* w = qw + g * 8 * 64;
+    for (int c = 0; c < 8; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * h));
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup);
+          const __m256i x = _mm256_set1_epi32(xq[c]);
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(v, x));
+          s[m][h] = _mm256_add_epi32(s[m][h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h)
+        f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), _mm256_set1_ps(xr[m]->scale[g]), f[m][h]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc[m] + 8 * h, _mm256_mul_ps(f[m][h], _mm256_loadu_ps(scale + 8 * h)));
+#else
+  for (int m = 0; m < M; ++m) {
+    float f[kRows] = {0.f};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* xq = xr[m]->q.data() + g * kGroup;
+      const uint8_t* w = qw + g * 8 * 64;
+      for (int r = 0; r < kRows; ++r) {
+        int32_t s = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) s += static_cast<int8_t>(w[64 * c + 4 * r + i]) * xq[4 * c + i];
+        f[r] = std::fma(static_cast<float>(s), xr[m]->scale[g], f[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) acc[m][r] = f[r] * scale[r];
+  }
+#endif
+}
+
+std::vector<QuantRow> quantize(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  std::vector<QuantRow> q(rows);
+  for (int64_t m = 0; m < rows; ++m) {
+    if (x.scalar_type() == at::kFloat) {
+      quantize_row(x.data_ptr<float>() + m * k, k, q[m]);
+    } else {
+      quantize_row(x.data_ptr<at::BFloat16>() + m * k, k, q[m]);
+    }
+  }
+  return q;
+}
+
+void check_x(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "kvreuse gemv: x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "kvreuse gemv: x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "kvreuse gemv: x must be float32 or bfloat16");
+  TORCH_CHECK(k % kGroup == 0, "kvreuse gemv: in_features must be a multiple of 32");
+}
+
+// Calls fn(block, rows_of_x, M, acc) for every 16-row weight block and every pass of up to 4 rows.
+template <typename Fn>
+void for_blocks(int64_t nblocks, const std::vector<QuantRow>& q, at::Tensor& y, Fn fn) {
+  const int64_t rows = static_cast<int64_t>(q.size());
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    float acc[kMaxM][kRows];
+    const QuantRow* xr[kMaxM];
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxM) {
+        const int mm = static_cast<int>(std::min<int64_t>(kMaxM, rows - m0));
+        for (int i = 0; i < mm; ++i) xr[i] = &q[m0 + i];
+        fn(b, xr, mm, acc);
+        for (int i = 0; i < mm; ++i) store_rows(acc[i], y, m0 + i, b * kRows);
+      }
+    }
+  });
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn) {
+  TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 256 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "kvreuse q4_linear: qweight must be contiguous uint8 [N/16, K/32, 256]");
+  // float16 values, or their bits as int16 (a module's .to(dtype) leaves integer buffers alone)
+  const auto half_bits = [](const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kShort; };
+  TORCH_CHECK(half_bits(d) && half_bits(mn) && d.is_contiguous() && mn.is_contiguous() &&
+                  d.numel() == qw.size(0) * qw.size(1) * kRows && mn.numel() == d.numel(),
+              "kvreuse q4_linear: scales and mins must be contiguous float16 (or its int16 bits) [N/16, K/32, 16]");
+  const int64_t nblocks = qw.size(0), groups = qw.size(1);
+  check_x(x, groups * kGroup);
+  auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
+  const auto q = quantize(x);
+  const auto* w = qw.data_ptr<uint8_t>();
+  const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = static_cast<const uint16_t*>(mn.data_ptr());
+  for_blocks(nblocks, q, y, [&](int64_t b, const QuantRow* const* xr, int mm, float (*acc)[kRows]) {
+    const uint8_t* wb = w + b * groups * 256;
+    const uint16_t* db = dp + b * groups * kRows;
+    const uint16_t* mb = mp + b * groups * kRows;
+    switch (mm) {
+      case 1: q4_block<1>(wb, db, mb, groups, xr, acc); break;
+      case 2: q4_block<2>(wb, db, mb, groups, xr, acc); break;
+      case 3: q4_block<3>(wb, db, mb, groups, xr, acc); break;
+      default: q4_block<4>(wb, db, mb, groups, xr, acc); break;
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
+  TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 64 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "kvreuse q8_linear: qweight must be contiguous uint8 [N/16, K/4, 64]");
+  // float32 values, or their bits as int32 (a module's .to(dtype) leaves integer buffers alone)
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kInt) && scale.is_contiguous() &&
+                  scale.numel() == qw.size(0) * kRows,
+              "kvreuse q8_linear: scale must be contiguous float32 (or its int32 bits) [N]");
+  const int64_t nblocks = qw.size(0), k = qw.size(1) * 4;
+  check_x(x, k);
+  auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
+  const auto q = quantize(x);
+  const auto* w = qw.data_ptr<uint8_t>();
+  const float* sp = static_cast<const float*>(scale.data_ptr());
+  const int64_t groups = k / kGroup;
+  for_blocks(nblocks, q, y, [&](int64_t b, const QuantRow* const* xr, int mm, float (*acc)[kRows]) {
+    const uint8_t* wb = w + b * k * kRows;
+    const float* sb = sp + b * kRows;
+    switch (mm) {
+      case 1: q8_block<1>(wb, sb, groups, xr, acc); break;
+      case 2: q8_block<2>(wb, sb, groups, xr, acc); break;
+      case 3: q8_block<3>(wb, sb, groups, xr, acc); break;
+      default: q8_block<4>(wb, sb, groups, xr, acc); break;
+    }
+  });
+  return y;
+}
+
+std::string isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY(kvreuse, m) {
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale, Tensor min) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+  m.def("isa() -> str", &isa);
+  m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
+  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
+}

@@ -1,0 +1,182 @@
+"""kvreuse's own CPU kernels (kvreuse.models.kernels): the layouts round-trip exactly, the ops
+compute their documented arithmetic, each row is computed alone (batch invariance, bit for
+bit), and the quantized layers use them for bf16 activations. Skipped where the kernels cannot
+be built (no compiler, not x86-64, no AVX2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.models import invariant, quant
+from kvreuse.models.kernels import native, native_kernels
+from kvreuse.models.kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
+from kvreuse.models.quant import Int4Linear, Int8Linear
+
+KERNELS = native_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="kvreuse's native kernels are not built on this machine")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization, in torch: ``(q [T, K/32, 32], scale [T, K/32], sum
+    [T, K/32])``, q = round-half-even(x * 127 / amax), scale = amax / 127."""
+    xg = x.float().view(x.shape[0], -1, 32)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xg * inv.unsqueeze(-1)).clamp(-127, 127), amax / 127, xg.sum(-1)
+
+
+def test_int4_layout_round_trips_exactly():
+    codes = torch.randint(0, 16, (48, 96), generator=_gen(0))
+    scale, minimum = torch.rand(48, 3, generator=_gen(1)), -torch.rand(48, 3, generator=_gen(2))
+    packed, d, m = pack_q4(codes, scale, minimum)
+    assert packed.shape == (3, 3, 256) and packed.dtype == torch.uint8 and d.shape == m.shape == (3, 3, 16)
+    # byte (p, r, i) of group g: row r's code of input 8p + i (low nibble), 8p + 4 + i (high)
+    assert packed[1, 2, 64 * 3 + 4 * 5 + 2].item() == codes[16 + 5, 64 + 26] | (codes[16 + 5, 64 + 30] << 4)
+    back, d2, m2 = unpack_q4(packed, d.view(torch.int16), m.view(torch.int16))
+    assert torch.equal(back, codes.to(torch.uint8))
+    assert torch.equal(d2, scale.half()) and torch.equal(m2, minimum.half())
+    with pytest.raises(ValueError, match="out % 16"):
+        pack_q4(codes[:40], scale[:40], minimum[:40])
+
+
+@pytest.mark.parametrize("unsigned", [True, False])
+def test_int8_layout_round_trips_exactly(unsigned):
+    q = torch.randint(-127, 128, (32, 64), generator=_gen(3), dtype=torch.int8)
+    packed, scale = pack_q8(q, torch.rand(32, generator=_gen(4)), unsigned)
+    assert packed.shape == (2, 16, 64) and scale.dtype == torch.float32
+    byte = packed[1, 7, 4 * 9 + 3].item()  # chunk 7, row 9 of block 1, input 4 * 7 + 3
+    assert byte == (int(q[25, 31]) + 128 if unsigned else int(q[25, 31]) & 0xFF)
+    assert torch.equal(unpack_q8(packed, unsigned), q)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, k", [(64, 576), (960, 576), (576, 1536)])
+def test_q4_linear_computes_its_arithmetic(n, k):
+    """y = sum_g (sum_i code * q_x) * scale * s_x + min * sum(x): within fp32 rounding of the
+    same sum in torch."""
+    codes = torch.randint(0, 16, (n, k), generator=_gen(5))
+    scale, minimum = torch.rand(n, k // 32, generator=_gen(6)) * 0.01, -torch.rand(n, k // 32, generator=_gen(7)) * 0.1
+    packed, d, m = pack_q4(codes, scale, minimum)
+    x = torch.randn(5, k, generator=_gen(8))
+    q, s, xsum = _q8_activations(x)
+    dot = torch.einsum("tgi,ngi->tng", q.double(), codes.double().view(n, -1, 32))  # [T, N, G] exact integers
+    want = (dot * d.double().transpose(1, 2).reshape(n, -1) * s.double()[:, None]).sum(-1) + (
+        m.double().transpose(1, 2).reshape(n, -1) * xsum.double()[:, None]
+    ).sum(-1)
+    got = torch.ops.kvreuse.q4_linear(x, packed, d, m)
+    assert got.shape == (5, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@needs_kernels
+def test_q8_linear_computes_its_arithmetic():
+    n, k = 96, 576
+    w = torch.randint(-127, 128, (n, k), generator=_gen(9), dtype=torch.int8)
+    row_scale = torch.rand(n, generator=_gen(10)) * 0.01
+    packed, scale = pack_q8(w, row_scale, KERNELS.q8_unsigned)
+    x = torch.randn(3, k, generator=_gen(11))
+    q, s, _ = _q8_activations(x)
+    dot = torch.einsum("tgi,ngi->tng", q.double(), w.double().view(n, -1, 32))
+    want = (dot * s.double()[:, None]).sum(-1) * row_scale.double()
+    got = torch.ops.kvreuse.q8_linear(x, packed, scale.view(torch.int32))
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_row_is_the_same_bits_alone_and_in_any_batch(kind):
+    layer = (Int4Linear if kind == "int4" else Int8Linear)(
+        torch.randn(192, 576, generator=_gen(12)), None, torch.bfloat16
+    )
+    assert layer.native
+    x = torch.randn(37, 576, generator=_gen(13)).bfloat16()
+    with torch.inference_mode():
+        batch = layer.native_linear(x)
+        alone = torch.cat([layer.native_linear(x[i : i + 1]) for i in range(37)])
+        mid = layer.native_linear(x[5:11])
+    assert batch.dtype == torch.bfloat16
+    assert torch.equal(batch, alone) and torch.equal(batch[5:11], mid)
+    assert torch.equal(invariant.project(layer, x), batch)  # --deterministic's projection is the kernel
+
+
+@needs_kernels
+def test_bf16_output_is_the_fp32_output_rounded():
+    layer = Int4Linear(torch.randn(64, 96, generator=_gen(14)), None, torch.bfloat16)
+    x = torch.randn(3, 96, generator=_gen(15))
+    fp32 = torch.ops.kvreuse.q4_linear(x, layer.qweight, layer.scale_zero[0], layer.scale_zero[1])
+    bf16 = torch.ops.kvreuse.q4_linear(x.bfloat16(), layer.qweight, layer.scale_zero[0], layer.scale_zero[1])
+    want = torch.ops.kvreuse.q4_linear(x.bfloat16().float(), layer.qweight, layer.scale_zero[0], layer.scale_zero[1])
+    assert torch.equal(bf16, want.bfloat16()) and fp32.dtype == torch.float32
+
+
+@needs_kernels
+def test_int4_layer_keeps_its_weights_and_computes_them():
+    """The native layer holds 5 bits a weight, survives the model's .to(bfloat16), and its few-row
+    output is its dequantized weight's within the int8 rounding of the activations."""
+    w = torch.randn(128, 576, generator=_gen(16))
+    layer = Int4Linear(w, None, torch.bfloat16).to(torch.bfloat16)
+    torch_layer = Int4Linear(w, None, torch.bfloat16, native=False)
+    assert layer.native and not torch_layer.native and "kernel=kvreuse" in repr(layer)
+    assert layer.qweight.numel() + 2 * layer.scale_zero.numel() == 128 * 576 // 2 + 128 * 18 * 4  # 5 bits
+    ref = torch_layer.unpacked_weight(torch.float32)
+    # the same codes; scale and min now float16 (torch's layout rounds them to bf16)
+    assert (layer.unpacked_weight(torch.float32) - ref).abs().max().item() <= 2**-7 * ref.abs().max().item()
+    x = torch.randn(4, 576, generator=_gen(17)).bfloat16()
+    want = x.float() @ layer.dequantized_weight().float().T
+    got = layer(x).float()
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    many = torch.randn(quant.DENSE_MIN_ROWS, 576, generator=_gen(18)).bfloat16()
+    if quant.dense_dtype(len(many), torch.bfloat16) is not None:  # a prefill chunk: dense over the unpacked copy
+        dense = many.float() @ layer.unpacked_weight(torch.float32).T
+        torch.testing.assert_close(layer(many).float(), dense, rtol=2e-2, atol=2e-2 * dense.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_native_projections_fuse_and_stay_views(kind):
+    cls = Int4Linear if kind == "int4" else Int8Linear
+    parts = [cls(torch.randn(n, 576, generator=_gen(20 + n)), None, torch.bfloat16) for n in (576, 192, 192)]
+    assert all(p.native for p in parts)
+    owner = torch.nn.Module()
+    for name, p in zip(("q", "k", "v"), parts):
+        setattr(owner, name, p)
+    x = torch.randn(2, 576, generator=_gen(19)).bfloat16()
+    before = [p(x) for p in parts]
+    size = quant.weight_bytes(owner)
+    fused = quant.fused_projection(owner, ("q", "k", "v"))
+    assert fused is not None and fused.native
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    assert all(torch.equal(p(x), b) for p, b in zip(parts, before))
+    assert quant.weight_bytes(owner) == size
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "off")
+    native.native_kernels.cache_clear()
+    try:
+        assert native.native_kernels() is None
+        assert not Int4Linear(torch.randn(64, 96, generator=_gen(21)), None, torch.bfloat16).native
+    finally:
+        monkeypatch.delenv(native.ENV_SWITCH)
+        native.native_kernels.cache_clear()
+    assert (native.native_kernels() is None) == (KERNELS is None)
+
+
+def test_a_failed_build_leaves_torchs_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("KVREUSE_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises((RuntimeError, OSError)):
+        native.build_library()
+    native.native_kernels.cache_clear()
+    try:
+        if native.platform.machine().lower() in ("x86_64", "amd64"):
+            assert native.native_kernels() is None
+    finally:
+        monkeypatch.delenv("CXX")
+        monkeypatch.delenv("KVREUSE_KERNEL_CACHE")
+        native.native_kernels.cache_clear()
