@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     console.print(
         f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
         f"{dtype_name(loaded.dtype)}"
-        + ("" if quant == "none" else f", {quant} weights")
+        + ("" if quant == "none" else f", {quant} weights on {loaded.kernels} kernels")
         + f", context {engine.max_model_len} tokens, served as {names}"
     )
     console.print(f"kvreuse: {_pool_summary(engine.engine)}")

@@ -17,7 +17,7 @@ import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
 from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
-from kvreuse.models.quant import SCHEMES, QuantMode, parse_quantization, quantize_model
+from kvreuse.models.quant import SCHEMES, QuantMode, kernels_in_use, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
 from kvreuse.models.store import (
     MARKER,
@@ -142,6 +142,7 @@ class LoadedModel:
     has_chat_template: bool
     path: Path | None = None  # folder the weights were loaded from (None for random weights)
     quantization: QuantMode = QuantMode.NONE  # weight-only quantization of the linear layers
+    kernels: str = "torch"  # what the quantized layers run on (quant.kernels_in_use)
 
     @property
     def kv_spec(self) -> ModelShape:
@@ -227,8 +228,11 @@ def finish_model(
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
+    kernels = "torch" if quant is QuantMode.NONE else kernels_in_use(model)
+    # kvreuse's kernels quantize activations to int8: their KV is not torch's kernels' KV
+    scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels={kernels}"
     model_id, full = compute_model_id(
-        name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=SCHEMES[quant]
+        name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=scheme
     )
     return LoadedModel(
         model=model,
@@ -243,6 +247,7 @@ def finish_model(
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         path=path,
         quantization=quant,
+        kernels=kernels,
     )
 
 

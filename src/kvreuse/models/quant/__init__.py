@@ -41,7 +41,7 @@ from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import SCHEMES, QuantMode, parse_quantization
-from kvreuse.models.quant.surgery import quantize_model, weight_bytes
+from kvreuse.models.quant.surgery import kernels_in_use, quantize_model, weight_bytes
 
 __all__ = [
     "QuantMode",
@@ -56,6 +56,7 @@ __all__ = [
     "fused_projection",
     "quantize_model",
     "weight_bytes",
+    "kernels_in_use",
     "DENSE_MIN_ROWS",
     "SLOW_BF16_DENSE_MIN_ROWS",
     "FP32_DENSE_MIN_ROWS",

@@ -15,7 +15,7 @@ from kvreuse.models.quant.mode import INT4_GROUP, QuantMode, parse_quantization
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["quantize_model", "weight_bytes"]
+__all__ = ["quantize_model", "weight_bytes", "kernels_in_use"]
 
 
 def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype) -> nn.Module:
@@ -64,3 +64,16 @@ def weight_bytes(model: nn.Module) -> int:
         if t is not None:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def kernels_in_use(model: nn.Module) -> str:
+    """Which kernels the quantized layers of ``model`` run on: ``kvreuse-<isa>`` when any holds
+    kvreuse's native layout (``models/kernels``), else ``torch``. Folded into the model
+    fingerprint (the native kernels quantize activations to int8, so their KV differs) and
+    printed at start-up."""
+    from kvreuse.models.kernels import native_kernels
+
+    if any(getattr(m, "native", False) for m in model.modules()):
+        kernels = native_kernels()
+        return f"kvreuse-{kernels.isa}" if kernels is not None else "kvreuse"
+    return "torch"
