@@ -26,6 +26,12 @@ namespace {
 constexpr int kRows = 16;   // output rows per interleaved block (one AVX-512 vector of fp32)
 constexpr int kGroup = 32;  // input channels per activation / weight scale
 constexpr int kMaxM = 4;    // activation rows multiplied per pass over a weight block
+#ifndef KVREUSE_PREFETCH
+// bytes ahead of the int4 weight stream to prefetch (0: none); measured on an AVX-512 EPYC, one
+// thread, 120 decode-step calls over 66 MB: 5.96 -> 5.25 ms (medians of 5). The int8 kernel was
+// slower with it (1.2 -> 1.6 ms for a 28 MB lm_head) and goes without.
+#define KVREUSE_PREFETCH 1024
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr const char* kIsa = "avx512vnni";
@@ -103,9 +109,12 @@ void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t 
   __m512 f[M];
   for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i s[M];
-    for (int m = 0; m < M; ++m) s[m] = _mm512_setzero_si512();
+    __m512i s[M], t[M];  // two chains: the low and the high nibbles' products (latency, not width)
+    for (int m = 0; m < M; ++m) s[m] = t[m] = _mm512_setzero_si512();
     const uint8_t* w = qw + g * 256;
+    if (KVREUSE_PREFETCH > 0) {
+      for (int p = 0; p < 4; ++p) _mm_prefetch(reinterpret_cast<const char*>(w + KVREUSE_PREFETCH + 64 * p), _MM_HINT_T0);
+    }
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(w + 64 * p);
       const __m512i lo = _mm512_and_si512(v, low4);
@@ -113,9 +122,10 @@ void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t 
       for (int m = 0; m < M; ++m) {
         const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup + 8 * p);
         s[m] = _mm512_dpbusd_epi32(s[m], lo, _mm512_set1_epi32(xq[0]));
-        s[m] = _mm512_dpbusd_epi32(s[m], hi, _mm512_set1_epi32(xq[1]));
+        t[m] = _mm512_dpbusd_epi32(t[m], hi, _mm512_set1_epi32(xq[1]));
       }
     }
+    for (int m = 0; m < M; ++m) s[m] = _mm512_add_epi32(s[m], t[m]);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kRows)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * kRows)));
     for (int m = 0; m < M; ++m) {
@@ -195,16 +205,22 @@ void q8_block(const uint8_t* qw, const float* scale, int64_t groups, const Quant
   __m512 f[M];
   for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i s[M];
-    for (int m = 0; m < M; ++m) s[m] = _mm512_set1_epi32(-128 * xr[m]->qsum[g]);
+    __m512i s[M], t[M];  // two chains (even and odd chunks): latency, not width
+    for (int m = 0; m < M; ++m) {
+      s[m] = _mm512_set1_epi32(-128 * xr[m]->qsum[g]);
+      t[m] = _mm512_setzero_si512();
+    }
     const uint8_t* w = qw + g * 8 * 64;
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < 8; c += 2) {
       const __m512i v = _mm512_loadu_si512(w + 64 * c);
+      const __m512i u = _mm512_loadu_si512(w + 64 * c + 64);
       for (int m = 0; m < M; ++m) {
         const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup);
         s[m] = _mm512_dpbusd_epi32(s[m], v, _mm512_set1_epi32(xq[c]));
+        t[m] = _mm512_dpbusd_epi32(t[m], u, _mm512_set1_epi32(xq[c + 1]));
       }
     }
+    for (int m = 0; m < M; ++m) s[m] = _mm512_add_epi32(s[m], t[m]);
     for (int m = 0; m < M; ++m)
       f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_set1_ps(xr[m]->scale[g]), f[m]);
   }

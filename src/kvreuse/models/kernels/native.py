@@ -75,7 +75,7 @@ def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         compiler,
-        *("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp"),
+        *("-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp"),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
         str(source),

@@ -75,6 +75,8 @@ def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
         # (scale, zero): [2, out/16, in/32, 16] native, [in/group, out, 2] for torch's kernel, [out, groups, 2] unpacked
         dim = 1 if int4[0].use_kernel else 0
         fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=dim))
+        if fused.native:
+            fused.bind_native_scales()
     fused.register_buffer("bias", None)
     for m, rows in zip(quantized, _row_spans(quantized)):
         # a view: the codes are stored once (scales stay the part's own)
