@@ -180,3 +180,46 @@ def test_a_failed_build_leaves_torchs_kernels(monkeypatch, tmp_path):
         monkeypatch.delenv("CXX")
         monkeypatch.delenv("KVREUSE_KERNEL_CACHE")
         native.native_kernels.cache_clear()
+
+
+@needs_kernels
+def test_q4_dequantize_is_the_unpacked_weight_rounded_once():
+    layer = Int4Linear(torch.randn(64, 96, generator=_gen(22)), None, torch.bfloat16)
+    codes, scale, minimum = unpack_q4(layer.qweight, layer.scale_zero[0], layer.scale_zero[1])
+    want = (codes.view(64, 3, 32).float() * scale.float()[..., None] + minimum.float()[..., None]).view(64, 96)
+    got = torch.ops.kvreuse.q4_dequantize(layer.qweight, layer.native_scale, layer.native_min, torch.float32)
+    assert torch.equal(got, want)
+    bf16 = torch.ops.kvreuse.q4_dequantize(layer.qweight, layer.native_scale, layer.native_min, torch.bfloat16)
+    assert torch.equal(bf16, want.bfloat16()) and torch.equal(layer.unpacked_weight(torch.bfloat16), bf16)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in bf16: normalise in fp32, round, scale by the weight, round."""
+    xf = x.float()
+    return (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()).bfloat16()
+
+
+@needs_kernels
+def test_fused_norm_silu_and_residual_are_the_separate_ops():
+    """Each folded op equals the separate PyTorch ops' result (bf16 rounding where they round),
+    to within one bf16 step of the output: the kernel's own int8 rounding of the activations is
+    identical when its input row is identical."""
+    layer = Int4Linear(torch.randn(192, 576, generator=_gen(23)), None, torch.bfloat16)
+    x = torch.randn(3, 576, generator=_gen(24)).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=_gen(25))).bfloat16()
+    normed = layer.native_fused(x, w, 1e-5)
+    separate = layer.native_linear(_rms(x, w, 1e-5))
+    assert (normed.float() - separate.float()).abs().max().item() <= 2**-7 * separate.float().abs().max().item()
+    residual = torch.randn(3, 192, generator=_gen(26)).bfloat16()
+    added = layer.native_fused(x, residual=residual)
+    want = (layer.native_linear(x.float()) + residual.float()).bfloat16()  # one rounding, after the add
+    assert torch.equal(added, want)
+    gu = torch.randn(3, 2 * 576, generator=_gen(27)).bfloat16()
+    act = torch.nn.functional.silu(gu[:, :576]) * gu[:, 576:]  # bf16 ops, as the unfused step
+    gated = layer.native_fused(gu, silu_mul=True)
+    ref = layer.native_linear(act)
+    assert (gated.float() - ref.float()).abs().max().item() <= 2**-6 * ref.float().abs().max().item()
+    alone = torch.cat([layer.native_fused(gu[i : i + 1], silu_mul=True) for i in range(3)])
+    assert torch.equal(alone, gated)  # fused ops stay batch-invariant
+    with pytest.raises(RuntimeError, match="residual"):
+        layer.native_fused(x, residual=residual[:, :16].contiguous())

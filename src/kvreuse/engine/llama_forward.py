@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvreuse.engine.attention import ForwardContext, attend
 from kvreuse.models import invariant
-from kvreuse.models.quant import fused_projection
+from kvreuse.models.quant import Int4Linear, dense_rule, fused_projection
 
 if TYPE_CHECKING:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -77,6 +77,9 @@ class LlamaForward:
         # ModuleList is untyped; LlamaModel builds it of LlamaDecoderLayer
         self.layers = [_Layer(cast("LlamaDecoderLayer", layer)) for layer in model.model.layers]
         self.final_norm = _NormWeight(model.model.norm.weight)
+        # few-row steps fold norms, SiLU and residual adds into kvreuse's int4 kernel; not in
+        # invariant mode (its own projection and norm contract)
+        self.native_fused = not invariant and _all_native_int4(self.layers)
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, half) * sign: the sign folds into sin once per step
         self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])  # [head_dim]
@@ -101,6 +104,11 @@ class LlamaForward:
         cos = cos[0].unsqueeze(1)  # [T, 1, d]: broadcast over the q and k heads
         sin = (sin[0] * self._sign.to(sin.device, sin.dtype)).unsqueeze(1)  # [T, 1, d]
         qk_heads = heads + kv
+        if self.native_fused and x.dtype == torch.bfloat16 and dense_rule.dense_dtype(t, x.dtype) is None:
+            x = self._fused_layers(x, cos, sin, kv_context, num_layers)
+            if num_layers is not None:
+                return None
+            return self.model.lm_head(rms_norm(x[logits_index], self.final_norm, eps))  # [n, vocab]
         proj, norm = (invariant.project, _invariant_norm) if self.invariant else (_call, rms_norm)
         for i, layer in enumerate(self.layers[:num_layers]):
             h = norm(x, layer.input_norm, eps)
@@ -117,6 +125,42 @@ class LlamaForward:
             return None
         x = norm(x[logits_index], self.final_norm, eps)  # [n, hidden]
         return proj(self.model.lm_head, x)  # [n, vocab]
+
+    def _fused_layers(
+        self,
+        x: torch.Tensor,  # [T, hidden] bf16
+        cos: torch.Tensor,  # [T, 1, d]
+        sin: torch.Tensor,  # [T, 1, d], rotate_half's sign folded in
+        kv_context: ForwardContext,
+        num_layers: int | None,
+    ) -> torch.Tensor:
+        """The layers for a few rows with every projection on kvreuse's int4 kernel: each norm,
+        the SiLU-and-multiply and each residual add folded into a projection's call (5 calls
+        a layer fewer). Returns the last layer's ``[T, hidden]``."""
+        t = x.shape[0]
+        heads, kv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        qk_heads = heads + kv
+        for i, layer in enumerate(self.layers[:num_layers]):
+            qkv_proj, o_proj = cast("Int4Linear", layer.qkv), cast("Int4Linear", layer.o_proj)
+            gate_up, down = cast("Int4Linear", layer.gate_up), cast("Int4Linear", layer.down_proj)
+            qkv = qkv_proj.native_fused(x, layer.input_norm.weight, eps).view(t, qk_heads + kv, d)
+            qk = qkv[:, :qk_heads]
+            qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin)  # [T, heads + kv, d]
+            o = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], kv_context, layer.scaling)  # [T, heads, d]
+            x = o_proj.native_fused(o.reshape(t, heads * d).contiguous(), residual=x)
+            gu = gate_up.native_fused(x, layer.post_norm.weight, eps)  # [T, 2 * intermediate]
+            x = down.native_fused(gu, silu_mul=True, residual=x)
+        return x
+
+
+def _all_native_int4(layers: list[_Layer]) -> bool:
+    """Whether every projection of every layer is an Int4Linear on kvreuse's kernel, without bias
+    (what ``LlamaForward._fused_layers`` needs)."""
+    return all(
+        isinstance(p, Int4Linear) and p.native and p.bias is None
+        for layer in layers
+        for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
+    )
 
 
 def _call(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -87,11 +88,16 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline void store_rows(const float* acc, at::Tensor& y, int64_t m, int64_t n0) {
+inline void store_rows(float* acc, at::Tensor& y, int64_t m, int64_t n0, const at::Tensor* residual) {
+  const int64_t at_row = m * y.size(1) + n0;
   if (y.scalar_type() == at::kFloat) {
-    std::memcpy(y.data_ptr<float>() + m * y.size(1) + n0, acc, kRows * sizeof(float));
+    if (residual != nullptr)
+      for (int r = 0; r < kRows; ++r) acc[r] += residual->data_ptr<float>()[at_row + r];
+    std::memcpy(y.data_ptr<float>() + at_row, acc, kRows * sizeof(float));
   } else {
-    auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + m * y.size(1) + n0;
+    if (residual != nullptr)
+      for (int r = 0; r < kRows; ++r) acc[r] += static_cast<float>(residual->data_ptr<at::BFloat16>()[at_row + r]);
+    auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + at_row;
     for (int r = 0; r < kRows; ++r) out[r] = to_bf16(acc[r]);
   }
 }
@@ -270,15 +276,60 @@ void q8_block(const uint8_t* qw, const float* scale, int64_t groups, const Quant
 #endif
 }
 
-std::vector<QuantRow> quantize(const at::Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1);
-  std::vector<QuantRow> q(rows);
-  for (int64_t m = 0; m < rows; ++m) {
-    if (x.scalar_type() == at::kFloat) {
-      quantize_row(x.data_ptr<float>() + m * k, k, q[m]);
-    } else {
-      quantize_row(x.data_ptr<at::BFloat16>() + m * k, k, q[m]);
+// A decoder layer's small ops fused into its projections (a decode step pays ~2 us of dispatch
+// an op, ~14 ops a layer): on each x row before it is quantized, on each output row after.
+// In bf16 each step rounds to bf16 where the unfused PyTorch ops would.
+struct Fused {
+  const at::Tensor* norm = nullptr;      // RMSNorm weight [K]: x * rsqrt(mean(x^2) + eps) * w
+  double eps = 0;
+  bool silu_mul = false;                 // x is [M, 2K]: silu(x[:, :K]) * x[:, K:]
+  const at::Tensor* residual = nullptr;  // [M, N] in y's dtype: y + residual
+};
+
+inline float round_bf16(float f, bool bf16) {
+  if (!bf16) return f;
+  const uint32_t u = static_cast<uint32_t>(to_bf16(f)) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+inline float weight_at(const at::Tensor& w, int64_t i) {
+  return w.scalar_type() == at::kFloat ? w.data_ptr<float>()[i] : static_cast<float>(w.data_ptr<at::BFloat16>()[i]);
+}
+
+template <typename T>
+void prepare_row(const T* x, int64_t k, const Fused& f, bool bf16, std::vector<float>& v) {
+  v.resize(k);
+  if (f.silu_mul) {
+    for (int64_t i = 0; i < k; ++i) {
+      const float a = static_cast<float>(x[i]);
+      const float s = round_bf16(a / (1.f + std::exp(-a)), bf16);
+      v[i] = round_bf16(s * static_cast<float>(x[k + i]), bf16);
     }
+  } else {
+    for (int64_t i = 0; i < k; ++i) v[i] = static_cast<float>(x[i]);
+  }
+  if (f.norm != nullptr) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < k; ++i) ss += v[i] * v[i];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(f.eps));
+    for (int64_t i = 0; i < k; ++i) v[i] = round_bf16(weight_at(*f.norm, i) * round_bf16(v[i] * r, bf16), bf16);
+  }
+}
+
+std::vector<QuantRow> quantize(const at::Tensor& x, int64_t k, const Fused& f = Fused{}) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  std::vector<QuantRow> q(rows);
+  std::vector<float> v;
+  for (int64_t m = 0; m < rows; ++m) {
+    if (bf16) {
+      prepare_row(x.data_ptr<at::BFloat16>() + m * width, k, f, true, v);
+    } else {
+      prepare_row(x.data_ptr<float>() + m * width, k, f, false, v);
+    }
+    quantize_row(v.data(), k, q[m]);
   }
   return q;
 }
@@ -293,7 +344,8 @@ void check_x(const at::Tensor& x, int64_t k) {
 
 // Calls fn(block, rows_of_x, M, acc) for every 16-row weight block and every pass of up to 4 rows.
 template <typename Fn>
-void for_blocks(int64_t nblocks, const std::vector<QuantRow>& q, at::Tensor& y, Fn fn) {
+void for_blocks(int64_t nblocks, const std::vector<QuantRow>& q, at::Tensor& y, Fn fn,
+                const at::Tensor* residual = nullptr) {
   const int64_t rows = static_cast<int64_t>(q.size());
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     float acc[kMaxM][kRows];
@@ -303,13 +355,14 @@ void for_blocks(int64_t nblocks, const std::vector<QuantRow>& q, at::Tensor& y, 
         const int mm = static_cast<int>(std::min<int64_t>(kMaxM, rows - m0));
         for (int i = 0; i < mm; ++i) xr[i] = &q[m0 + i];
         fn(b, xr, mm, acc);
-        for (int i = 0; i < mm; ++i) store_rows(acc[i], y, m0 + i, b * kRows);
+        for (int i = 0; i < mm; ++i) store_rows(acc[i], y, m0 + i, b * kRows, residual);
       }
     }
   });
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn) {
+at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+                    const Fused& f) {
   TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 256 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
               "kvreuse q4_linear: qweight must be contiguous uint8 [N/16, K/32, 256]");
   // float16 values, or their bits as int16 (a module's .to(dtype) leaves integer buffers alone)
@@ -317,10 +370,18 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   TORCH_CHECK(half_bits(d) && half_bits(mn) && d.is_contiguous() && mn.is_contiguous() &&
                   d.numel() == qw.size(0) * qw.size(1) * kRows && mn.numel() == d.numel(),
               "kvreuse q4_linear: scales and mins must be contiguous float16 (or its int16 bits) [N/16, K/32, 16]");
-  const int64_t nblocks = qw.size(0), groups = qw.size(1);
-  check_x(x, groups * kGroup);
+  const int64_t nblocks = qw.size(0), groups = qw.size(1), k = groups * kGroup;
+  check_x(x, f.silu_mul ? 2 * k : k);
   auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
-  const auto q = quantize(x);
+  if (f.norm != nullptr)
+    TORCH_CHECK(f.norm->numel() == k && f.norm->is_contiguous() &&
+                    (f.norm->scalar_type() == at::kFloat || f.norm->scalar_type() == at::kBFloat16),
+                "kvreuse q4_linear: norm_weight must be contiguous [", k, "] float32 or bfloat16");
+  if (f.residual != nullptr)
+    TORCH_CHECK(f.residual->sizes() == y.sizes() && f.residual->scalar_type() == y.scalar_type() &&
+                    f.residual->is_contiguous(),
+                "kvreuse q4_linear: residual must be contiguous ", y.sizes(), " in x's dtype");
+  const auto q = quantize(x, k, f);
   const auto* w = qw.data_ptr<uint8_t>();
   const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
   const auto* mp = static_cast<const uint16_t*>(mn.data_ptr());
@@ -334,8 +395,24 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
       case 3: q4_block<3>(wb, db, mb, groups, xr, acc); break;
       default: q4_block<4>(wb, db, mb, groups, xr, acc); break;
     }
-  });
+  }, f.residual);
   return y;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn) {
+  return q4_fused(x, qw, d, mn, Fused{});
+}
+
+at::Tensor q4_linear_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+                           const std::optional<at::Tensor>& norm_weight, double eps, bool silu_mul,
+                           const std::optional<at::Tensor>& residual) {
+  Fused f;
+  f.norm = norm_weight.has_value() ? &*norm_weight : nullptr;
+  f.eps = eps;
+  f.silu_mul = silu_mul;
+  f.residual = residual.has_value() ? &*residual : nullptr;
+  TORCH_CHECK(!(silu_mul && f.norm != nullptr), "kvreuse q4_linear_fused: silu_mul and norm_weight do not combine");
+  return q4_fused(x, qw, d, mn, f);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
@@ -348,7 +425,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   const int64_t nblocks = qw.size(0), k = qw.size(1) * 4;
   check_x(x, k);
   auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
-  const auto q = quantize(x);
+  const auto q = quantize(x, k);
   const auto* w = qw.data_ptr<uint8_t>();
   const float* sp = static_cast<const float*>(scale.data_ptr());
   const int64_t groups = k / kGroup;
@@ -365,6 +442,49 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   return y;
 }
 
+// The int4 layout's weight [N, K] = code * scale + min, rounded once to bfloat16 (or float32):
+// what a many-row call (a prefill chunk) multiplies densely.
+at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, at::ScalarType dtype) {
+  TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 256 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "kvreuse q4_dequantize: qweight must be contiguous uint8 [N/16, K/32, 256]");
+  TORCH_CHECK(d.numel() == qw.size(0) * qw.size(1) * kRows && mn.numel() == d.numel() && d.is_contiguous() &&
+                  mn.is_contiguous() && d.element_size() == 2 && mn.element_size() == 2,
+              "kvreuse q4_dequantize: scales and mins must be contiguous float16 bits [N/16, K/32, 16]");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "kvreuse q4_dequantize: dtype must be bf16 or fp32");
+  const int64_t nblocks = qw.size(0), groups = qw.size(1), k = groups * kGroup;
+  auto out = at::empty({nblocks * kRows, k}, qw.options().dtype(dtype));
+  const auto* w = qw.data_ptr<uint8_t>();
+  const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = static_cast<const uint16_t*>(mn.data_ptr());
+  const bool bf16 = dtype == at::kBFloat16;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    float row[kGroup];
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t n = b * kRows + r;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* wg = w + (b * groups + g) * 256;
+          const float sc = half_to_float(dp[(b * groups + g) * kRows + r]);
+          const float mi = half_to_float(mp[(b * groups + g) * kRows + r]);
+          for (int p = 0; p < 4; ++p)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = wg[64 * p + 4 * r + i];
+              row[8 * p + i] = static_cast<float>(byte & 0x0f) * sc + mi;
+              row[8 * p + 4 + i] = static_cast<float>(byte >> 4) * sc + mi;
+            }
+          if (bf16) {
+            auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + n * k + g * kGroup;
+            for (int i = 0; i < kGroup; ++i) o[i] = to_bf16(row[i]);
+          } else {
+            std::memcpy(out.data_ptr<float>() + n * k + g * kGroup, row, sizeof(row));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return kIsa; }
 
 }  // namespace
@@ -372,6 +492,12 @@ std::string isa() { return kIsa; }
 TORCH_LIBRARY(kvreuse, m) {
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale, Tensor min) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+  m.def(
+      "q4_linear_fused(Tensor x, Tensor qweight, Tensor scale, Tensor min, Tensor? norm_weight, float eps, "
+      "bool silu_mul, Tensor? residual) -> Tensor");
+  m.impl("q4_linear_fused", c10::DispatchKey::CPU, &q4_linear_fused);
+  m.def("q4_dequantize(Tensor qweight, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
+  m.impl("q4_dequantize", c10::DispatchKey::CPU, &q4_dequantize);
   m.def("isa() -> str", &isa);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);

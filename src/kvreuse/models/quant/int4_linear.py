@@ -129,7 +129,10 @@ class Int4Linear(nn.Module):
         return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
 
     def _native_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[out, in]`` in ``dtype`` from the native layout (``code * scale + min`` in fp32)."""
+        """``[out, in]`` in ``dtype`` from the native layout (``code * scale + min`` in fp32,
+        rounded once): the kernels' own dequantization for bf16 / fp32, tensor ops otherwise."""
+        if dtype in (torch.bfloat16, torch.float32):
+            return torch.ops.kvreuse.q4_dequantize(self.qweight, self.native_scale, self.native_min, dtype)
         n, k, g = self.out_features, self.in_features, self.group
         codes, scale, minimum = unpack_q4(self.qweight, self.scale_zero[0], self.scale_zero[1])
         w = codes.view(n, k // g, g).float() * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
@@ -146,6 +149,24 @@ class Int4Linear(nn.Module):
         y = torch.ops.kvreuse.q4_linear(x, d["_buffers"]["qweight"], d["native_scale"], d["native_min"])
         bias = d["_buffers"]["bias"]
         return y if bias is None else y + bias
+
+    def native_fused(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        silu_mul: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``native_linear`` with a decoder layer's small ops folded in (no bias allowed):
+        ``x [T, in]`` RMS-normed by ``norm_weight`` first, or ``x [T, 2 in]`` taken as
+        ``silu(x[:, :in]) * x[:, in:]``; ``residual [T, out]`` added to the result. Each step
+        rounds to bf16 where the separate ops would (tests/models/test_kernels.py). Raises
+        RuntimeError for a shape or dtype the kernel refuses."""
+        d = self.__dict__
+        return torch.ops.kvreuse.q4_linear_fused(
+            x, d["_buffers"]["qweight"], d["native_scale"], d["native_min"], norm_weight, eps, silu_mul, residual
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel:
