@@ -1,4 +1,5 @@
-"""The CPU int4 kernel vs a transient dequantized copy + one dense GEMM, by row count.
+"""The CPU int4 kernels (PyTorch's and kvreuse's own) vs a transient dequantized copy + one dense
+GEMM, by row count.
 
     PYTHONPATH=src .venv/bin/python bench/quant/int4_rows.py [--threads 2] [--reps 7] [--act float32] [--tag _epyc]
     -> bench/results/int4_rows<tag>.json, bench/results/int4_rows<tag>.png
@@ -11,8 +12,10 @@ fp32 and back), so the plot shows where ``quant.dense_dtype`` should switch on t
 For the default model's layer shapes (fused q/k/v 960 x 576, o_proj 576 x 576, fused gate/up
 3,072 x 576, down_proj 576 x 1,536; random weights, int4 group 32, bf16 activations), each row
 count runs ``_weight_int4pack_mm_for_cpu`` and ``F.linear(x, Int4Linear.unpacked_weight())``
-back to back (interleaved), median of ``--reps`` timings of a few calls each. Summed over the
-four shapes (one decoder layer), it shows where ``quant.dense_dtype`` should switch.
+back to back (interleaved), and, where they are built, kvreuse's own kernels
+(``Int4Linear.native_linear``, ``models/kernels``), median of ``--reps`` timings of a few calls
+each. Summed over the four shapes (one decoder layer), it shows where ``quant.dense_dtype``
+should switch.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ def main() -> None:
     act = getattr(torch, args.act)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    layers = [Int4Linear(torch.randn(n, k, generator=gen), None, act) for n, k in SHAPES]
+    weights = [torch.randn(n, k, generator=gen) for n, k in SHAPES]
+    layers = [Int4Linear(w, None, act, native=False) for w in weights]
+    natives = [m for m in (Int4Linear(w, None, act) for w in weights) if m.native]
+    held = natives or layers  # what kvreuse holds: the dense arms unpack its layout
     result = {
         "threads": args.threads,
         "reps": args.reps,
@@ -71,22 +77,31 @@ def main() -> None:
                 ]
 
             def dense(xs=xs):
-                return [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16)) for m, x in zip(layers, xs)]
+                return [F.linear(x.bfloat16(), m.unpacked_weight(torch.bfloat16)) for m, x in zip(held, xs)]
 
             def dense32(xs=xs):
-                return [F.linear(x.float(), m.unpacked_weight(torch.float32)).to(act) for m, x in zip(layers, xs)]
+                return [F.linear(x.float(), m.unpacked_weight(torch.float32)).to(act) for m, x in zip(held, xs)]
+
+            def native(xs=xs):
+                return [m.native_linear(x) for m, x in zip(natives, xs)]
 
             kernel(), dense(), dense32()
             calls = 3 if rows >= 128 or act == torch.float32 else 10
-            samples = {"kernel_ms": [], "dense_ms": [], "dense_fp32_ms": []}
+            samples: dict[str, list[float]] = {"kernel_ms": [], "dense_ms": [], "dense_fp32_ms": []}
+            if natives:
+                samples["native_ms"] = []
+                native()
             for _ in range(args.reps):  # interleaved
                 samples["kernel_ms"].append(_ms(kernel, calls))
+                if natives:
+                    samples["native_ms"].append(_ms(native, calls))
                 samples["dense_ms"].append(_ms(dense, calls))
                 samples["dense_fp32_ms"].append(_ms(dense32, calls))
             med = {k: round(statistics.median(v), 3) for k, v in samples.items()}
             result["rows"][rows] = {**med, "runs_dense_in": str(dense_dtype(rows, act)), "samples": samples}
             print(
                 f"{rows:4d} rows: int4 kernel {med['kernel_ms']:7.2f} ms"
+                f"  kvreuse's {med.get('native_ms', float('nan')):7.2f} ms"
                 f"  dequantized + dense bf16 {med['dense_ms']:7.2f} ms, fp32 {med['dense_fp32_ms']:7.2f} ms"
                 " (one decoder layer's four matmuls;"
                 f" kvreuse runs: {dense_dtype(rows, act) or 'kernel'})",
@@ -102,8 +117,10 @@ def main() -> None:
         ("kernel_ms", "int4 kernel (_weight_int4pack_mm_for_cpu)"),
         ("dense_ms", "dequantized bf16 copy + dense bf16 GEMM"),
         ("dense_fp32_ms", "dequantized fp32 copy + dense fp32 GEMM"),
+        ("native_ms", "kvreuse's int4 kernel (models/kernels)"),
     ):
-        ax.plot(ROWS, [result["rows"][r][key] for r in ROWS], marker="o", label=label)
+        if key in result["rows"][ROWS[0]]:
+            ax.plot(ROWS, [result["rows"][r][key] for r in ROWS], marker="o", label=label)
     switch = result["dense_from_rows"]  # where kvreuse goes dense
     ax.axvline(switch, color="#999", linestyle="--", linewidth=1)
     ax.annotate(f"dense from {switch} rows ({dense_dtype(switch, act)})", (switch, ax.get_ylim()[1] * 0.9), fontsize=8)

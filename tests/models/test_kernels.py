@@ -223,3 +223,36 @@ def test_fused_norm_silu_and_residual_are_the_separate_ops():
     assert torch.equal(alone, gated)  # fused ops stay batch-invariant
     with pytest.raises(RuntimeError, match="residual"):
         layer.native_fused(x, residual=residual[:, :16].contiguous())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys", [1, 300, 700])
+def test_decode_attention_is_softmax_attention_over_a_pool_view(dtype, keys):
+    """A decode's stacked query heads over keys read in place from a pool-shaped tensor
+    ([kv, slots, d] sliced to a run): out and log-sum-exp are fp32 attention's (to the output
+    dtype's rounding); the keys are split across items of 256 and merged."""
+    pool_k = torch.randn(3, 1000, 64, generator=_gen(28)).to(dtype)  # [kv, slots, d]
+    pool_v = torch.randn(3, 1000, 64, generator=_gen(29)).to(dtype)
+    k, v = pool_k[:, 100 : 100 + keys][None], pool_v[:, 100 : 100 + keys][None]  # views [1, kv, L, d]
+    q = torch.randn(1, 3, 3, 64, generator=_gen(30)).to(dtype)  # [1, kv, groups, d]
+    out, lse = torch.ops.kvreuse.decode_attention(q, k, v, 0.125)
+    scores = torch.einsum("bhrd,bhld->bhrl", q.double(), k.double()) * 0.125
+    want_lse = torch.logsumexp(scores, -1)
+    want = torch.einsum("bhrl,bhld->bhrd", torch.softmax(scores, -1), v.double())
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (1, 3, 3)
+    assert (lse.double() - want_lse).abs().max().item() < 1e-5
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    assert (out.double() - want).abs().max().item() <= tol * want.abs().max().item() + 1e-6
+
+
+@needs_kernels
+def test_engine_flash_takes_the_decode_kernel_for_a_decode_only():
+    from kvreuse.engine import flash as engine_flash
+
+    q = torch.randn(1, 3, 3, 64).bfloat16()
+    k = torch.randn(1, 3, 50, 64).bfloat16()
+    assert engine_flash._native_fits(q, k, False, None)
+    assert not engine_flash._native_fits(q, k, True, None)  # causal: PyTorch's kernel
+    assert not engine_flash._native_fits(torch.randn(1, 3, 17, 64).bfloat16(), k, False, None)  # too many rows
+    assert not engine_flash._native_fits(torch.randn(1, 9, 3, 64).bfloat16(), k, False, None)  # heads not stacked

@@ -1,6 +1,8 @@
 """Attention kernels with one contract for every read path of ``attention.py``: the output of
 ``softmax(q k^T * scale) v`` and each row's log-sum-exp, so pieces of a key set attended apart
-merge into attention over the whole (``merge``). On CPU PyTorch's flash kernel; elsewhere fp32
+merge into attention over the whole (``merge``). On CPU kvreuse's decode kernel for a few
+unmasked query rows per KV head (``models/kernels``: the keys split across threads) and
+PyTorch's flash kernel otherwise; elsewhere fp32
 matmuls (cuBLAS on CUDA). Shapes: ``q [B, H, n, d]``, ``k, v [B, kv, L, d]`` with ``H`` a
 multiple of ``kv`` (head ``h`` uses kv head ``h // (H / kv)``). Pure torch; no pool.
 """
@@ -8,6 +10,27 @@ multiple of ``kv`` (head ``h`` uses kv head ``h // (H / kv)``). Pure torch; no p
 from __future__ import annotations
 
 import torch
+
+from kvreuse.models.kernels import native_kernels
+
+NATIVE_MAX_ROWS = 16  # query rows per KV head kvreuse's decode kernel takes (gemv.cpp: kMaxRowsAttn)
+
+
+def _native_fits(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
+    """Whether kvreuse's decode-attention kernel takes this call: one sequence, a few unmasked
+    query rows per KV head (a decode's stacked query heads), rows of ``d`` contiguous."""
+    return (
+        not causal
+        and mask is None
+        and q.shape[0] == 1
+        and q.shape[1] == k.shape[1]
+        and q.shape[2] <= NATIVE_MAX_ROWS
+        and q.shape[3] <= 256
+        and q.shape[3] % 16 == 0
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and k.stride(3) == 1
+        and native_kernels() is not None
+    )
 
 
 def flash(
@@ -29,6 +52,9 @@ def flash(
     entirely comes out 0 with an undefined log-sum-exp (the caller drops it)."""
     if q.device.type != "cpu":
         return math_attention(q, k, v, scale, causal, mask)
+    if _native_fits(q, k, causal, mask) and v.stride() == k.stride():
+        out, lse = torch.ops.kvreuse.decode_attention(q, k, v, scale)
+        return out, lse
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
@@ -41,6 +67,8 @@ def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     (one call replaces ~9 ops and 4 dtype casts per layer); elsewhere ``math_attention``
     (cuBLAS on CUDA)."""
     if q.device.type == "cpu":
+        if _native_fits(q, k, False, None) and v.stride() == k.stride():
+            return torch.ops.kvreuse.decode_attention(q, k, v, scale)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
     return math_attention(q, k, v, scale, False)[0]
 
