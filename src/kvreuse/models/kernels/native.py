@@ -117,6 +117,16 @@ def build_library(cache: Path | None = None) -> Path:
     return out
 
 
+def _loaded_library() -> Path | None:
+    """The kernels' ``.so`` this process has loaded already, if any: a process registers the
+    ``kvreuse`` ops once, and loading a second build (another cache dir, an edited source) would
+    abort it (``Only a single TORCH_LIBRARY can be used to register the namespace kvreuse``)."""
+    for loaded in torch.ops.loaded_libraries:
+        if Path(loaded).name.startswith("kvreuse_gemv_"):
+            return Path(loaded)
+    return None
+
+
 @lru_cache(maxsize=1)
 def native_kernels() -> NativeKernels | None:
     """The kernels for this process (built or loaded once), or None where they are off, cannot
@@ -128,8 +138,8 @@ def native_kernels() -> NativeKernels | None:
         log.info("native kernels: not built on %s (x86-64 only)", platform.machine())
         return None
     try:
-        path = build_library()
-        torch.ops.load_library(str(path))
+        path = _loaded_library() or build_library()
+        torch.ops.load_library(str(path))  # a no-op for the library already loaded
         isa = str(torch.ops.kvreuse.isa())
     except (RuntimeError, OSError) as exc:
         log.warning("native kernels unavailable, using PyTorch's: %s", exc)
