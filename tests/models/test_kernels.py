@@ -88,6 +88,32 @@ def test_q8_linear_computes_its_arithmetic():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_or_tiny_activations_keep_their_meaning(dtype):
+    """A NaN or an inf in a row of x makes that row's outputs NaN, as a float product's would be
+    non-finite (the int8 kernel used to return finite values, and -inf for +inf); a group whose
+    largest value is below ~3.7e-37 (where 127 / amax overflows fp32) keeps its sign."""
+    packed, scale = pack_q8(torch.ones(16, 64, dtype=torch.int8), torch.ones(16), KERNELS.q8_unsigned)
+    p4, d4, m4 = pack_q4(torch.ones(16, 64, dtype=torch.int64), torch.ones(16, 2), torch.zeros(16, 2))
+    ops = {
+        "q8": lambda x: torch.ops.kvreuse.q8_linear(x, packed, scale),
+        "q4": lambda x: torch.ops.kvreuse.q4_linear(x, p4, d4, m4),
+    }
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.ones(2, 64, dtype=dtype)
+        x[0, 5] = bad
+        for name, op in ops.items():
+            y = op(x).float()
+            assert torch.isnan(y[0]).all(), (name, bad, y[0, :4].tolist())
+            torch.testing.assert_close(y[1], torch.full((16,), 64.0), rtol=1e-5, atol=0)  # other rows unaffected
+    tiny = torch.full((1, 64), 1e-37, dtype=dtype)
+    want = 64 * tiny.double()[0, 0].item()
+    for name, op in ops.items():
+        got = op(tiny).double()
+        assert ((got - want).abs() <= 1e-2 * want).all(), (name, got[0, :4].tolist(), want)
+
+
+@needs_kernels
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_row_is_the_same_bits_alone_and_in_any_batch(kind):
     layer = (Int4Linear if kind == "int4" else Int8Linear)(

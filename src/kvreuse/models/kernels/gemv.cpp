@@ -61,17 +61,23 @@ void quantize_row(const T* x, int64_t k, QuantRow& out) {
   float v[kGroup];
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f, sum = 0.f;
+    bool finite = true;
     for (int i = 0; i < kGroup; ++i) {
       v[i] = static_cast<float>(x[g * kGroup + i]);
-      amax = std::max(amax, std::fabs(v[i]));
+      finite = finite && std::isfinite(v[i]);
+      amax = std::max(amax, std::fabs(v[i]));  // skips a NaN: `finite` catches it
       sum += v[i];
     }
-    const float s = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    // A NaN or inf in the group: a NaN scale makes the row's outputs NaN (a float product would
+    // be non-finite), codes 0 (converting NaN or inf to an integer is undefined: it gave -127, a
+    // finite int8 output for NaN and -inf for +inf)
+    const float s = finite ? amax / 127.f : NAN;
+    const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+    const bool tiny = std::isinf(inv);  // amax below ~3.7e-37: 127 / amax overflows, scale in double
     int32_t qsum = 0;
     for (int i = 0; i < kGroup; ++i) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-      const int8_t c = static_cast<int8_t>(std::max(-127, std::min(127, q)));
+      const float t = !finite ? 0.f : tiny ? static_cast<float>(v[i] * (127.0 / amax)) : v[i] * inv;
+      const int8_t c = static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, t))));
       out.q[g * kGroup + i] = c;
       qsum += c;
     }
