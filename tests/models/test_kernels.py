@@ -5,6 +5,9 @@ be built (no compiler, not x86-64, no AVX2)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -206,6 +209,21 @@ def test_a_failed_build_leaves_torchs_kernels(monkeypatch, tmp_path):
         monkeypatch.delenv("CXX")
         monkeypatch.delenv("KVREUSE_KERNEL_CACHE")
         native.native_kernels.cache_clear()
+
+
+def test_loading_a_cpu_model_readies_the_decode_kernel():
+    """Every CPU model's decode attention runs on the kernels (engine/flash.py), quantized or
+    not: an unquantized model's load builds or loads them, so the first request does not pay
+    the ~15 s build inside its first decode step. In a fresh process (the lookup is cached)."""
+    script = (
+        "from kvreuse.models.kernels import native\n"
+        "from kvreuse.models.tiny import tiny_model\n"
+        "tiny_model('llama', seed=0, dtype='bfloat16')\n"
+        "print(native.native_kernels.cache_info().currsize)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
 
 
 @needs_kernels

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
+from kvreuse.models.kernels import native_kernels
 from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
 from kvreuse.models.quant import SCHEMES, QuantMode, kernels_in_use, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
@@ -228,6 +229,10 @@ def finish_model(
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
+    if device.type == "cpu":
+        # every CPU model's decode attention runs on kvreuse's kernels (engine/flash.py), quantized
+        # or not: build or load them now, not inside the first request's first decode step (~15 s)
+        native_kernels()
     kernels = "torch" if quant is QuantMode.NONE else kernels_in_use(model)
     # kvreuse's kernels quantize activations to int8: their KV is not torch's kernels' KV
     scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels={kernels}"
