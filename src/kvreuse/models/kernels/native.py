@@ -138,7 +138,8 @@ def native_kernels() -> NativeKernels | None:
         log.info("native kernels: not built on %s (x86-64 only)", platform.machine())
         return None
     try:
-        path = _loaded_library() or build_library()
+        path = build_library()
+        path = _loaded_library() or path  # never a second build into one process
         torch.ops.load_library(str(path))  # a no-op for the library already loaded
         isa = str(torch.ops.kvreuse.isa())
     except (RuntimeError, OSError) as exc:
