@@ -233,14 +233,14 @@ def _flash_over_pool(
         runs = item.kv_runs
         if len(runs) == 1:
             ((a, length),) = runs
-            o = attend_alone(qg, k_cache.run(a, length)[None], v_cache.run(a, length)[None], scale)
+            o = attend_alone(qg, k_cache.stored_run(a, length)[None], v_cache.stored_run(a, length)[None], scale)
             return o.view(1, heads, d)
         if runs and item.keys.num_keys >= RUN_TOKENS_IN_PLACE * len(runs):
             # long runs: read each in place (a gather would copy the whole context per layer)
             pieces = [flash(qg, k_cache.run(a, m)[None], v_cache.run(a, m)[None], scale) for a, m in runs]
             return merge(pieces).view(1, heads, d)
         slots = item.kv_slots  # short or many runs: one gather is cheaper than a kernel call per run
-        o = attend_alone(qg, k_cache.select(slots)[None], v_cache.select(slots)[None], scale)
+        o = attend_alone(qg, k_cache.stored_select(slots)[None], v_cache.stored_select(slots)[None], scale)
         return o.view(1, heads, d)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d] (a view; the kernel takes strides)
     runs = item.context_runs

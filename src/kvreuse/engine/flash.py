@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvreuse.engine.kv_quant import dequantize
 from kvreuse.models.kernels import native_kernels
 
 NATIVE_MAX_ROWS = 16  # query rows per KV head kvreuse's decode kernel takes (gemv.cpp: kMaxRowsAttn)
@@ -27,7 +28,9 @@ def _native_fits(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Ten
         and q.shape[2] <= NATIVE_MAX_ROWS
         and q.shape[3] <= 256
         and q.shape[3] % 16 == 0
-        and q.dtype in (torch.bfloat16, torch.float32)
+        # bf16 only: --dtype float32 stays the exact reference on PyTorch's kernels (docs/kernels.md)
+        and q.dtype == torch.bfloat16
+        and k.dtype in (torch.bfloat16, torch.uint8)
         and k.stride(3) == 1
         and native_kernels() is not None
     )
@@ -63,12 +66,16 @@ def flash(
 
 def attend_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``flash``'s output alone, for a caller that merges nothing (a decode over one run, or
-    gathered): ``[B, H, n, d]``. On CPU PyTorch's flash kernel in every dtype, as ``flash``
-    (one call replaces ~9 ops and 4 dtype casts per layer); elsewhere ``math_attention``
-    (cuBLAS on CUDA)."""
+    gathered): ``[B, H, n, d]``. On CPU kvreuse's decode kernel where it fits, else PyTorch's
+    flash kernel in every dtype, as ``flash`` (one call replaces ~9 ops and 4 dtype casts per
+    layer); elsewhere ``math_attention`` (cuBLAS on CUDA). ``k``, ``v`` may also be an int8
+    pool's stored rows (``[B, kv, L, d + 2]`` uint8, ``KVSide.stored_run``): the decode kernel
+    reads them as stored, any other path gets them dequantized first."""
+    if q.device.type == "cpu" and _native_fits(q, k, False, None) and v.stride() == k.stride():
+        return torch.ops.kvreuse.decode_attention(q, k, v, scale)[0]
+    if k.dtype == torch.uint8:  # int8 pool rows (KVSide.stored_run) the kernel did not take
+        k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
     if q.device.type == "cpu":
-        if _native_fits(q, k, False, None) and v.stride() == k.stride():
-            return torch.ops.kvreuse.decode_attention(q, k, v, scale)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)[0]
     return math_attention(q, k, v, scale, False)[0]
 

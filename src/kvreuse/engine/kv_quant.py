@@ -131,6 +131,15 @@ class KVSide:
         rows = self.store[:, start : start + length]
         return dequantize(rows, self.dtype) if self.quantized else rows.to(self.dtype)
 
+    def stored_run(self, start: int, length: int) -> torch.Tensor:
+        """Slots ``start..start+length-1`` as stored: a view ``[kv_heads, length, row]`` (int8
+        rows undequantized, for a kernel that reads them: ``flash.attend_alone``), else ``run``."""
+        return self.store[:, start : start + length] if self.quantized else self.run(start, length)
+
+    def stored_select(self, slots: torch.Tensor) -> torch.Tensor:
+        """``select`` as stored: int8 rows gathered undequantized (half the bytes), else ``select``."""
+        return self.store.index_select(1, slots) if self.quantized else self.select(slots)
+
     def select(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots ``slots [L]`` (any order): ``[kv_heads, L, d]``, a copy."""
         rows = self.store.index_select(1, slots)

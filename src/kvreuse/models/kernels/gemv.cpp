@@ -527,12 +527,29 @@ inline void load_row<at::BFloat16>(const at::BFloat16* src, int64_t d, float* ds
   }
 }
 
+// An int8 KV row (engine/kv_quant.py): d int8 values then their bf16 scale; read as the pool's
+// dequantize does, one bf16 rounding of q * scale.
+struct Int8Row {
+  uint8_t byte;
+};
+
+template <>
+inline void load_row<Int8Row>(const Int8Row* src, int64_t d, float* dst) {
+  const auto* b = reinterpret_cast<const uint8_t*>(src);
+  uint16_t sbits;
+  std::memcpy(&sbits, b + d, 2);
+  const uint32_t su = static_cast<uint32_t>(sbits) << 16;
+  float scale;
+  std::memcpy(&scale, &su, 4);
+  for (int64_t i = 0; i < d; ++i) dst[i] = round_bf16(static_cast<float>(static_cast<int8_t>(b[i])) * scale, true);
+}
+
 constexpr int64_t kKeysPerItem = 256;  // keys one work item reads (a thread's share of a head)
 constexpr int64_t kMaxRowsAttn = 16;   // query rows per KV head the kernel takes
 constexpr int64_t kMaxDim = 256;
 
-template <typename T>
-void attend_item(const T* q, int64_t rows, int64_t d, const T* k, const T* v, int64_t key_stride, int64_t n_keys,
+template <typename T, typename KV>
+void attend_item(const T* q, int64_t rows, int64_t d, const KV* k, const KV* v, int64_t key_stride, int64_t n_keys,
                  float scale, float* max_out, float* sum_out, float* acc_out) {
   float qf[kMaxRowsAttn][kMaxDim], kf[kMaxDim], vf[kMaxDim];
   float scores[kMaxRowsAttn][kKeysPerItem];
@@ -578,13 +595,17 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
                   v.size(0) == 1, "kvreuse decode_attention: q, k, v must be [1, H, n, D]");
   const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3), n_keys = k.size(2);
-  TORCH_CHECK(k.size(1) == heads && v.sizes() == k.sizes() && k.size(3) == d && rows <= kMaxRowsAttn && d <= kMaxDim &&
-                  d % 16 == 0 && n_keys > 0, "kvreuse decode_attention: shapes ", q_in.sizes(), " ", k.sizes(), " ", v.sizes());
+  const bool int8_rows = k.scalar_type() == at::kByte;  // the int8 pool's rows: d values + a bf16 scale
+  TORCH_CHECK(k.size(1) == heads && v.sizes() == k.sizes() && k.size(3) == (int8_rows ? d + 2 : d) &&
+                  rows <= kMaxRowsAttn && d <= kMaxDim && d % 16 == 0 && n_keys > 0,
+              "kvreuse decode_attention: shapes ", q_in.sizes(), " ", k.sizes(), " ", v.sizes());
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(1) == v.stride(1) && k.stride(2) == v.stride(2),
               "kvreuse decode_attention: k and v rows must be contiguous with equal strides");
-  TORCH_CHECK(q_in.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat),
-              "kvreuse decode_attention: q, k, v must share one dtype, bfloat16 or float32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  ((int8_rows && q_in.scalar_type() == at::kBFloat16) ||
+                   (q_in.scalar_type() == k.scalar_type() &&
+                    (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat))),
+              "kvreuse decode_attention: q, k, v must share one dtype, bfloat16 or float32 (or bf16 q over int8 rows)");
   const auto q = q_in.contiguous();
   const int64_t splits = (n_keys + kKeysPerItem - 1) / kKeysPerItem, items = heads * splits;
   std::vector<float> mx(items * rows), sm(items * rows), acc(items * rows * d);
@@ -594,7 +615,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
       const int64_t h = it / splits, j0 = (it % splits) * kKeysPerItem;
       const int64_t n = std::min(kKeysPerItem, n_keys - j0);
       const int64_t koff = h * k.stride(1) + j0 * k.stride(2);
-      if (k.scalar_type() == at::kBFloat16) {
+      if (int8_rows) {
+        attend_item(q.data_ptr<at::BFloat16>() + h * rows * d, rows, d,
+                    reinterpret_cast<const Int8Row*>(k.data_ptr<uint8_t>()) + koff,
+                    reinterpret_cast<const Int8Row*>(v.data_ptr<uint8_t>()) + koff, k.stride(2), n, sc,
+                    &mx[it * rows], &sm[it * rows], &acc[it * rows * d]);
+      } else if (k.scalar_type() == at::kBFloat16) {
         attend_item(q.data_ptr<at::BFloat16>() + h * rows * d, rows, d, k.data_ptr<at::BFloat16>() + koff,
                     v.data_ptr<at::BFloat16>() + koff, k.stride(2), n, sc, &mx[it * rows], &sm[it * rows],
                     &acc[it * rows * d]);
