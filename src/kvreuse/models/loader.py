@@ -234,8 +234,11 @@ def finish_model(
         # or not: build or load them now, not inside the first request's first decode step (~15 s)
         native_kernels()
     kernels = "torch" if quant is QuantMode.NONE else kernels_in_use(model)
-    # kvreuse's kernels quantize activations to int8: their KV is not torch's kernels' KV
-    scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels={kernels}"
+    if kernels == "torch" and device.type == "cpu" and dtype == torch.bfloat16 and (built := native_kernels()):
+        kernels = f"kvreuse-{built.isa}"  # unquantized bf16: decode attention on kvreuse's kernel
+    # kvreuse's kernels quantize activations to int8 and sum attention in their own order: their
+    # KV is not torch's kernels' KV. The ISA stays out (AVX2 and AVX-512 builds agree to the bit)
+    scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels=kvreuse"
     model_id, full = compute_model_id(
         name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=scheme
     )

@@ -4,7 +4,7 @@ compiler and ``-march=native``, cached, and loaded as ``torch.ops.kvreuse``.
 Why built here and not shipped: the CPU changes between machines (AMX Xeon, AVX-512 EPYC,
 AVX2-only EPYC) and ``-march=native`` picks the instruction set the kernels are fastest with on
 this one; the build key folds in the CPU's flags, so a cached build is never loaded on another
-kind of CPU. A build takes ~20 s; its ``.so`` lives under ``$KVREUSE_KERNEL_CACHE`` (default
+kind of CPU. A build takes 11-16 s on 2 idle cores; its ``.so`` lives under ``$KVREUSE_KERNEL_CACHE`` (default
 ``~/.cache/kvreuse/kernels``).
 
 Never fatal: no compiler, a failed build or ``KVREUSE_NATIVE_KERNELS=off`` leaves

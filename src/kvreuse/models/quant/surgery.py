@@ -68,9 +68,9 @@ def weight_bytes(model: nn.Module) -> int:
 
 def kernels_in_use(model: nn.Module) -> str:
     """Which kernels the quantized layers of ``model`` run on: ``kvreuse-<isa>`` when any holds
-    kvreuse's native layout (``models/kernels``), else ``torch``. Folded into the model
-    fingerprint (the native kernels quantize activations to int8, so their KV differs) and
-    printed at start-up."""
+    kvreuse's native layout (``models/kernels``), else ``torch``. Printed at start-up; the model
+    fingerprint folds in whether it is kvreuse's (the native kernels quantize activations to
+    int8, so their KV differs), not the ISA."""
     from kvreuse.models.kernels import native_kernels
 
     if any(getattr(m, "native", False) for m in model.modules()):
