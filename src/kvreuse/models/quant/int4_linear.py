@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.models.kernels import native_kernels
-from kvreuse.models.kernels.packing import pack_q4, q4_packable, unpack_q4
+from kvreuse.models.kernels.packing import pack_q4, q4_packable
 from kvreuse.models.quant import dense_rule
 from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS, int4_pack_layout, int4_pack_order
 from kvreuse.models.quant.mode import INT4_GROUP
@@ -129,14 +129,10 @@ class Int4Linear(nn.Module):
         return torch.addcmul(low, q.to(dtype), scale.t().unsqueeze(-1).to(dtype).contiguous()).view(n, k)
 
     def _native_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """``[out, in]`` in ``dtype`` from the native layout (``code * scale + min`` in fp32,
-        rounded once): the kernels' own dequantization for bf16 / fp32, tensor ops otherwise."""
-        if dtype in (torch.bfloat16, torch.float32):
-            return torch.ops.kvreuse.q4_dequantize(self.qweight, self.native_scale, self.native_min, dtype)
-        n, k, g = self.out_features, self.in_features, self.group
-        codes, scale, minimum = unpack_q4(self.qweight, self.scale_zero[0], self.scale_zero[1])
-        w = codes.view(n, k // g, g).float() * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
-        return w.view(n, k).to(dtype)
+        """``[out, in]`` in ``dtype`` from the native layout: ``code * scale + min`` in fp32,
+        rounded once (the kernels' own ``q4_dequantize``; other dtypes cast from fp32)."""
+        built = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        return torch.ops.kvreuse.q4_dequantize(self.qweight, self.native_scale, self.native_min, built).to(dtype)
 
     def bind_native_scales(self) -> None:
         """Keep ``scale_zero``'s two halves as plain attributes (call after ``scale_zero`` is set)."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvreuse.models.kernels import native_kernels
 from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
@@ -71,8 +72,6 @@ def kernels_in_use(model: nn.Module) -> str:
     kvreuse's native layout (``models/kernels``), else ``torch``. Printed at start-up; the model
     fingerprint folds in whether it is kvreuse's (the native kernels quantize activations to
     int8, so their KV differs), not the ISA."""
-    from kvreuse.models.kernels import native_kernels
-
     if any(getattr(m, "native", False) for m in model.modules()):
         kernels = native_kernels()
         return f"kvreuse-{kernels.isa}" if kernels is not None else "kvreuse"
