@@ -16,6 +16,8 @@
 
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +26,9 @@
 #include <vector>
 
 namespace {
+
+using kvreuse_kernels::round_bf16;
+using kvreuse_kernels::to_bf16;
 
 constexpr int kRows = 16;   // output rows per interleaved block (one AVX-512 vector of fp32)
 constexpr int kGroup = 32;  // input channels per activation / weight scale
@@ -85,14 +90,6 @@ void quantize_row(const T* x, int64_t k, QuantRow& out) {
     out.sum[g] = sum;
     out.qsum[g] = qsum;
   }
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 inline void store_rows(float* acc, at::Tensor& y, int64_t m, int64_t n0, const at::Tensor* residual) {
@@ -293,14 +290,6 @@ struct Fused {
   const at::Tensor* residual = nullptr;  // [M, N] in y's dtype: y + residual
 };
 
-inline float round_bf16(float f, bool bf16) {
-  if (!bf16) return f;
-  const uint32_t u = static_cast<uint32_t>(to_bf16(f)) << 16;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
 inline float weight_at(const at::Tensor& w, int64_t i) {
   return w.scalar_type() == at::kFloat ? w.data_ptr<float>()[i] : static_cast<float>(w.data_ptr<at::BFloat16>()[i]);
 }
@@ -492,174 +481,6 @@ at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Te
   return out;
 }
 
-// ---- decode attention: a few query rows per KV head over L keys, split over the keys -----------
-// exp for x <= 0 by 2^(x log2 e): a degree-6 polynomial on the fraction, the integer part in the
-// exponent bits; relative error ~2e-7, in plain arithmetic the compiler vectorizes.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;  // [0, 1)
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  const int32_t e = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, 4);
-  return p * scale;
-}
-
-template <typename T>
-inline void load_row(const T* src, int64_t d, float* dst) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <>
-inline void load_row<at::BFloat16>(const at::BFloat16* src, int64_t d, float* dst) {
-  const auto* u = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < d; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(u[i]) << 16;
-    std::memcpy(dst + i, &bits, 4);
-  }
-}
-
-// An int8 KV row (engine/kv_quant.py): d int8 values then their bf16 scale; read as the pool's
-// dequantize does, one bf16 rounding of q * scale.
-struct Int8Row {
-  uint8_t byte;
-};
-
-template <>
-inline void load_row<Int8Row>(const Int8Row* src, int64_t d, float* dst) {
-  const auto* b = reinterpret_cast<const uint8_t*>(src);
-  uint16_t sbits;
-  std::memcpy(&sbits, b + d, 2);
-  const uint32_t su = static_cast<uint32_t>(sbits) << 16;
-  float scale;
-  std::memcpy(&scale, &su, 4);
-  for (int64_t i = 0; i < d; ++i) dst[i] = round_bf16(static_cast<float>(static_cast<int8_t>(b[i])) * scale, true);
-}
-
-constexpr int64_t kKeysPerItem = 256;  // keys one work item reads (a thread's share of a head)
-constexpr int64_t kMaxRowsAttn = 16;   // query rows per KV head the kernel takes
-constexpr int64_t kMaxDim = 256;
-
-template <typename T, typename KV>
-void attend_item(const T* q, int64_t rows, int64_t d, const KV* k, const KV* v, int64_t key_stride, int64_t n_keys,
-                 float scale, float* max_out, float* sum_out, float* acc_out) {
-  float qf[kMaxRowsAttn][kMaxDim], kf[kMaxDim], vf[kMaxDim];
-  float scores[kMaxRowsAttn][kKeysPerItem];
-  for (int64_t r = 0; r < rows; ++r) {
-    load_row(q + r * d, d, qf[r]);
-    for (int64_t i = 0; i < d; ++i) qf[r][i] *= scale;
-  }
-  for (int64_t j = 0; j < n_keys; ++j) {
-    load_row(k + j * key_stride, d, kf);
-    for (int64_t r = 0; r < rows; ++r) {
-      float part[16] = {0.f};  // 16 independent lanes: the compiler vectorizes without reassociating
-      for (int64_t i = 0; i < d; i += 16)
-        for (int l = 0; l < 16; ++l) part[l] += qf[r][i + l] * kf[i + l];
-      float s = 0.f;
-      for (int l = 0; l < 16; ++l) s += part[l];
-      scores[r][j] = s;
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float m = -INFINITY;
-    for (int64_t j = 0; j < n_keys; ++j) m = std::max(m, scores[r][j]);
-    for (int64_t j = 0; j < n_keys; ++j) scores[r][j] = exp_nonpositive(scores[r][j] - m);
-    float sum = 0.f;
-    for (int64_t j = 0; j < n_keys; ++j) sum += scores[r][j];
-    max_out[r] = m;
-    sum_out[r] = sum;
-    for (int64_t i = 0; i < d; ++i) acc_out[r * d + i] = 0.f;
-  }
-  for (int64_t j = 0; j < n_keys; ++j) {
-    load_row(v + j * key_stride, d, vf);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = scores[r][j];
-      float* acc = acc_out + r * d;
-      for (int64_t i = 0; i < d; ++i) acc[i] += p * vf[i];
-    }
-  }
-}
-
-// q [1, H, R, D], k / v [1, H, L, D] (rows of D contiguous, any other strides): every key visible.
-// Returns (out [1, H, R, D] in q's dtype, lse [1, H, R] float32), as PyTorch's CPU flash kernel.
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                                    double scale) {
-  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
-                  v.size(0) == 1, "kvreuse decode_attention: q, k, v must be [1, H, n, D]");
-  const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3), n_keys = k.size(2);
-  const bool int8_rows = k.scalar_type() == at::kByte;  // the int8 pool's rows: d values + a bf16 scale
-  TORCH_CHECK(k.size(1) == heads && v.sizes() == k.sizes() && k.size(3) == (int8_rows ? d + 2 : d) &&
-                  rows <= kMaxRowsAttn && d <= kMaxDim && d % 16 == 0 && n_keys > 0,
-              "kvreuse decode_attention: shapes ", q_in.sizes(), " ", k.sizes(), " ", v.sizes());
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(1) == v.stride(1) && k.stride(2) == v.stride(2),
-              "kvreuse decode_attention: k and v rows must be contiguous with equal strides");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                  ((int8_rows && q_in.scalar_type() == at::kBFloat16) ||
-                   (q_in.scalar_type() == k.scalar_type() &&
-                    (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat))),
-              "kvreuse decode_attention: q, k, v must share one dtype, bfloat16 or float32 (or bf16 q over int8 rows)");
-  const auto q = q_in.contiguous();
-  const int64_t splits = (n_keys + kKeysPerItem - 1) / kKeysPerItem, items = heads * splits;
-  std::vector<float> mx(items * rows), sm(items * rows), acc(items * rows * d);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t h = it / splits, j0 = (it % splits) * kKeysPerItem;
-      const int64_t n = std::min(kKeysPerItem, n_keys - j0);
-      const int64_t koff = h * k.stride(1) + j0 * k.stride(2);
-      if (int8_rows) {
-        attend_item(q.data_ptr<at::BFloat16>() + h * rows * d, rows, d,
-                    reinterpret_cast<const Int8Row*>(k.data_ptr<uint8_t>()) + koff,
-                    reinterpret_cast<const Int8Row*>(v.data_ptr<uint8_t>()) + koff, k.stride(2), n, sc,
-                    &mx[it * rows], &sm[it * rows], &acc[it * rows * d]);
-      } else if (k.scalar_type() == at::kBFloat16) {
-        attend_item(q.data_ptr<at::BFloat16>() + h * rows * d, rows, d, k.data_ptr<at::BFloat16>() + koff,
-                    v.data_ptr<at::BFloat16>() + koff, k.stride(2), n, sc, &mx[it * rows], &sm[it * rows],
-                    &acc[it * rows * d]);
-      } else {
-        attend_item(q.data_ptr<float>() + h * rows * d, rows, d, k.data_ptr<float>() + koff,
-                    v.data_ptr<float>() + koff, k.stride(2), n, sc, &mx[it * rows], &sm[it * rows],
-                    &acc[it * rows * d]);
-      }
-    }
-  });
-  auto out = at::empty({1, heads, rows, d}, q.options());
-  auto lse = at::empty({1, heads, rows}, q.options().dtype(at::kFloat));
-  std::vector<float> o(d);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t r = 0; r < rows; ++r) {  // merge the splits in order: the same sum for any thread count
-      float m = -INFINITY;
-      for (int64_t s = 0; s < splits; ++s) m = std::max(m, mx[(h * splits + s) * rows + r]);
-      float total = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t s = 0; s < splits; ++s) {
-        const int64_t at_ = (h * splits + s) * rows + r;
-        const float w = exp_nonpositive(mx[at_] - m);
-        total += sm[at_] * w;
-        for (int64_t i = 0; i < d; ++i) o[i] += acc[at_ * d + i] * w;
-      }
-      const float inv = 1.f / total;
-      const int64_t base = (h * rows + r) * d;
-      if (out.scalar_type() == at::kBFloat16) {
-        auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + base;
-        for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(o[i] * inv);
-      } else {
-        for (int64_t i = 0; i < d; ++i) out.data_ptr<float>()[base + i] = o[i] * inv;
-      }
-      lse.data_ptr<float>()[h * rows + r] = m + std::log(total);
-    }
-  }
-  return {out, lse};
-}
-
 std::string isa() { return kIsa; }
 
 }  // namespace
@@ -672,8 +493,6 @@ TORCH_LIBRARY(kvreuse, m) {
       "bool silu_mul, Tensor? residual) -> Tensor");
   m.impl("q4_linear_fused", c10::DispatchKey::CPU, &q4_linear_fused);
   m.def("q4_dequantize(Tensor qweight, Tensor scale, Tensor min, ScalarType dtype) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
-  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
   m.impl("q4_dequantize", c10::DispatchKey::CPU, &q4_dequantize);
   m.def("isa() -> str", &isa);
   m.impl("q4_linear", c10::DispatchKey::CPU, &q4_linear);

@@ -1,5 +1,5 @@
-"""kvreuse's own CPU kernels (``gemv.cpp``): built once per machine at first use with the host
-compiler and ``-march=native``, cached, and loaded as ``torch.ops.kvreuse``.
+"""kvreuse's own CPU kernels (``gemv.cpp``, ``attention.cpp``): built once per machine at first use
+with the host compiler and ``-march=native``, cached, and loaded as ``torch.ops.kvreuse``.
 
 Why built here and not shipped: the CPU changes between machines (AMX Xeon, AVX-512 EPYC,
 AVX2-only EPYC) and ``-march=native`` picks the instruction set the kernels are fastest with on
@@ -32,7 +32,8 @@ __all__ = ["NativeKernels", "native_kernels", "build_library", "kernel_cache_dir
 log = logging.getLogger("kvreuse.kernels")
 
 ENV_SWITCH = "KVREUSE_NATIVE_KERNELS"  # "off" / "0" / "false": PyTorch's kernels only
-SOURCE = Path(__file__).with_name("gemv.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)
 FAST_ISAS = ("avx512vnni", "avx2")
 
 
@@ -67,7 +68,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
+def _compile_command(compiler: str, sources: tuple[Path, ...], out: Path) -> list[str]:
     from torch.utils import cpp_extension  # only when a build is needed
 
     torch_lib = str(Path(torch.__file__).parent / "lib")
@@ -75,10 +76,12 @@ def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         compiler,
-        *("-O3", "-march=native", "-std=c++20", "-fPIC", "-shared", "-fopenmp"),
+        # -ffp-contract=off: a * b + c rounds twice wherever it is written, so an inlined helper
+        # computes the same bits in every caller (the kernels' batch invariance); fma is explicit
+        *("-O3", "-march=native", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(source),
+        *(str(s) for s in sources),
         f"-L{torch_lib}",
         f"-Wl,-rpath,{torch_lib}",
         *("-lc10", "-ltorch_cpu", "-ltorch"),
@@ -88,7 +91,7 @@ def _compile_command(compiler: str, source: Path, out: Path) -> list[str]:
 
 
 def build_library(cache: Path | None = None) -> Path:
-    """Compile ``gemv.cpp`` for this CPU and torch into ``cache`` (default
+    """Compile ``gemv.cpp`` and ``attention.cpp`` for this CPU and torch into ``cache`` (default
     :func:`kernel_cache_dir`) unless a build with the same key is there; returns the ``.so``.
 
     Raises RuntimeError (no compiler, or the compiler's own error text) on failure. Safe to race:
@@ -97,7 +100,7 @@ def build_library(cache: Path | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n", 1)[0]
-    text = SOURCE.read_bytes()
+    text = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(b"\0".join(s.encode() for s in (torch.__version__, version, _cpu_flags())) + text)
     cache = cache or kernel_cache_dir()
     out = cache / f"kvreuse_gemv_{key.hexdigest()[:16]}.so"
@@ -107,7 +110,7 @@ def build_library(cache: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".build.", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run(_compile_command(compiler, SOURCE, Path(tmp)), capture_output=True, text=True)
+        done = subprocess.run(_compile_command(compiler, SOURCES, Path(tmp)), capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, out)

@@ -1,0 +1,434 @@
+// kvreuse's CPU attention kernels: a decode (a few query rows over many keys, the keys split
+// across threads) and a causal chunk (many query rows, each over the keys up to its own).
+//
+// Contract shared by both: a query row's output is a fixed function of that row and the keys it
+// sees, whatever else shares the call. The keys are cut into items of 256 aligned at key 0; an
+// item's partial (max, sum of exps, sum of exp * value) is computed by `item_partials` with the
+// same instructions for a row whatever the other rows are; a row's items are merged in order by
+// `merge_row`. So a token gets the same bits as one of 2,048 prompt rows (a prefix-cache miss),
+// as the 3-token suffix of a hit and as a decode alone or beside other streams: kvreuse's
+// deterministic mode relies on it (docs/deterministic.md).
+//
+// Scores take 16 keys a vector (keys transposed per group of 16, one key a lane): each score is
+// a chain of fused multiply-adds over the head dimension in order, with no horizontal sum.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+using kvreuse_kernels::from_bf16;
+using kvreuse_kernels::round_bf16;
+using kvreuse_kernels::to_bf16;
+
+constexpr int64_t kItem = 256;      // keys an item holds (a decode thread's share of a head)
+constexpr int64_t kLanes = 16;      // keys scored together, one a vector lane
+constexpr int64_t kRowTile = 4;     // query rows scored together against each key group
+constexpr int64_t kMaxRowsDecode = 16;  // query rows per KV head decode_attention takes
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kBlockTokens = 32;  // causal_attention: query tokens a work unit takes
+
+// Vectors of floats on this build's instruction set: kW lanes (AVX-512 16, AVX2 8, else 1).
+#if defined(__AVX512F__)
+#include <immintrin.h>
+using Vec = __m512;
+constexpr int64_t kW = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+using Vec = __m256;
+constexpr int64_t kW = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+using Vec = float;
+constexpr int64_t kW = 1;
+inline Vec vload(const float* p) { return *p; }
+inline void vstore(float* p, Vec v) { *p = v; }
+inline Vec vset1(float x) { return x; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
+#endif
+
+// exp for x <= 0 by 2^(x log2 e): a degree-6 polynomial (fused multiply-adds) on the fraction,
+// the integer part in the exponent bits; relative error ~2e-7. `exp_nonpositive` and `exp_lanes`
+// compute the same bits for an element: every step is exactly rounded.
+constexpr float kExpPoly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+constexpr float kLog2e = 1.44269504088896341f;
+
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * kLog2e;
+  const float fi = std::floor(t);
+  const float f = t - fi;  // [0, 1)
+  float p = kExpPoly[0];
+  for (int c = 1; c < 7; ++c) p = std::fma(p, f, kExpPoly[c]);
+  const int32_t e = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// x[j] = exp_nonpositive(x[j] - m) for j < n, n a multiple of kW.
+inline void exp_lanes(float* x, int64_t n, float m) {
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.f), l2e = _mm512_set1_ps(kLog2e);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 xv = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm), lo);
+    const __m512 t = _mm512_mul_ps(xv, l2e);
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(kExpPoly[0]);
+    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[c]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(x + j, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.f), l2e = _mm256_set1_ps(kLog2e);
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 xv = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), lo);
+    const __m256 t = _mm256_mul_ps(xv, l2e);
+    const __m256 fi = _mm256_floor_ps(t);
+    const __m256 f = _mm256_sub_ps(t, fi);
+    __m256 p = _mm256_set1_ps(kExpPoly[0]);
+    for (int c = 1; c < 7; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[c]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + j, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_nonpositive(x[j] - m);
+#endif
+}
+
+template <typename T>
+inline void load_row(const T* src, int64_t d, float* dst) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_row<at::BFloat16>(const at::BFloat16* src, int64_t d, float* dst) {
+  const auto* u = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < d; ++i) dst[i] = from_bf16(u[i]);
+}
+
+// An int8 KV row (engine/kv_quant.py): d int8 values then their bf16 scale; read as the pool's
+// dequantize does, one bf16 rounding of q * scale.
+struct Int8Row {
+  uint8_t byte;
+};
+
+template <>
+inline void load_row<Int8Row>(const Int8Row* src, int64_t d, float* dst) {
+  const auto* b = reinterpret_cast<const uint8_t*>(src);
+  uint16_t sbits;
+  std::memcpy(&sbits, b + d, 2);
+  const float scale = from_bf16(sbits);
+  for (int64_t i = 0; i < d; ++i) dst[i] = round_bf16(static_cast<float>(static_cast<int8_t>(b[i])) * scale, true);
+}
+
+// One item's keys as the scoring loop reads them: kt [groups][d][16] (key 16 g + l of the item,
+// dim i at kt[(g d + i) 16 + l]; lanes past the item's end 0), vf [n][d] values as floats.
+struct ItemKV {
+  std::vector<float> kt, vf;
+  int64_t n = 0;
+};
+
+template <typename KV>
+void load_item(const KV* k, const KV* v, int64_t key_stride, int64_t n, int64_t d, ItemKV& it) {
+  const int64_t groups = (n + kLanes - 1) / kLanes;
+  it.n = n;
+  it.kt.assign(groups * d * kLanes, 0.f);
+  it.vf.resize(n * d);
+  float row[kMaxDim];
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(k + j * key_stride, d, row);
+    float* dst = it.kt.data() + (j / kLanes) * d * kLanes + j % kLanes;
+    for (int64_t i = 0; i < d; ++i) dst[i * kLanes] = row[i];
+    load_row(v + j * key_stride, d, it.vf.data() + j * d);
+  }
+}
+
+// Partials of `rows` query rows over one item: row r (qf + r d, already scaled; qf padded to a
+// multiple of kRowTile rows) sees the item's first vis[r] >= 1 keys. Writes mx[r * ps], sm[r * ps]
+// and acc[r * pa .. + d]. A row's values depend on that row, vis[r] and the keys only.
+void item_partials(const float* qf, const int64_t* vis, int64_t rows, int64_t d, const ItemKV& it, float* mx,
+                   float* sm, float* acc, int64_t ps, int64_t pa) {
+  alignas(64) float scores[kRowTile][kItem];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int64_t tile = std::min(kRowTile, rows - r0);
+    int64_t most = 0;
+    for (int64_t r = 0; r < tile; ++r) most = std::max(most, vis[r0 + r]);
+    const int64_t groups = (most + kLanes - 1) / kLanes;
+    for (int64_t g = 0; g < groups; ++g) {  // scores: each a chain of fmas over i in order
+      constexpr int64_t kV = kLanes / kW;
+      Vec s[kRowTile][kV];
+      for (auto& row : s)
+        for (auto& x : row) x = vset1(0.f);
+      const float* kg = it.kt.data() + g * d * kLanes;
+      const float* q0 = qf + r0 * d;
+      for (int64_t i = 0; i < d; ++i) {
+        Vec kx[kV];
+        for (int64_t c = 0; c < kV; ++c) kx[c] = vload(kg + i * kLanes + c * kW);
+        for (int64_t r = 0; r < kRowTile; ++r) {  // rows past `tile` score the padding rows: unused
+          const Vec qi = vset1(q0[r * d + i]);
+          for (int64_t c = 0; c < kV; ++c) s[r][c] = vfma(qi, kx[c], s[r][c]);
+        }
+      }
+      for (int64_t r = 0; r < tile; ++r)
+        for (int64_t c = 0; c < kV; ++c) vstore(&scores[r][g * kLanes + c * kW], s[r][c]);
+    }
+    int64_t fewest = kItem;
+    for (int64_t r = 0; r < tile; ++r) {
+      const int64_t n = vis[r0 + r];
+      fewest = std::min(fewest, n);
+      float* e = scores[r];
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, e[j]);
+      const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+      exp_lanes(e, padded, m);
+      for (int64_t j = n; j < padded; ++j) e[j] = 0.f;  // exact: x + 0 = x
+      float part[kLanes] = {};
+      for (int64_t j = 0; j < padded; j += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) part[l] += e[j + l];
+      float sum = 0.f;
+      for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
+      mx[(r0 + r) * ps] = m;
+      sm[(r0 + r) * ps] = sum;
+    }
+    // acc[r][i] = sum over the row's keys j, in order, of e[r][j] * v[j][i] (one fma a key)
+    constexpr int64_t kC = 4;  // vectors of a row's accumulator held in registers
+    for (int64_t i0 = 0; i0 < d; i0 += kC * kW) {
+      const int64_t nc = std::min(kC, (d - i0) / kW);
+      Vec a[kRowTile][kC];
+      for (auto& row : a)
+        for (auto& x : row) x = vset1(0.f);
+      const float* vi = it.vf.data() + i0;
+      int64_t j = 0;
+      if (tile == kRowTile && nc == kC) {
+        for (; j < fewest; ++j) {  // every row of the tile sees key j
+          Vec vx[kC];
+          for (int64_t c = 0; c < kC; ++c) vx[c] = vload(vi + j * d + c * kW);
+          for (int64_t r = 0; r < kRowTile; ++r) {
+            const Vec p = vset1(scores[r][j]);
+            for (int64_t c = 0; c < kC; ++c) a[r][c] = vfma(p, vx[c], a[r][c]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < tile; ++r)
+        for (int64_t jj = j; jj < vis[r0 + r]; ++jj) {
+          const Vec p = vset1(scores[r][jj]);
+          for (int64_t c = 0; c < nc; ++c) a[r][c] = vfma(p, vload(vi + jj * d + c * kW), a[r][c]);
+        }
+      for (int64_t r = 0; r < tile; ++r)
+        for (int64_t c = 0; c < nc; ++c) vstore(acc + (r0 + r) * pa + i0 + c * kW, a[r][c]);
+    }
+  }
+}
+
+// One row's items merged in order (item s at mx[s * step], sm[s * step], acc[s * astep]):
+// writes the row's output (bf16 bits or float) and returns its log-sum-exp.
+float merge_row(const float* mx, const float* sm, const float* acc, int64_t items, int64_t step, int64_t astep,
+                int64_t d, bool bf16, void* out) {
+  float m = -INFINITY;
+  for (int64_t s = 0; s < items; ++s) m = std::max(m, mx[s * step]);
+  float total = 0.f, o[kMaxDim] = {};
+  for (int64_t s = 0; s < items; ++s) {
+    const float w = exp_nonpositive(mx[s * step] - m);
+    total = std::fma(sm[s * step], w, total);
+    for (int64_t i = 0; i < d; ++i) o[i] = std::fma(acc[s * astep + i], w, o[i]);
+  }
+  const float inv = 1.f / total;
+  if (bf16) {
+    auto* dst = static_cast<uint16_t*>(out);
+    for (int64_t i = 0; i < d; ++i) dst[i] = to_bf16(o[i] * inv);
+  } else {
+    auto* dst = static_cast<float*>(out);
+    for (int64_t i = 0; i < d; ++i) dst[i] = o[i] * inv;
+  }
+  return m + std::log(total);
+}
+
+// q rows scaled as every path scales them: float(q) * scale, then kRowTile copies of the last row
+// (a tile that starts anywhere reads whole tiles; the padding rows' scores are never used).
+template <typename T>
+void scaled_rows(const T* q, int64_t rows, int64_t d, float scale, std::vector<float>& qf) {
+  const int64_t padded = rows + kRowTile;
+  qf.resize(padded * d);
+  for (int64_t r = 0; r < padded; ++r) {
+    load_row(q + std::min(r, rows - 1) * d, d, qf.data() + r * d);
+    for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= scale;
+  }
+}
+
+// The key tensors' element types a kernel reads: bf16 or fp32 (q's own), or an int8 pool's rows.
+enum class Rows { kBF16, kFloat, kInt8 };
+
+Rows check_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t d, const char* op) {
+  const bool int8_rows = k.scalar_type() == at::kByte;
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(-1) == (int8_rows ? d + 2 : d) && d <= kMaxDim && d % 16 == 0 &&
+                  k.size(-2) > 0,
+              "kvreuse ", op, ": shapes ", q.sizes(), " ", k.sizes(), " ", v.sizes());
+  TORCH_CHECK(k.stride(-1) == 1 && v.stride(-1) == 1 && k.strides() == v.strides(), "kvreuse ", op,
+              ": k and v rows must be contiguous with equal strides");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  ((int8_rows && q.scalar_type() == at::kBFloat16) ||
+                   (q.scalar_type() == k.scalar_type() &&
+                    (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat))),
+              "kvreuse ", op, ": q, k, v must share one dtype, bfloat16 or float32 (or bf16 q over int8 rows)");
+  return int8_rows ? Rows::kInt8 : k.scalar_type() == at::kBFloat16 ? Rows::kBF16 : Rows::kFloat;
+}
+
+// Load keys [j0, j0 + n) of KV head h (k / v laid out [.., kv, L, row]) into `it`.
+void load_head_item(const at::Tensor& k, const at::Tensor& v, Rows kind, int64_t h, int64_t j0, int64_t n,
+                    int64_t d, ItemKV& it) {
+  const int64_t off = h * k.stride(-3) + j0 * k.stride(-2), stride = k.stride(-2);
+  switch (kind) {
+    case Rows::kInt8:
+      load_item(reinterpret_cast<const Int8Row*>(k.data_ptr<uint8_t>()) + off,
+                reinterpret_cast<const Int8Row*>(v.data_ptr<uint8_t>()) + off, stride, n, d, it);
+      break;
+    case Rows::kBF16:
+      load_item(k.data_ptr<at::BFloat16>() + off, v.data_ptr<at::BFloat16>() + off, stride, n, d, it);
+      break;
+    case Rows::kFloat:
+      load_item(k.data_ptr<float>() + off, v.data_ptr<float>() + off, stride, n, d, it);
+      break;
+  }
+}
+
+template <typename Fn>
+void for_q_dtype(const at::Tensor& q, Fn fn) {
+  if (q.scalar_type() == at::kBFloat16)
+    fn(q.data_ptr<at::BFloat16>());
+  else
+    fn(q.data_ptr<float>());
+}
+
+// q [1, H, R, D], k / v [1, H, L, D] (rows of D contiguous, any other strides): every key visible
+// to every row. Returns (out [1, H, R, D] in q's dtype, lse [1, H, R] float32), as PyTorch's CPU
+// flash kernel. Items of a head run on different threads, then merge in order.
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                                    double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
+                  v.size(0) == 1 && k.size(1) == q_in.size(1) && q_in.size(2) <= kMaxRowsDecode,
+              "kvreuse decode_attention: q, k, v must be [1, H, n, D] with n <= 16");
+  const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3), n_keys = k.size(2);
+  const Rows kind = check_kv(q_in, k, v, d, "decode_attention");
+  const auto q = q_in.contiguous();
+  const int64_t splits = (n_keys + kItem - 1) / kItem, items = heads * splits;
+  std::vector<float> mx(items * rows), sm(items * rows), acc(items * rows * d);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    ItemKV it;
+    std::vector<float> qf;
+    int64_t vis[kMaxRowsDecode];
+    for (int64_t t = i0; t < i1; ++t) {
+      const int64_t h = t / splits, j0 = (t % splits) * kItem, n = std::min(kItem, n_keys - j0);
+      load_head_item(k, v, kind, h, j0, n, d, it);
+      for_q_dtype(q, [&](const auto* qp) { scaled_rows(qp + h * rows * d, rows, d, sc, qf); });
+      std::fill(vis, vis + rows, n);
+      item_partials(qf.data(), vis, rows, d, it, &mx[t * rows], &sm[t * rows], &acc[t * rows * d], 1, d);
+    }
+  });
+  auto out = at::empty({1, heads, rows, d}, q.options());
+  auto lse = at::empty({1, heads, rows}, q.options().dtype(at::kFloat));
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  const int64_t esize = out.element_size();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t first = h * splits * rows + r;  // item s of the row at first + s * rows
+      void* dst = static_cast<char*>(out.data_ptr()) + (h * rows + r) * d * esize;
+      lse.data_ptr<float>()[h * rows + r] =
+          merge_row(&mx[first], &sm[first], &acc[first * d], splits, rows, rows * d, d, bf16, dst);
+    }
+  return {out, lse};
+}
+
+// q [n, H, D] (the chunk's new tokens), k / v [kv, L, D] every key in attention order, the new
+// tokens' last (rows of D contiguous, any other strides; or an int8 pool's rows [kv, L, D + 2]).
+// Token t (logical key index L - n + t) sees keys 0 .. L - n + t; query head h uses KV head
+// h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 16 tokens), heaviest
+// first; each computes its rows' item partials in order and merges them.
+at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q_in.size(1) % k.size(0) == 0 &&
+                  q_in.size(0) <= k.size(1),
+              "kvreuse causal_attention: q [n, H, D], k / v [kv, L, D] with H a multiple of kv and n <= L");
+  const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv = k.size(0), length = k.size(1);
+  const int64_t groups = heads / kv, context = length - n;
+  const Rows kind = check_kv(q_in, k, v, d, "causal_attention");
+  const auto q = q_in.contiguous();
+  auto out = at::empty({n, heads, d}, q.options());
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  const int64_t esize = out.element_size(), blocks = (n + kBlockTokens - 1) / kBlockTokens;
+  const float sc = static_cast<float>(scale);
+  const int64_t units = kv * blocks;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    ItemKV it;
+    std::vector<float> qf, mx, sm, acc, rowq(d);
+    std::vector<int64_t> vis;
+    for (int64_t u = u0; u < u1; ++u) {
+      // units interleaved from both ends: the later blocks see more keys, so each thread's
+      // contiguous share mixes long and short ones
+      const int64_t slot = u / kv, h = u % kv;
+      const int64_t b = slot % 2 == 0 ? blocks - 1 - slot / 2 : slot / 2;
+      const int64_t t0 = b * kBlockTokens, tokens = std::min(kBlockTokens, n - t0), rows = tokens * groups;
+      const int64_t items = (context + t0 + tokens - 1) / kItem + 1;  // the block's last token sees these
+      // rows (token, group): the query head h * groups + group of token t0 + token
+      for_q_dtype(q, [&](const auto* qp) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+        std::vector<T> gathered(rows * d);
+        for (int64_t t = 0; t < tokens; ++t)
+          for (int64_t g = 0; g < groups; ++g)
+            std::memcpy(&gathered[(t * groups + g) * d], qp + ((t0 + t) * heads + h * groups + g) * d, d * sizeof(T));
+        scaled_rows(gathered.data(), rows, d, sc, qf);
+      });
+      mx.assign(rows * items, 0.f);
+      sm.assign(rows * items, 0.f);
+      acc.assign(rows * items * d, 0.f);
+      vis.assign(rows, 0);
+      for (int64_t s = 0; s < items; ++s) {
+        const int64_t j0 = s * kItem;
+        const int64_t first_token = std::max<int64_t>(0, j0 - context);  // the block's first token seeing key j0
+        const int64_t r0 = std::max<int64_t>(0, first_token - t0) * groups;  // rows before r0 do not see the item
+        const int64_t nk = std::min(kItem, length - j0);
+        load_head_item(k, v, kind, h, j0, nk, d, it);
+        for (int64_t r = r0; r < rows; ++r) vis[r] = std::min(kItem, context + t0 + r / groups + 1 - j0);
+        // partial of row r for item s at [r * items + s]
+        item_partials(qf.data() + r0 * d, vis.data() + r0, rows - r0, d, it, &mx[r0 * items + s],
+                      &sm[r0 * items + s], &acc[(r0 * items + s) * d], items, items * d);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r / groups, head = h * groups + r % groups;
+        const int64_t seen = (context + t) / kItem + 1;
+        void* dst = static_cast<char*>(out.data_ptr()) + (t * heads + head) * d * esize;
+        merge_row(&mx[r * items], &sm[r * items], &acc[r * items * d], seen, 1, d, d, bf16, dst);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvreuse, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.impl("causal_attention", c10::DispatchKey::CPU, &causal_attention);
+}
