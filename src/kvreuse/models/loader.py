@@ -17,6 +17,7 @@ import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
 from kvreuse.models.kernels import native_kernels
+from kvreuse.models.kernels.native import ARITHMETIC_REVISION
 from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
 from kvreuse.models.quant import SCHEMES, QuantMode, kernels_in_use, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
@@ -237,8 +238,9 @@ def finish_model(
     if kernels == "torch" and device.type == "cpu" and dtype == torch.bfloat16 and (built := native_kernels()):
         kernels = f"kvreuse-{built.isa}"  # unquantized bf16: decode attention on kvreuse's kernel
     # kvreuse's kernels quantize activations to int8 and sum attention in their own order: their
-    # KV is not torch's kernels' KV. The ISA stays out (AVX2 and AVX-512 builds agree to the bit)
-    scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels=kvreuse"
+    # KV is not torch's kernels' KV, nor an older revision's. The ISA stays out (AVX2 and AVX-512
+    # builds agree to the bit)
+    scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels=kvreuse-r{ARITHMETIC_REVISION}"
     model_id, full = compute_model_id(
         name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=scheme
     )

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstdint>
@@ -27,6 +28,7 @@
 
 namespace {
 
+using kvreuse_kernels::exp_lanes;
 using kvreuse_kernels::round_bf16;
 using kvreuse_kernels::to_bf16;
 
@@ -95,12 +97,16 @@ void quantize_row(const T* x, int64_t k, QuantRow& out) {
 inline void store_rows(float* acc, at::Tensor& y, int64_t m, int64_t n0, const at::Tensor* residual) {
   const int64_t at_row = m * y.size(1) + n0;
   if (y.scalar_type() == at::kFloat) {
-    if (residual != nullptr)
-      for (int r = 0; r < kRows; ++r) acc[r] += residual->data_ptr<float>()[at_row + r];
+    if (residual != nullptr) {
+      const float* res = static_cast<const float*>(residual->const_data_ptr()) + at_row;
+      for (int r = 0; r < kRows; ++r) acc[r] += res[r];
+    }
     std::memcpy(y.data_ptr<float>() + at_row, acc, kRows * sizeof(float));
   } else {
-    if (residual != nullptr)
-      for (int r = 0; r < kRows; ++r) acc[r] += static_cast<float>(residual->data_ptr<at::BFloat16>()[at_row + r]);
+    if (residual != nullptr) {
+      const auto* res = static_cast<const uint16_t*>(residual->const_data_ptr()) + at_row;
+      for (int r = 0; r < kRows; ++r) acc[r] += kvreuse_kernels::from_bf16(res[r]);
+    }
     auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + at_row;
     for (int r = 0; r < kRows; ++r) out[r] = to_bf16(acc[r]);
   }
@@ -288,29 +294,35 @@ struct Fused {
   double eps = 0;
   bool silu_mul = false;                 // x is [M, 2K]: silu(x[:, :K]) * x[:, K:]
   const at::Tensor* residual = nullptr;  // [M, N] in y's dtype: y + residual
+  std::vector<float> norm_w;             // the norm weight as floats (filled once a call)
 };
 
-inline float weight_at(const at::Tensor& w, int64_t i) {
-  return w.scalar_type() == at::kFloat ? w.data_ptr<float>()[i] : static_cast<float>(w.data_ptr<at::BFloat16>()[i]);
-}
-
+// One x row as the projection takes it: SiLU-and-multiply or RMSNorm applied (each step rounded
+// to bf16 in bf16). The sum of squares runs in 16 lanes then in order; exp is simd.h's.
 template <typename T>
 void prepare_row(const T* x, int64_t k, const Fused& f, bool bf16, std::vector<float>& v) {
-  v.resize(k);
+  v.resize(f.silu_mul ? 3 * k : k);
   if (f.silu_mul) {
+    float* a = v.data() + k;  // v = [exp(-a) | a = x[:, :K] | b = x[:, K:]] as floats
+    for (int64_t i = 0; i < 2 * k; ++i) a[i] = static_cast<float>(x[i]);
+    for (int64_t i = 0; i < k; ++i) v[i] = -a[i];
+    exp_lanes(v.data(), k, 0.f);
     for (int64_t i = 0; i < k; ++i) {
-      const float a = static_cast<float>(x[i]);
-      const float s = round_bf16(a / (1.f + std::exp(-a)), bf16);
-      v[i] = round_bf16(s * static_cast<float>(x[k + i]), bf16);
+      const float s = round_bf16(a[i] / (1.f + v[i]), bf16);
+      v[i] = round_bf16(s * a[k + i], bf16);
     }
   } else {
     for (int64_t i = 0; i < k; ++i) v[i] = static_cast<float>(x[i]);
   }
   if (f.norm != nullptr) {
+    float part[16] = {};
+    for (int64_t i = 0; i < k; i += 16)
+      for (int l = 0; l < 16; ++l) part[l] += v[i + l] * v[i + l];
     float ss = 0.f;
-    for (int64_t i = 0; i < k; ++i) ss += v[i] * v[i];
+    for (int l = 0; l < 16; ++l) ss += part[l];
     const float r = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(f.eps));
-    for (int64_t i = 0; i < k; ++i) v[i] = round_bf16(weight_at(*f.norm, i) * round_bf16(v[i] * r, bf16), bf16);
+    const float* w = f.norm_w.data();
+    for (int64_t i = 0; i < k; ++i) v[i] = round_bf16(w[i] * round_bf16(v[i] * r, bf16), bf16);
   }
 }
 
@@ -318,15 +330,17 @@ std::vector<QuantRow> quantize(const at::Tensor& x, int64_t k, const Fused& f = 
   const int64_t rows = x.size(0), width = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<QuantRow> q(rows);
-  std::vector<float> v;
-  for (int64_t m = 0; m < rows; ++m) {
-    if (bf16) {
-      prepare_row(x.data_ptr<at::BFloat16>() + m * width, k, f, true, v);
-    } else {
-      prepare_row(x.data_ptr<float>() + m * width, k, f, false, v);
+  at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {  // a prefill chunk's rows: each alone
+    std::vector<float> v;
+    for (int64_t m = m0; m < m1; ++m) {
+      if (bf16) {
+        prepare_row(x.data_ptr<at::BFloat16>() + m * width, k, f, true, v);
+      } else {
+        prepare_row(x.data_ptr<float>() + m * width, k, f, false, v);
+      }
+      quantize_row(v.data(), k, q[m]);
     }
-    quantize_row(v.data(), k, q[m]);
-  }
+  });
   return q;
 }
 
@@ -358,7 +372,7 @@ void for_blocks(int64_t nblocks, const std::vector<QuantRow>& q, at::Tensor& y, 
 }
 
 at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
-                    const Fused& f) {
+                    Fused& f) {
   TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 256 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
               "kvreuse q4_linear: qweight must be contiguous uint8 [N/16, K/32, 256]");
   // float16 values, or their bits as int16 (a module's .to(dtype) leaves integer buffers alone)
@@ -377,6 +391,10 @@ at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
     TORCH_CHECK(f.residual->sizes() == y.sizes() && f.residual->scalar_type() == y.scalar_type() &&
                     f.residual->is_contiguous(),
                 "kvreuse q4_linear: residual must be contiguous ", y.sizes(), " in x's dtype");
+  if (f.norm != nullptr) {
+    const auto w = f.norm->to(at::kFloat).contiguous();
+    f.norm_w.assign(w.data_ptr<float>(), w.data_ptr<float>() + k);
+  }
   const auto q = quantize(x, k, f);
   const auto* w = qw.data_ptr<uint8_t>();
   const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
@@ -396,7 +414,8 @@ at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn) {
-  return q4_fused(x, qw, d, mn, Fused{});
+  Fused plain;
+  return q4_fused(x, qw, d, mn, plain);
 }
 
 at::Tensor q4_linear_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,

@@ -27,11 +27,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernels", "native_kernels", "build_library", "kernel_cache_dir", "ENV_SWITCH"]
+__all__ = ["NativeKernels", "native_kernels", "build_library", "kernel_cache_dir", "ENV_SWITCH", "ARITHMETIC_REVISION"]
 
 log = logging.getLogger("kvreuse.kernels")
 
 ENV_SWITCH = "KVREUSE_NATIVE_KERNELS"  # "off" / "0" / "false": PyTorch's kernels only
+# The kernels' rounding revision, folded into every model fingerprint that uses them: raise it
+# whenever a kernel's arithmetic changes (its outputs, so the KV it writes), so KV a disk, Redis or
+# object store kept from an older build is never read as this build's. 2: fma-chain attention
+# scores, vectorized exp in SiLU, 16-lane sums of squares in RMSNorm.
+ARITHMETIC_REVISION = 2
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)
 FAST_ISAS = ("avx512vnni", "avx2")
