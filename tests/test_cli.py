@@ -101,7 +101,8 @@ def test_serve_prefill_cap_flag_sets_the_engine_field():
 
 def test_serve_deterministic_flag_sets_the_engine_field():
     assert _engine_config(build_parser().parse_args(["serve", "--deterministic"])).deterministic is True
-    assert _engine_config(_serve_args()).deterministic is False
+    assert _engine_config(build_parser().parse_args(["serve", "--no-deterministic"])).deterministic is False
+    assert _engine_config(_serve_args()).deterministic is None  # auto: on where it costs about nothing
 
 
 def test_serve_debug_step_fault_flags_reach_the_engine_config():

@@ -2,7 +2,7 @@
 every greedy answer compared with the same prompt's answer computed alone on the idle server.
 
     PYTHONPATH=src .venv/bin/python bench/hardening/soak.py [--minutes 10] [--clients 8]
-        [--model default] [--deterministic] [--kv-cache-memory 0.05] [--host-cache-memory 0.1]
+        [--model default] [--[no-]deterministic] [--kv-cache-memory 0.05] [--host-cache-memory 0.1]
         [--max-tokens 32] [--tag NAME]
     -> bench/results/soak[_TAG].json, bench/results/soak[_TAG].png, a summary on stdout
 
@@ -277,7 +277,12 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--deterministic", action="store_true", help="kvreuse serve --deterministic")
+    ap.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kvreuse serve --deterministic / --no-deterministic (default: neither, the server's default)",
+    )
     ap.add_argument("--kv-cache-memory", type=float, default=0.05, help="GiB (small: the long prompts evict)")
     ap.add_argument("--host-cache-memory", type=float, default=0.1, help="GiB (0: no host tier)")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -295,12 +300,13 @@ def main() -> None:
         "--host-cache-memory",
         str(args.host_cache_memory),
     ]
-    if args.deterministic:
-        serve_args.append("--deterministic")
+    if args.deterministic is not None:
+        serve_args.append("--deterministic" if args.deterministic else "--no-deterministic")
     logs = Path(tempfile.mkdtemp(prefix="soak-"))
     t_start = time.monotonic()
     with running_server(free_port(), serve_args, logs / "serve.log", startup_s=600) as url:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        resolved = httpx.get(url + "/v1/kvreuse/info", timeout=30).json().get("deterministic")
         t0 = time.monotonic()
         ref, _hit, ref_records = references(url, model, prompts, args.max_tokens)
         ref_s = time.monotonic() - t0
@@ -324,11 +330,12 @@ def main() -> None:
         soak_s = time.monotonic() - deadline + args.minutes * 60
         health = httpx.get(url + "/health", timeout=30).status_code
     summary = summarise(log)
-    mode = "deterministic" if args.deterministic else "default"
+    mode = {None: "default", True: "deterministic", False: "no-deterministic"}[args.deterministic]
     doc = {
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "tag"},
             "mode": mode,
+            "deterministic": resolved,  # what the server resolved (/v1/kvreuse/info)
             "serve_args": serve_args,
             "prompt_chars": [len(p) for p in prompts],
             "mix": "82% greedy (half streamed), 10% sampled T=0.8, 8% bad requests",

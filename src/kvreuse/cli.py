@@ -65,6 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
         f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
         f"{dtype_name(loaded.dtype)}"
         + ("" if quant == "none" else f", {quant} weights on {loaded.kernels} kernels")
+        + (", deterministic (a cache hit gives the miss's answer)" if engine.facts.deterministic else "")
         + f", context {engine.max_model_len} tokens, served as {names}"
     )
     console.print(f"kvreuse: {_pool_summary(engine.engine)}")

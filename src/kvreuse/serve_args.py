@@ -127,11 +127,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--deterministic",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=C.deterministic,
-        help="batch-invariant kernels: a temperature-0 answer is the same on a prefix-cache miss or hit "
-        "(any tier), alone or batched, with or without speculation; costs speed "
-        "(docs/deterministic.md); a plain Llama model only",
+        help="batch-invariant forward: a temperature-0 answer is the same on a prefix-cache miss or hit "
+        "(any tier), alone or batched, with or without speculation (docs/deterministic.md); a plain "
+        "Llama model only. Default: on where it costs about nothing (kvreuse's int4 kernels, bf16 "
+        "on CPU), else off",
     )
     p.add_argument(
         "--block-size", type=int, default=C.block_size, help="tokens per KV block (the unit of prefix reuse)"

@@ -2,7 +2,8 @@
 and the same log-probabilities to the bit, on a prefix-cache miss, on a hit, on a second hit,
 inside a batch of four, and with prompt-lookup speculation; on a bf16 int4 tiny Llama (the
 default's kernels: a miss of 300 tokens takes the many-row path the fast default switches to)
-and, slow, on the default model."""
+and, slow, on the default model. The default (None) turns it on exactly where kvreuse's int4
+and attention kernels make it about free, and the mode is part of the model identity."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvreuse import LLM, SamplingParams
+from kvreuse.models.kernels import native_kernels
 from kvreuse.models.tiny import tiny_model
 
 TEXT = (Path(__file__).parent.parent / "data" / "perplexity_text.txt").read_text()
@@ -77,7 +79,27 @@ def test_deterministic_refuses_a_model_without_the_llama_forward():
         LLM(loaded=gemma, kv_cache_memory_gib=0.01, deterministic=True)
 
 
+@pytest.mark.skipif(native_kernels() is None, reason="kvreuse's kernels are not built on this machine")
+def test_the_default_is_on_where_kvreuses_kernels_make_it_free(tiny_int4):
+    """No ``deterministic`` argument: on for a Llama whose projections are all on kvreuse's int4
+    kernels (bf16, CPU), off for fp32 and for another family (no refusal); the mode is folded
+    into model_id, so a deterministic engine's blocks never meet another arithmetic's."""
+    auto = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16)
+    assert auto.engine.runner.deterministic
+    off = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=False)
+    assert not off.engine.runner.deterministic
+    assert auto.engine.model_id != off.engine.model_id
+    assert off.engine.model_id == tiny_int4.model_id  # the fast forward keeps the ids it always had
+    fp32 = LLM(loaded=tiny_model("llama", seed=0, quantization="int4"), kv_cache_memory_gib=0.05)
+    assert not fp32.engine.runner.deterministic
+    gemma = LLM(loaded=tiny_model("gemma3", seed=0, dtype="bfloat16", quantization="int4"), kv_cache_memory_gib=0.01)
+    assert not gemma.engine.runner.deterministic
+    _miss_hit_batch(auto, _prompts(tiny_int4.tokenizer, 300), max_tokens=8)
+    auto.engine.pool.check_integrity()
+
+
 @pytest.mark.slow
 def test_default_model_same_answer_on_miss_hit_and_in_a_batch():
-    llm = LLM("default", kv_cache_memory_gib=0.25, deterministic=True)  # auto: int4 weights, bf16 on this CPU
+    llm = LLM("default", kv_cache_memory_gib=0.25)  # the defaults: int4 weights, bf16, deterministic where free
+    assert llm.engine.runner.deterministic == (native_kernels() is not None)
     _miss_hit_batch(llm, _prompts(llm.tokenizer, 600), max_tokens=16)

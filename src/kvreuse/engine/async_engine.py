@@ -66,6 +66,7 @@ class ExecutorFacts:
     object_store: str | None  # the object store's identity (endpoint, bucket, prefix; hashed), or None
     eos_token_ids: tuple[int, ...]  # sorted: what ends a request
     kv_cache_dtype: str = "auto"  # the KV pool's format (engine/kv_quant.py), never "auto" once built
+    deterministic: bool = False  # the batch-invariant forward (--deterministic, resolved), in model_id
 
     @classmethod
     def of(cls, engine: LLMEngine) -> ExecutorFacts:
@@ -80,6 +81,7 @@ class ExecutorFacts:
             engine.cache.object_store_id,
             tuple(sorted(engine.eos_token_ids)),
             engine.runner.kv_format.name,
+            engine.runner.deterministic,
         )
 
 

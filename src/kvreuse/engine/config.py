@@ -65,9 +65,10 @@ class EngineConfig:
     speculative_tokens: int = 0  # prompt lookup: tokens drafted per greedy decode step (0 = off)
     speculative_ngram_max: int = 4  # prompt lookup: longest n-gram matched (tried first)
     speculative_ngram_min: int = 2  # prompt lookup: shortest n-gram matched
-    # batch-invariant kernels: a temperature-0 answer is the same on a prefix-cache miss or hit,
-    # alone or batched, with or without speculation (docs/deterministic.md; costs prefill and decode speed)
-    deterministic: bool = False
+    # batch-invariant forward: a temperature-0 answer is the same on a prefix-cache miss or hit,
+    # alone or batched, with or without speculation (docs/deterministic.md). None (auto): on where
+    # it costs about nothing (a plain Llama on kvreuse's int4 kernels, bf16 on CPU), else off
+    deterministic: bool | None = None
     # test-only: "STAGE:REQUEST_ID_PREFIX" step failures to inject (engine/step_faults.py); never in serving
     debug_step_faults: tuple[str, ...] = ()
 

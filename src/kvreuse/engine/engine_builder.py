@@ -23,6 +23,7 @@ from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.eviction import make_policy
 from kvreuse.cache.host_tier import HostTier, OffloadPolicy
 from kvreuse.cache.kv_cache_manager import KVCacheManager, RetentionFn, request_retention
+from kvreuse.engine import llama_forward as llama
 from kvreuse.engine.allocator import keep_freed_memory
 from kvreuse.engine.blend_pass import BlendPass
 from kvreuse.engine.cache_stack import CacheStack
@@ -86,7 +87,9 @@ def build_engine(
         sliding_windows=tuple(sorted({w for w in shape.sliding_window if w is not None})),
     )
     kv_format = KVFormat.resolve(config.kv_cache_dtype, loaded.dtype)
-    loaded = kv_identity(loaded, kv_format)  # blocks of another KV format never share a key
+    deterministic = llama.resolve_deterministic(config.deterministic, loaded.model)
+    # blocks of another KV format, or of the other arithmetic, never share a key
+    loaded = kv_identity(loaded, kv_format, deterministic)
     kv_bytes_per_token = kv_format.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim)
     bytes_per_block = kv_bytes_per_token * config.block_size
     num_blocks = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
@@ -118,7 +121,7 @@ def build_engine(
         layout,
         num_blocks,
         config.block_size,
-        deterministic=config.deterministic,
+        deterministic=deterministic,
         kv_cache_dtype=kv_format.name,
     )
     scheduler = Scheduler(
@@ -180,14 +183,17 @@ def build_engine(
     return parts
 
 
-def kv_identity(loaded: LoadedModel, kv_format: KVFormat) -> LoadedModel:
-    """``loaded`` with the KV format folded into its fingerprint and ``model_id`` (what every
-    block key, tier namespace, schema store and router index derive from), so a block of one
-    format never matches in a pool, tier, index or shared store of another. ``loaded`` itself
-    when the pool holds the model's own dtype (ids unchanged from before formats existed)."""
-    if kv_format.identity is None:
+def kv_identity(loaded: LoadedModel, kv_format: KVFormat, deterministic: bool = False) -> LoadedModel:
+    """``loaded`` with the KV format (and the batch-invariant arithmetic, ``deterministic``) folded
+    into its fingerprint and ``model_id`` (what every block key, tier namespace, schema store and
+    router index derive from), so a block of one format never matches in a pool, tier, index or
+    shared store of another, and a deterministic engine never reads KV another arithmetic wrote
+    (a hit would not give the miss's answer). ``loaded`` itself when the pool holds the model's
+    own dtype and the forward is the fast one (ids unchanged from before either existed)."""
+    parts = [p for p in (kv_format.identity, "batch-invariant" if deterministic else None) if p is not None]
+    if not parts:
         return loaded
-    full = hashlib.sha256(f"{loaded.fingerprint}\0{kv_format.identity}".encode()).hexdigest()
+    full = hashlib.sha256("\0".join([loaded.fingerprint, *parts]).encode()).hexdigest()
     return dataclasses.replace(loaded, model_id=f"{loaded.name}@sha256:{full[:16]}", fingerprint=full)
 
 

@@ -24,16 +24,25 @@ are in attention order), the output is a fixed function of that query row and ke
   and reductions along a fixed ``TILE`` (sum) or exact ones (max, cummax).
 
 The scores and the softmax are fp32 (more exact than the flash kernel's bf16 path, and
-slower: the cost is in docs/deterministic.md). Pure torch; no pool.
+slower: the cost is in docs/deterministic.md). No pool.
+
+In bf16 on CPU, where kvreuse's kernels are built, the same contract is kept by
+``causal_attention`` / ``decode_attention`` (models/kernels/attention.cpp: items of 256 keys
+aligned at key 0, each row's arithmetic fixed), at about the flash kernel's speed; the torch
+tiles above are the fallback (fp32, no compiler, another device).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvreuse.engine.kv_quant import dequantize
+from kvreuse.models.kernels import native_kernels
+
 TILE = 256  # keys per tile
 MIN_ROWS = 8  # query rows per KV head are padded to this: below 8 rows CPU sgemm takes another kernel
 BLOCK_TOKENS = 256  # queries attended together: each block reads only the tiles its last query sees
+DECODE_MAX_GROUPS = 16  # query heads per KV head decode_attention stacks (attention.cpp: kMaxRowsDecode)
 
 
 def attend(
@@ -45,7 +54,20 @@ def attend(
     """Causal attention of ``n`` new tokens over ``L`` keys (new token ``i`` sees keys
     ``0..L-n+i``): ``[n, heads, d]`` in ``q``'s dtype, each row independent of ``n`` and of
     anything else in the batch (module docstring). ``heads`` a multiple of ``kv_heads``.
-    Queries run in blocks of ``BLOCK_TOKENS``, each over the tiles its last query sees."""
+    ``k``, ``v`` may be an int8 pool's stored rows (``[kv, L, d + 2]`` uint8).
+
+    bf16 on CPU with kvreuse's kernels built: ``causal_attention`` (a decode through
+    ``decode_attention``, the same bits), rows read in place. Otherwise queries run in blocks of
+    ``BLOCK_TOKENS``, each over the tiles its last query sees, in fp32 torch."""
+    if _native(q, k):
+        n, heads, d = q.shape
+        kv_heads = k.shape[0]
+        if n == 1 and heads // kv_heads <= DECODE_MAX_GROUPS:  # the keys split across threads
+            qg = q.view(1, kv_heads, heads // kv_heads, d)  # [1, kv, groups, d]
+            return torch.ops.kvreuse.decode_attention(qg, k[None], v[None], scale)[0].view(1, heads, d)
+        return torch.ops.kvreuse.causal_attention(q, k, v, scale)
+    if k.dtype == torch.uint8:  # int8 pool rows: the torch path reads them dequantized
+        k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
     n, heads, d = q.shape
     kv_heads, length = k.shape[0], k.shape[1]
     context = length - n
@@ -61,6 +83,21 @@ def attend(
         seen = -(-(context + end) // TILE)  # tiles the block's last query sees
         out[start:end] = _block(q[start:end], context + start, kt[..., : seen * TILE], vt[:, :seen], scale)
     return out
+
+
+def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether kvreuse's attention kernels take this call: bf16 queries on CPU (fp32 stays the
+    torch reference, as in ``flash``), bf16 or int8-pool rows of ``d`` contiguous, kernels built."""
+    d = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and k.dtype in (torch.bfloat16, torch.uint8)
+        and d % 16 == 0
+        and d <= 256
+        and k.stride(-1) == 1
+        and native_kernels() is not None
+    )
 
 
 def _block(

@@ -74,6 +74,7 @@ async def kvreuse_info(request: Request) -> dict:
         "tokenizer_path": getattr(tokenizer, "name_or_path", None) or None,
         "block_size": engine.block_size,
         "kv_cache_dtype": facts.kv_cache_dtype,  # the KV format, folded into model_id (formats never share blocks)
+        "deterministic": facts.deterministic,  # a hit gives the miss's answer (docs/deterministic.md); in model_id
         "hash_algorithm": facts.hash_algorithm,
         "enable_prefix_caching": facts.enable_prefix_caching,
         "max_model_len": engine.max_model_len,
