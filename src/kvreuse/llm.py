@@ -21,7 +21,32 @@ from kvreuse.pml.module_cache import SchemaInfo
 from kvreuse.pml.prepared import is_pml_prompt
 from kvreuse.sampling_params import SamplingParams
 
-PromptType = str | list[int] | DocumentPrompt
+# vLLM's prompt forms: text, token ids, or its TextPrompt / TokensPrompt dicts
+PromptType = str | list[int] | DocumentPrompt | Mapping[str, Any]
+
+
+def _plain_prompt(prompt: object) -> str | list[int] | DocumentPrompt:
+    """``prompt`` as text, token ids or a ``DocumentPrompt``; a ``{"prompt": text}`` or
+    ``{"prompt_token_ids": ids}`` dict (vLLM's ``TextPrompt`` / ``TokensPrompt``) unwrapped.
+    Raises TypeError naming the accepted forms for anything else (a dict with other keys, ids
+    that are not ints)."""
+    if isinstance(prompt, Mapping):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if set(prompt) == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+        else:
+            raise TypeError(
+                f"prompt: a dict must be {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got keys {sorted(prompt)}"
+            )
+    if isinstance(prompt, (str, DocumentPrompt)):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(
+        "prompt: text, a list of token ids (int), a DocumentPrompt, {'prompt': str} or "
+        f"{{'prompt_token_ids': list[int]}}; got {type(prompt).__name__}"
+    )
 
 
 class LLM:
@@ -46,7 +71,8 @@ class LLM:
         blend: Blend | Mapping[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids), batched; results in prompt order.
+        """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}`` dicts), batched; results in prompt order.
         A ``DocumentPrompt`` reuses its documents' KV at any position (``engine/document_cache.py``).
         Text starting with ``<prompt`` is a PML prompt over a registered schema (``register_schema``).
         ``sampling_params`` is one for all prompts or one per prompt (as in vLLM).
@@ -58,10 +84,10 @@ class LLM:
         ``num_recomputed_tokens`` says how many it recomputed.
         Raises ``ValueError`` for a prompt that can never run (too long, empty, bad PML), a
         retention that is neither (naming ``kv_cache_retention_config``) or a list of sampling
-        params whose length differs from the prompts'."""
-        if isinstance(prompts, (str, DocumentPrompt)) or (prompts and isinstance(prompts[0], int)):
+        params whose length differs from the prompts'; ``TypeError`` for a prompt of another form."""
+        if isinstance(prompts, (str, DocumentPrompt, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [cast("PromptType", prompts)]  # one prompt (a token-id list is one, too)
-        prompts = cast("Seq[PromptType]", prompts)  # the checks above: a sequence of prompts by now
+        prompts = [_plain_prompt(p) for p in cast("Seq[PromptType]", prompts)]  # a sequence of prompts by now
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(
