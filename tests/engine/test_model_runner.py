@@ -31,13 +31,23 @@ def _chunk(context: list[int], new: list[int]) -> SeqChunk:
 def test_full_attention_reads_the_context_in_slot_order(tiny_llama, tiny_gemma3):
     # Two modules stored side by side (slots 0-15, 16-31), listed by a prompt in the other order.
     context, new = list(range(16, 32)) + list(range(0, 16)), [40, 41, 42]
-    llama = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4).engine.runner
+    llama = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, deterministic=False).engine.runner
     item = llama._prefill_item(0, _chunk(context, new))
     assert item.kv_runs == ((0, 32), (40, 3))  # one run for both modules
     assert item.kv_slots.tolist() == context + new  # the gather path keeps attention order
     # Sliding-window layers mask by position, which follows attention order: no reordering.
     gemma = LLM(loaded=tiny_gemma3, kv_cache_memory_gib=0.001, block_size=4).engine.runner
     assert gemma._prefill_item(0, _chunk(context, new)).kv_runs == ((16, 16), (0, 16), (40, 3))
+
+
+def test_deterministic_reads_the_context_in_attention_order(tiny_llama):
+    """Deterministic mode's kernels cut the keys into items of 256 in attention order, so the
+    runs keep that order (slot order rounded a host-tier hit differently from its miss)."""
+    context, new = list(range(16, 32)) + list(range(0, 16)), [40, 41, 42]
+    runner = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.001, block_size=4, deterministic=True).engine.runner
+    item = runner._prefill_item(0, _chunk(context, new))
+    assert item.kv_runs == ((16, 16), (0, 16), (40, 3))
+    assert item.kv_slots.tolist() == context + new
 
 
 def test_reordered_context_gives_the_same_logits_as_gathering_in_prompt_order(tiny_llama, monkeypatch):

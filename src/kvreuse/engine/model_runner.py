@@ -288,8 +288,12 @@ class ModelRunner:
         # Without sliding windows every context key is visible to every new token and its
         # position is already inside K, so the order keys are read in does not matter:
         # reading them in slot order merges runs (modules precomputed side by side become
-        # one run, whatever order a prompt lists them in). Masked layers need attention order.
-        runs = _key_runs(chunk.keys, n, slot_order=not self.layout.sliding_windows)
+        # one run, whatever order a prompt lists them in). Masked layers need attention order,
+        # and so does deterministic mode: its kernels cut the keys into items of 256 in
+        # attention order, so another order rounds differently (a hit whose blocks came back
+        # from the host tier into other slots gave another answer than the miss).
+        in_slot_order = not self.layout.sliding_windows and not self.deterministic
+        runs = _key_runs(chunk.keys, n, slot_order=in_slot_order)
         return PrefillItem(start, n, chunk.keys, mask_full, mask_sliding, runs, dev)
 
     def _frames_item(self, start: int, chunk: SeqChunk) -> PrefillItem:
