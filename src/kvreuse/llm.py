@@ -37,7 +37,8 @@ def _plain_prompt(prompt: object) -> str | list[int] | DocumentPrompt:
             prompt = prompt["prompt_token_ids"]
         else:
             raise TypeError(
-                f"prompt: a dict must be {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got keys {sorted(prompt)}"
+                "prompt: a dict must be {'prompt': str} or {'prompt_token_ids': list[int]}, "
+                f"got keys {sorted(prompt)}"
             )
     if isinstance(prompt, (str, DocumentPrompt)):
         return prompt
