@@ -99,3 +99,27 @@ def test_causal_attention_names_what_it_refuses():
         torch.ops.kvreuse.causal_attention(torch.randn(4, 5, 64).bfloat16(), k, v, 0.125)
     with pytest.raises(RuntimeError, match="share one dtype"):
         torch.ops.kvreuse.causal_attention(q.float(), k, v, 0.125)
+
+
+def test_keys_read_by_slot_are_the_gathered_keys_bits():
+    """With ``slots``, k / v are whole pool sides and key j is row slots[j] (a block table read in
+    place): the bits of the same keys gathered first, for both ops, bf16 and int8 rows; a slot
+    outside the pool is refused, naming it."""
+    from kvreuse.engine.kv_quant import quantize
+
+    pool_k = torch.randn(3, 900, 64, generator=_gen(50)).bfloat16()  # [kv, slots, d]
+    pool_v = torch.randn(3, 900, 64, generator=_gen(51)).bfloat16()
+    slots = torch.randperm(900, generator=_gen(52))[:600]  # [L] keys in attention order, anywhere in the pool
+    q = torch.randn(20, 9, 64, generator=_gen(53)).bfloat16()
+    stacked = torch.randn(1, 3, 3, 64, generator=_gen(54)).bfloat16()  # a decode's query heads
+    for k, v in ((pool_k, pool_v), (quantize(pool_k.float()), quantize(pool_v.float()))):
+        gk, gv = k.index_select(1, slots), v.index_select(1, slots)
+        assert torch.equal(
+            torch.ops.kvreuse.causal_attention(q, k, v, 0.125, slots),
+            torch.ops.kvreuse.causal_attention(q, gk, gv, 0.125),
+        )
+        by_slot = torch.ops.kvreuse.decode_attention(stacked, k[None], v[None], 0.125, slots)
+        gathered = torch.ops.kvreuse.decode_attention(stacked, gk[None], gv[None], 0.125)
+        assert torch.equal(by_slot[0], gathered[0]) and torch.equal(by_slot[1], gathered[1])
+    with pytest.raises(RuntimeError, match="slot 900 outside the 900 rows of k"):
+        torch.ops.kvreuse.causal_attention(q, pool_k, pool_v, 0.125, torch.tensor([0, 5, 900]))

@@ -150,14 +150,14 @@ def _attend_item(
     (keys in one frame, causal by order, full attention) through the batch-invariant kernel;
     documents' frames and seam repair's masks keep their paths (their reuse is approximate)."""
     if invariant and item.frames is None and not item.masked and not sliding_window:
-        # every key in attention order, the new ones last: in place when one run, else gathered
-        # (an int8 pool's rows as stored: the kernel reads them, the torch path dequantizes)
+        # every key in attention order, the new ones last: one run as a view, else the pool side
+        # read by slot (the kernel reads rows in place; the torch path gathers). An int8 pool's
+        # rows as stored: the kernel reads them, the torch path dequantizes.
         if len(item.kv_runs) == 1:
             ((a, length),) = item.kv_runs
             kk, vv = k_cache.stored_run(a, length), v_cache.stored_run(a, length)  # [kv, L, row]
-        else:
-            kk, vv = k_cache.stored_select(item.kv_slots), v_cache.stored_select(item.kv_slots)
-        return invariant_attention.attend(q, kk, vv, scale)
+            return invariant_attention.attend(q, kk, vv, scale)
+        return invariant_attention.attend(q, k_cache.stored_rows(), v_cache.stored_rows(), scale, item.kv_slots)
     if item.frames is not None:
         if sliding_window:
             raise RuntimeError(

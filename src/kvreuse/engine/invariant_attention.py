@@ -50,11 +50,13 @@ def attend(
     k: torch.Tensor,  # [kv_heads, L, d] every key in attention order, the new tokens' last (L = c + n)
     v: torch.Tensor,  # [kv_heads, L, d]
     scale: float,
+    slots: torch.Tensor | None = None,  # [L] int64: k, v are pool sides [kv_heads, rows, d], key j at row slots[j]
 ) -> torch.Tensor:
     """Causal attention of ``n`` new tokens over ``L`` keys (new token ``i`` sees keys
     ``0..L-n+i``): ``[n, heads, d]`` in ``q``'s dtype, each row independent of ``n`` and of
     anything else in the batch (module docstring). ``heads`` a multiple of ``kv_heads``.
-    ``k``, ``v`` may be an int8 pool's stored rows (``[kv, L, d + 2]`` uint8).
+    ``k``, ``v`` may be an int8 pool's stored rows (``[kv, L, d + 2]`` uint8); with ``slots``
+    they are whole pool sides read at those rows (no gather on the kernel path).
 
     bf16 on CPU with kvreuse's kernels built: ``causal_attention`` (a decode through
     ``decode_attention``, the same bits), rows read in place. Otherwise queries run in blocks of
@@ -64,8 +66,10 @@ def attend(
         kv_heads = k.shape[0]
         if n == 1 and heads // kv_heads <= DECODE_MAX_GROUPS:  # the keys split across threads
             qg = q.view(1, kv_heads, heads // kv_heads, d)  # [1, kv, groups, d]
-            return torch.ops.kvreuse.decode_attention(qg, k[None], v[None], scale)[0].view(1, heads, d)
-        return torch.ops.kvreuse.causal_attention(q, k, v, scale)
+            return torch.ops.kvreuse.decode_attention(qg, k[None], v[None], scale, slots)[0].view(1, heads, d)
+        return torch.ops.kvreuse.causal_attention(q, k, v, scale, slots)
+    if slots is not None:  # the torch path reads gathered keys
+        k, v = k.index_select(1, slots), v.index_select(1, slots)
     if k.dtype == torch.uint8:  # int8 pool rows: the torch path reads them dequantized
         k, v = dequantize(k, q.dtype), dequantize(v, q.dtype)
     n, heads, d = q.shape

@@ -140,6 +140,11 @@ class KVSide:
         """``select`` as stored: int8 rows gathered undequantized (half the bytes), else ``select``."""
         return self.store.index_select(1, slots) if self.quantized else self.select(slots)
 
+    def stored_rows(self) -> torch.Tensor:
+        """Every slot as stored ``[kv_heads, slots, row]`` (a view): int8 rows undequantized,
+        else the pool in the read dtype (a copy only when that differs from the store's)."""
+        return self.store if self.quantized else self.store.to(self.dtype)
+
     def select(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots ``slots [L]`` (any order): ``[kv_heads, L, d]``, a copy."""
         rows = self.store.index_select(1, slots)

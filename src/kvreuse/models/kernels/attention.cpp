@@ -20,7 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -82,17 +84,19 @@ struct ItemKV {
 };
 
 template <typename KV>
-void load_item(const KV* k, const KV* v, int64_t key_stride, int64_t n, int64_t d, ItemKV& it) {
+void load_item(const KV* k, const KV* v, int64_t key_stride, const int64_t* slots, int64_t j0, int64_t n, int64_t d,
+               ItemKV& it) {
   const int64_t groups = (n + kLanes - 1) / kLanes;
   it.n = n;
   it.kt.assign(groups * d * kLanes, 0.f);
   it.vf.resize(n * d);
   float row[kMaxDim];
   for (int64_t j = 0; j < n; ++j) {
-    load_row(k + j * key_stride, d, row);
+    const int64_t at_ = (slots == nullptr ? j0 + j : slots[j0 + j]) * key_stride;  // key j0 + j's row
+    load_row(k + at_, d, row);
     float* dst = it.kt.data() + (j / kLanes) * d * kLanes + j % kLanes;
     for (int64_t i = 0; i < d; ++i) dst[i * kLanes] = row[i];
-    load_row(v + j * key_stride, d, it.vf.data() + j * d);
+    load_row(v + at_, d, it.vf.data() + j * d);
   }
 }
 
@@ -226,20 +230,36 @@ Rows check_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int
   return int8_rows ? Rows::kInt8 : k.scalar_type() == at::kBFloat16 ? Rows::kBF16 : Rows::kFloat;
 }
 
-// Load keys [j0, j0 + n) of KV head h (k / v laid out [.., kv, L, row]) into `it`.
-void load_head_item(const at::Tensor& k, const at::Tensor& v, Rows kind, int64_t h, int64_t j0, int64_t n,
-                    int64_t d, ItemKV& it) {
-  const int64_t off = h * k.stride(-3) + j0 * k.stride(-2), stride = k.stride(-2);
+// The keys a call reads: rows 0..L-1 of k / v, or with `slots` ([L] int64) rows slots[j] of a
+// pool side. Returns (slot pointer or null, L); refuses a slot outside k's rows.
+std::pair<const int64_t*, int64_t> key_rows(const at::Tensor& k, const std::optional<at::Tensor>& slots,
+                                            const char* op) {
+  if (!slots.has_value()) return {nullptr, k.size(-2)};
+  const auto& s = *slots;
+  TORCH_CHECK(s.dim() == 1 && s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() > 0, "kvreuse ", op,
+              ": slots must be a non-empty contiguous int64 [L]");
+  const int64_t* p = s.data_ptr<int64_t>();
+  const int64_t rows = k.size(-2);
+  for (int64_t j = 0; j < s.numel(); ++j)
+    TORCH_CHECK(p[j] >= 0 && p[j] < rows, "kvreuse ", op, ": slot ", p[j], " outside the ", rows, " rows of k");
+  return {p, s.numel()};
+}
+
+// Load keys [j0, j0 + n) of KV head h (k / v laid out [.., kv, rows, row]; key j at row j, or at
+// row slots[j]) into `it`.
+void load_head_item(const at::Tensor& k, const at::Tensor& v, Rows kind, const int64_t* slots, int64_t h,
+                    int64_t j0, int64_t n, int64_t d, ItemKV& it) {
+  const int64_t off = h * k.stride(-3), stride = k.stride(-2);
   switch (kind) {
     case Rows::kInt8:
       load_item(reinterpret_cast<const Int8Row*>(k.data_ptr<uint8_t>()) + off,
-                reinterpret_cast<const Int8Row*>(v.data_ptr<uint8_t>()) + off, stride, n, d, it);
+                reinterpret_cast<const Int8Row*>(v.data_ptr<uint8_t>()) + off, stride, slots, j0, n, d, it);
       break;
     case Rows::kBF16:
-      load_item(k.data_ptr<at::BFloat16>() + off, v.data_ptr<at::BFloat16>() + off, stride, n, d, it);
+      load_item(k.data_ptr<at::BFloat16>() + off, v.data_ptr<at::BFloat16>() + off, stride, slots, j0, n, d, it);
       break;
     case Rows::kFloat:
-      load_item(k.data_ptr<float>() + off, v.data_ptr<float>() + off, stride, n, d, it);
+      load_item(k.data_ptr<float>() + off, v.data_ptr<float>() + off, stride, slots, j0, n, d, it);
       break;
   }
 }
@@ -252,16 +272,20 @@ void for_q_dtype(const at::Tensor& q, Fn fn) {
     fn(q.data_ptr<float>());
 }
 
-// q [1, H, R, D], k / v [1, H, L, D] (rows of D contiguous, any other strides): every key visible
-// to every row. Returns (out [1, H, R, D] in q's dtype, lse [1, H, R] float32), as PyTorch's CPU
-// flash kernel. Items of a head run on different threads, then merge in order.
+// q [1, H, R, D], k / v [1, H, L, D] (rows of D contiguous, any other strides; with `slots` [L],
+// key j is row slots[j] of k / v [1, H, rows, D]): every key visible to every row. Returns (out
+// [1, H, R, D] in q's dtype, lse [1, H, R] float32), as PyTorch's CPU flash kernel. Items of a
+// head run on different threads, then merge in order.
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
-                                                    double scale) {
+                                                    double scale, const std::optional<at::Tensor>& slots) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
                   v.size(0) == 1 && k.size(1) == q_in.size(1) && q_in.size(2) <= kMaxRowsDecode,
               "kvreuse decode_attention: q, k, v must be [1, H, n, D] with n <= 16");
-  const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3), n_keys = k.size(2);
+  const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3);
   const Rows kind = check_kv(q_in, k, v, d, "decode_attention");
+  const auto rows_read = key_rows(k, slots, "decode_attention");
+  const int64_t* slot = rows_read.first;
+  const int64_t n_keys = rows_read.second;
   const auto q = q_in.contiguous();
   const int64_t splits = (n_keys + kItem - 1) / kItem, items = heads * splits;
   std::vector<float> mx(items * rows), sm(items * rows), acc(items * rows * d);
@@ -272,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
     int64_t vis[kMaxRowsDecode];
     for (int64_t t = i0; t < i1; ++t) {
       const int64_t h = t / splits, j0 = (t % splits) * kItem, n = std::min(kItem, n_keys - j0);
-      load_head_item(k, v, kind, h, j0, n, d, it);
+      load_head_item(k, v, kind, slot, h, j0, n, d, it);
       for_q_dtype(q, [&](const auto* qp) { scaled_rows(qp + h * rows * d, rows, d, sc, qf); });
       std::fill(vis, vis + rows, n);
       item_partials(qf.data(), vis, rows, d, it, &mx[t * rows], &sm[t * rows], &acc[t * rows * d], 1, d);
@@ -293,15 +317,20 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 }
 
 // q [n, H, D] (the chunk's new tokens), k / v [kv, L, D] every key in attention order, the new
-// tokens' last (rows of D contiguous, any other strides; or an int8 pool's rows [kv, L, D + 2]).
+// tokens' last (rows of D contiguous, any other strides; or an int8 pool's rows [kv, L, D + 2];
+// or, with `slots` [L], a pool side [kv, rows, D] whose row slots[j] is key j).
 // Token t (logical key index L - n + t) sees keys 0 .. L - n + t; query head h uses KV head
 // h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 16 tokens), heaviest
 // first; each computes its rows' item partials in order and merges them.
-at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
+                            const std::optional<at::Tensor>& slots) {
+  const auto rows_read = key_rows(k, slots, "causal_attention");
+  const int64_t* slot = rows_read.first;
+  const int64_t length = rows_read.second;
   TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q_in.size(1) % k.size(0) == 0 &&
-                  q_in.size(0) <= k.size(1),
+                  q_in.size(0) <= length,
               "kvreuse causal_attention: q [n, H, D], k / v [kv, L, D] with H a multiple of kv and n <= L");
-  const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv = k.size(0), length = k.size(1);
+  const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv = k.size(0);
   const int64_t groups = heads / kv, context = length - n;
   const Rows kind = check_kv(q_in, k, v, d, "causal_attention");
   const auto q = q_in.contiguous();
@@ -317,8 +346,8 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     for (int64_t u = u0; u < u1; ++u) {
       // units interleaved from both ends: the later blocks see more keys, so each thread's
       // contiguous share mixes long and short ones
-      const int64_t slot = u / kv, h = u % kv;
-      const int64_t b = slot % 2 == 0 ? blocks - 1 - slot / 2 : slot / 2;
+      const int64_t rank = u / kv, h = u % kv;
+      const int64_t b = rank % 2 == 0 ? blocks - 1 - rank / 2 : rank / 2;
       const int64_t t0 = b * kBlockTokens, tokens = std::min(kBlockTokens, n - t0), rows = tokens * groups;
       const int64_t items = (context + t0 + tokens - 1) / kItem + 1;  // the block's last token sees these
       // rows (token, group): the query head h * groups + group of token t0 + token
@@ -339,7 +368,7 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
         const int64_t first_token = std::max<int64_t>(0, j0 - context);  // the block's first token seeing key j0
         const int64_t r0 = std::max<int64_t>(0, first_token - t0) * groups;  // rows before r0 do not see the item
         const int64_t nk = std::min(kItem, length - j0);
-        load_head_item(k, v, kind, h, j0, nk, d, it);
+        load_head_item(k, v, kind, slot, h, j0, nk, d, it);
         for (int64_t r = r0; r < rows; ++r) vis[r] = std::min(kItem, context + t0 + r / groups + 1 - j0);
         // partial of row r for item s at [r * items + s]
         item_partials(qf.data() + r0 * d, vis.data() + r0, rows - r0, d, it, &mx[r0 * items + s],
@@ -359,8 +388,8 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvreuse, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? slots=None) -> (Tensor, Tensor)");
   m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
-  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? slots=None) -> Tensor");
   m.impl("causal_attention", c10::DispatchKey::CPU, &causal_attention);
 }
