@@ -123,3 +123,20 @@ def test_keys_read_by_slot_are_the_gathered_keys_bits():
         assert torch.equal(by_slot[0], gathered[0]) and torch.equal(by_slot[1], gathered[1])
     with pytest.raises(RuntimeError, match="slot 900 outside the 900 rows of k"):
         torch.ops.kvreuse.causal_attention(q, pool_k, pool_v, 0.125, torch.tensor([0, 5, 900]))
+
+
+def test_a_nan_key_gives_nan_rows_and_empty_shapes_are_refused():
+    """A NaN among the keys makes the rows that see it NaN (as float64 attention), on the vector
+    exp as on the scalar one; no heads, no rows or no KV heads are refused, not a crash."""
+    q, k, v = _inputs(4, 10, 6, 3, 64, seed=9)
+    k[1, 5, 3] = float("nan")  # kv head 1, key 5: seen by tokens 1.. (L - n = 6: token t sees keys 0..6+t)
+    out = torch.ops.kvreuse.causal_attention(q, k, v, 0.125)
+    assert out[:, 2:4].isnan().all() and not out[:, :2].isnan().any() and not out[:, 4:].isnan().any()
+    decode, lse = torch.ops.kvreuse.decode_attention(q[:1].view(1, 3, 2, 64), k[None], v[None], 0.125)
+    assert decode[0, 1].isnan().all() and lse[0, 1].isnan().all() and not decode[0, 0].isnan().any()
+    with pytest.raises(RuntimeError, match="no heads or no rows"):
+        torch.ops.kvreuse.decode_attention(torch.randn(1, 3, 0, 64).bfloat16(), k[None], v[None], 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv"):
+        torch.ops.kvreuse.causal_attention(q, k[:0], v[:0], 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv"):
+        torch.ops.kvreuse.causal_attention(q[:, :0], k, v, 0.125)

@@ -32,3 +32,32 @@ def test_a_second_lookup_keeps_the_loaded_library(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True"]
+
+
+def test_the_build_key_covers_every_source_header_and_flag(tmp_path, monkeypatch):
+    """Editing a header (simd.h's exp) or a compile flag (-ffp-contract=off) changes the
+    kernels' bits, so it must change the cached library's name: a stale build is never reused
+    under a new arithmetic revision. A fake compiler records each build."""
+    from kvreuse.models.kernels import native
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in (*native.SOURCES, *native.HEADERS):
+        (src / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(native, "SOURCES", tuple(src / p.name for p in native.SOURCES))
+    monkeypatch.setattr(native, "HEADERS", tuple(src / p.name for p in native.HEADERS))
+    fake = tmp_path / "fake-g++"
+    fake.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && { echo fake 1; exit 0; }\nfor a; do out=$a; done\ntouch "$out"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(native, "_compile_command", lambda c, s, out: [c, "-o", str(out)])
+    cache = tmp_path / "cache"
+    first = native.build_library(cache)
+    assert native.build_library(cache) == first  # unchanged: the cached build
+    (src / "simd.h").write_text((src / "simd.h").read_text() + "\n// changed\n")
+    second = native.build_library(cache)
+    monkeypatch.setattr(native, "FLAGS", tuple(f for f in native.FLAGS if f != "-ffp-contract=off"))
+    third = native.build_library(cache)
+    assert len({first, second, third}) == 3

@@ -14,7 +14,7 @@ import torch
 from kvreuse.engine.kv_quant import dequantize
 from kvreuse.models.kernels import native_kernels
 
-NATIVE_MAX_ROWS = 16  # query rows per KV head kvreuse's decode kernel takes (gemv.cpp: kMaxRowsAttn)
+NATIVE_MAX_ROWS = 16  # query rows per KV head kvreuse's decode kernel takes (attention.cpp: kMaxRowsDecode)
 
 
 def _native_fits(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:

@@ -281,6 +281,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q_in.size(0) == 1 && k.size(0) == 1 &&
                   v.size(0) == 1 && k.size(1) == q_in.size(1) && q_in.size(2) <= kMaxRowsDecode,
               "kvreuse decode_attention: q, k, v must be [1, H, n, D] with n <= 16");
+  TORCH_CHECK(q_in.size(1) > 0 && q_in.size(2) > 0, "kvreuse decode_attention: q has no heads or no rows");
   const int64_t heads = q_in.size(1), rows = q_in.size(2), d = q_in.size(3);
   const Rows kind = check_kv(q_in, k, v, d, "decode_attention");
   const auto rows_read = key_rows(k, slots, "decode_attention");
@@ -320,14 +321,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 // tokens' last (rows of D contiguous, any other strides; or an int8 pool's rows [kv, L, D + 2];
 // or, with `slots` [L], a pool side [kv, rows, D] whose row slots[j] is key j).
 // Token t (logical key index L - n + t) sees keys 0 .. L - n + t; query head h uses KV head
-// h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 16 tokens), heaviest
+// h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 32 tokens), heaviest
 // first; each computes its rows' item partials in order and merges them.
 at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
                             const std::optional<at::Tensor>& slots) {
   const auto rows_read = key_rows(k, slots, "causal_attention");
   const int64_t* slot = rows_read.first;
   const int64_t length = rows_read.second;
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q_in.size(1) % k.size(0) == 0 &&
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.size(0) > 0 && q_in.size(1) > 0 &&
+                  q_in.size(1) % k.size(0) == 0 &&
                   q_in.size(0) <= length,
               "kvreuse causal_attention: q [n, H, D], k / v [kv, L, D] with H a multiple of kv and n <= L");
   const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv = k.size(0);

@@ -38,8 +38,12 @@ ENV_SWITCH = "KVREUSE_NATIVE_KERNELS"  # "off" / "0" / "false": PyTorch's kernel
 # scores, vectorized exp in SiLU, 16-lane sums of squares in RMSNorm.
 ARITHMETIC_REVISION = 2
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "simd.h"))
 FAST_ISAS = ("avx512vnni", "avx2")
+# -ffp-contract=off: a * b + c rounds twice wherever it is written, so an inlined helper computes
+# the same bits in every caller (the kernels' batch invariance); fma is written out where wanted.
+# Part of the build key, as the sources and headers are: each changes the bits.
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,7 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], out: Path) -> lis
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
         compiler,
-        # -ffp-contract=off: a * b + c rounds twice wherever it is written, so an inlined helper
-        # computes the same bits in every caller (the kernels' batch invariance); fma is explicit
-        *("-O3", "-march=native", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp"),
+        *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
         *(str(s) for s in sources),
@@ -106,7 +108,8 @@ def build_library(cache: Path | None = None) -> Path:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n", 1)[0]
     text = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (torch.__version__, version, _cpu_flags())) + text)
+    flags = " ".join(FLAGS)  # the flags change the bits too
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (torch.__version__, version, _cpu_flags(), flags)) + text)
     cache = cache or kernel_cache_dir()
     out = cache / f"kvreuse_gemv_{key.hexdigest()[:16]}.so"
     if out.exists():
