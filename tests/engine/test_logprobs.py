@@ -83,3 +83,16 @@ def test_no_logprobs_requested_means_no_log_softmax(llm, monkeypatch):
 def test_out_of_range_logprobs_is_a_value_error_naming_the_field(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def test_a_rows_top_list_does_not_depend_on_what_other_rows_asked():
+    """Tied logprobs: the top list of a row asking for 5 is the same alone and beside a row
+    asking for 20 (topk's choice among ties depends on k), ties in token-id order."""
+    from kvreuse.engine.logprobs import compute_logprobs
+
+    row = torch.full((1, 3000), -10.0)
+    row[0, [2000, 1000, 40, 30, 20, 10]] = 5.0  # six tokens tied at the top
+    alone = compute_logprobs(row, [10], [5])[0]
+    beside = compute_logprobs(torch.cat([row, torch.randn(1, 3000)]), [10, 0], [5, 20])[0]
+    assert alone == beside
+    assert alone.top_token_ids == (10, 20, 30, 40, 1000)

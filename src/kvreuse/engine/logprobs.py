@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kvreuse.sampling_params import MAX_LOGPROBS
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
@@ -31,7 +33,8 @@ class TokenLogprobs:
 @torch.inference_mode()
 def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
     """Logprobs of ``token_ids[i]`` under row ``i`` of fp32 ``logits`` ``[rows, vocab]``,
-    with the ``ks[i]`` most likely tokens. One ``log_softmax`` and one ``topk`` for all
+    with the ``ks[i]`` most likely tokens (``ks[i] <= MAX_LOGPROBS``; equal logprobs in token-id
+    order, the list a function of the row alone). One ``log_softmax`` and one ``topk`` for all
     rows, one device-to-host copy."""
     if not token_ids:
         return []
@@ -39,15 +42,21 @@ def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], ks: Sequenc
     tokens = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)  # [rows]
     chosen = logp.gather(1, tokens[:, None])  # [rows, 1]
     ranks = (logp > chosen).sum(dim=1) + 1  # [rows]
-    k_max = max(ks)
-    top = torch.topk(logp, k_max, dim=-1) if k_max else None  # values, indices: [rows, k_max]
+    # one fixed k, whatever the rows asked: which tied tokens topk returns depends on k, so a
+    # row's list must not depend on what another request in the step asked for (deterministic
+    # mode: the same top list alone or batched); ties then go by token id
+    k = min(MAX_LOGPROBS, logp.shape[-1]) if max(ks) else 0
+    top = torch.topk(logp, k, dim=-1) if k else None  # values, indices: [rows, k]
     chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
     top_v = top.values.tolist() if top is not None else [[] for _ in token_ids]
     top_i = top.indices.tolist() if top is not None else [[] for _ in token_ids]
-    return [
-        TokenLogprobs(int(t), chosen_l[i], int(ranks_l[i]), tuple(top_i[i][: ks[i]]), tuple(top_v[i][: ks[i]]))
-        for i, t in enumerate(token_ids)
-    ]
+    out = []
+    for i, t in enumerate(token_ids):
+        pairs = sorted(zip(top_v[i], top_i[i]), key=lambda p: (-p[0], p[1]))[: ks[i]]
+        out.append(
+            TokenLogprobs(int(t), chosen_l[i], int(ranks_l[i]), tuple(p[1] for p in pairs), tuple(p[0] for p in pairs))
+        )
+    return out
 
 
 def requested_logprobs(
