@@ -2,7 +2,7 @@
 
 Why: the fast path picks a kernel by row count. A quantized layer multiplies a transient
 dequantized copy from ``DENSE_MIN_ROWS`` rows and calls the int4 / int8 kernel below that
-(``quant/dense_rule.py``); CPU sgemm takes another kernel below 8 rows; the RMSNorm of a few
+(``quant/dense_rule.py``); CPU sgemm takes other kernels below 8 and at 9-11 rows; the RMSNorm of a few
 rows runs as a layer norm. The same token then rounds differently as one of 1,459 prompt rows
 (a prefix-cache miss) and as one of 3 suffix rows (a hit), and a greedy answer can change
 (issue 31, finding 3). ``--deterministic`` runs the Llama forward through this module instead:
@@ -27,7 +27,10 @@ from torch import nn
 
 from kvreuse.models.quant import Int4Linear, Int8Linear
 
-MIN_ROWS = 8  # below 8 rows CPU sgemm (fp32) picks another kernel, measured on torch 2.13
+# CPU sgemm (fp32) picks other kernels below 8 rows and again at 9-11 rows (a reviewer's scan on
+# an AVX-512 EPYC, torch 2.13); from 16 rows on every count tried (up to 2,048) gives a row the
+# same bits
+MIN_ROWS = 16
 
 
 def project(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
