@@ -16,3 +16,14 @@ def test_schema_precompute_can_target_a_quantized_server():
 
     args = _parser().parse_args(["precompute", "s.pml", "--schema-dir", "d", "--quantization", "int4"])
     assert args.quantization == "int4"
+
+
+def test_schema_precompute_can_target_a_server_of_either_mode():
+    # module files are keyed by model_id, which folds in the deterministic mode: precompute takes
+    # the server's --[no-]deterministic (default: auto, as serve)
+    from kvreuse.schema_cli import _engine_config, _parser
+
+    base = ["precompute", "s.pml", "--schema-dir", "d"]
+    assert _engine_config(_parser().parse_args(base)).deterministic is None
+    assert _engine_config(_parser().parse_args([*base, "--no-deterministic"])).deterministic is False
+    assert _engine_config(_parser().parse_args([*base, "--deterministic"])).deterministic is True

@@ -62,7 +62,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     quant = loaded.quantization.value
     console.print(
-        f"kvreuse: model [bold]{loaded.name}[/] ({loaded.model_id}) on {loaded.device}, "
+        # the engine's model_id: the KV format and the deterministic mode are folded into it
+        f"kvreuse: model [bold]{loaded.name}[/] ({engine.facts.model_id}) on {loaded.device}, "
         f"{dtype_name(loaded.dtype)}"
         + ("" if quant == "none" else f", {quant} weights on {loaded.kernels} kernels")
         + (", deterministic (a cache hit gives the miss's answer)" if engine.facts.deterministic else "")

@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=["auto", "none", "int8", "int4"],
         help="as the server's --quantization (module files are keyed to it)",
     )
+    pre.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=C.deterministic,
+        help="as the server's --[no-]deterministic (module files are keyed to it; default: auto, as serve)",
+    )
     pre.add_argument("--device", default=C.device)
     pre.add_argument("--kv-cache-memory", type=float, default=C.kv_cache_memory_gib, metavar="GIB")
     pre.add_argument("--block-size", type=int, default=C.block_size)
@@ -92,6 +98,7 @@ def _engine_config(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        deterministic=args.deterministic,
         kv_cache_memory_gib=args.kv_cache_memory,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
