@@ -30,6 +30,7 @@ def test_vllm_prompt_dicts_are_the_text_and_ids_they_hold(llm):
         ({"prompt_ids": [1, 2]}, "got keys ['prompt_ids']"),
         ({"prompt": [1, 2]}, "got keys ['prompt']"),
         ({"prompt_token_ids": ["a"]}, "got list"),
+        ({"prompt_token_ids": "hello"}, "got keys ['prompt_token_ids']"),
         ([[1, 2], 3.5], "got float"),
     ],
 )

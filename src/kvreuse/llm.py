@@ -33,8 +33,8 @@ def _plain_prompt(prompt: object) -> str | list[int] | DocumentPrompt:
     if isinstance(prompt, Mapping):
         if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"]
-        if set(prompt) == {"prompt_token_ids"}:
-            prompt = prompt["prompt_token_ids"]
+        if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            prompt = prompt["prompt_token_ids"]  # ids only: a str here is not taken as text
         else:
             raise TypeError(
                 "prompt: a dict must be {'prompt': str} or {'prompt_token_ids': list[int]}, "
