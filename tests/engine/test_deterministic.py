@@ -60,17 +60,20 @@ def test_tiny_bf16_int4_same_answer_on_miss_hit_and_in_a_batch(tiny_int4):
 
 
 def test_tiny_chunked_prefill_and_speculation_keep_the_answer(tiny_int4):
+    """Tokens and top-5 log-probabilities to the bit, with 48-token prefill chunks and with
+    prompt-lookup speculation, as in one chunk without speculation."""
     prompts = _prompts(tiny_int4.tokenizer, 300)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     whole = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True)
-    ref = [list(o.token_ids) for o in whole.generate(prompts, params)]
+    ref = _answers(whole, prompts, 24)
     # prefill in chunks of 48 tokens (7 steps for a 300-token prompt), 4 prompts sharing steps
     chunked = LLM(
         loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True, max_num_batched_tokens=48
     )
-    assert [list(o.token_ids) for o in chunked.generate(prompts, params)] == ref
+    assert _answers(chunked, prompts, 24) == ref
     spec = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True, speculative_tokens=4)
-    assert [list(o.token_ids) for o in spec.generate(prompts, params)] == ref
+    assert _answers(spec, prompts, 24) == ref
+    for llm in (whole, chunked, spec):
+        llm.engine.pool.check_integrity()
 
 
 def test_deterministic_refuses_a_model_without_the_llama_forward():
