@@ -61,7 +61,7 @@ def attend(
     bf16 on CPU with kvreuse's kernels built: ``causal_attention`` (a decode through
     ``decode_attention``, the same bits), rows read in place. Otherwise queries run in blocks of
     ``BLOCK_TOKENS``, each over the tiles its last query sees, in fp32 torch."""
-    if _native(q, k):
+    if _native(q, k, v):
         n, heads, d = q.shape
         kv_heads = k.shape[0]
         if n == 1 and heads // kv_heads <= DECODE_MAX_GROUPS:  # the keys split across threads
@@ -89,7 +89,7 @@ def attend(
     return out
 
 
-def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
+def _native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether kvreuse's attention kernels take this call: bf16 queries on CPU (fp32 stays the
     torch reference, as in ``flash``), bf16 or int8-pool rows of ``d`` contiguous, kernels built."""
     d = q.shape[-1]
@@ -100,6 +100,7 @@ def _native(q: torch.Tensor, k: torch.Tensor) -> bool:
         and d % 16 == 0
         and d <= 256
         and k.stride(-1) == 1
+        and v.stride() == k.stride()  # the kernels read k and v with one set of strides
         and native_kernels() is not None
     )
 
