@@ -17,22 +17,33 @@ from kvreuse.models.kernels import native_kernels
 NATIVE_MAX_ROWS = 16  # query rows per KV head kvreuse's decode kernel takes (attention.cpp: kMaxRowsDecode)
 
 
+def kernels_read(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether kvreuse's attention kernels (``decode_attention``, ``causal_attention``) can read
+    these tensors: bf16 queries on CPU (``--dtype float32`` stays the exact reference on
+    PyTorch's kernels, docs/kernels.md), bf16 or int8-pool rows of ``d`` contiguous, ``d`` a
+    multiple of 16 up to 256, the kernels built."""
+    d = q.shape[-1]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and k.dtype in (torch.bfloat16, torch.uint8)
+        and d % 16 == 0
+        and d <= 256
+        and k.stride(-1) == 1
+        and native_kernels() is not None
+    )
+
+
 def _native_fits(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
     """Whether kvreuse's decode-attention kernel takes this call: one sequence, a few unmasked
-    query rows per KV head (a decode's stacked query heads), rows of ``d`` contiguous."""
+    query rows per KV head (a decode's stacked query heads), rows the kernels read."""
     return (
         not causal
         and mask is None
         and q.shape[0] == 1
         and q.shape[1] == k.shape[1]
         and q.shape[2] <= NATIVE_MAX_ROWS
-        and q.shape[3] <= 256
-        and q.shape[3] % 16 == 0
-        # bf16 only: --dtype float32 stays the exact reference on PyTorch's kernels (docs/kernels.md)
-        and q.dtype == torch.bfloat16
-        and k.dtype in (torch.bfloat16, torch.uint8)
-        and k.stride(3) == 1
-        and native_kernels() is not None
+        and kernels_read(q, k)
     )
 
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from kvreuse.engine.flash import kernels_read
 from kvreuse.engine.kv_quant import dequantize
-from kvreuse.models.kernels import native_kernels
 
 TILE = 256  # keys per tile
 MIN_ROWS = 8  # query rows per KV head are padded to this: below 8 rows CPU sgemm takes another kernel
@@ -90,19 +90,9 @@ def attend(
 
 
 def _native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether kvreuse's attention kernels take this call: bf16 queries on CPU (fp32 stays the
-    torch reference, as in ``flash``), bf16 or int8-pool rows of ``d`` contiguous, kernels built."""
-    d = q.shape[-1]
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and k.dtype in (torch.bfloat16, torch.uint8)
-        and d % 16 == 0
-        and d <= 256
-        and k.stride(-1) == 1
-        and v.stride() == k.stride()  # the kernels read k and v with one set of strides
-        and native_kernels() is not None
-    )
+    """Whether kvreuse's attention kernels take this call (``flash.kernels_read``), ``k`` and
+    ``v`` read with one set of strides."""
+    return v.stride() == k.stride() and kernels_read(q, k)
 
 
 def _block(

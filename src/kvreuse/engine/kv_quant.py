@@ -141,9 +141,9 @@ class KVSide:
         return self.store.index_select(1, slots) if self.quantized else self.select(slots)
 
     def stored_rows(self) -> torch.Tensor:
-        """Every slot as stored ``[kv_heads, slots, row]`` (a view): int8 rows undequantized,
-        else the pool in the read dtype (a copy only when that differs from the store's)."""
-        return self.store if self.quantized else self.store.to(self.dtype)
+        """Every slot as stored ``[kv_heads, slots, row]``, a view (int8 rows undequantized; a
+        float pool in its own dtype, never converted whole: a reader converts what it reads)."""
+        return self.store
 
     def select(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots ``slots [L]`` (any order): ``[kv_heads, L, d]``, a copy."""

@@ -170,10 +170,9 @@ def resolve_deterministic(requested: bool | None, model: torch.nn.Module) -> boo
         return requested
     if not supports(model) or native_kernels() is None:
         return False
-    layers = model.model.layers
     return all(
-        isinstance(p, Int4Linear) and p.native and p.bias is None
-        for layer in layers
+        _native_int4(p)
+        for layer in model.model.layers
         for p in (
             layer.self_attn.q_proj,
             layer.self_attn.k_proj,
@@ -189,11 +188,12 @@ def resolve_deterministic(requested: bool | None, model: torch.nn.Module) -> boo
 def _all_native_int4(layers: list[_Layer]) -> bool:
     """Whether every projection of every layer is an Int4Linear on kvreuse's kernel, without bias
     (what ``LlamaForward._fused_layers`` needs)."""
-    return all(
-        isinstance(p, Int4Linear) and p.native and p.bias is None
-        for layer in layers
-        for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
-    )
+    return all(_native_int4(p) for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj))
+
+
+def _native_int4(p: object) -> bool:
+    """An Int4Linear on kvreuse's kernel, without bias (what the fused path takes)."""
+    return isinstance(p, Int4Linear) and p.native and p.bias is None
 
 
 def _call(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
