@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvreuse.engine.attention import ForwardContext, attend
+from kvreuse.engine.kv_quant import KVStore
 from kvreuse.models import invariant
 from kvreuse.models.kernels import native_kernels
 from kvreuse.models.quant import Int4Linear, dense_rule, fused_projection
@@ -82,6 +83,12 @@ class LlamaForward:
         # few-row steps fold norms, SiLU and residual adds into kvreuse's int4 kernel; in
         # invariant mode every step does (its rows are computed alone at any count)
         self.native_fused = _all_native_int4(self.layers)
+        scales = {layer.scaling for layer in self.layers}
+        # llama_layers takes one attention scale for every layer
+        self._scale: float | None = scales.pop() if len(scales) == 1 else None
+        # the tensors as fused above (the norm weights are the model's own parameters, as
+        # _NormWeight holds them): llama_layers' argument, built once
+        self._weights = _layer_weights(self.layers) if self.native_fused else []
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, half) * sign: the sign folds into sin once per step
         self._sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])  # [head_dim]
@@ -146,12 +153,21 @@ class LlamaForward:
         t = x.shape[0]
         heads, kv, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         qk_heads = heads + kv
+        cos, sin = cos.view(t, d), sin.view(t, d)
+        items = _native_items(kv_context) if self.invariant and self._scale is not None else None
+        if items is not None:  # every layer in one C++ call: the same kernels in the same order
+            pool = cast("KVStore", kv_context.kv_cache).tensor
+            layers = len(self.layers) if num_layers is None else num_layers
+            weights = self._weights[: LAYER_TENSORS * layers]
+            flat, slots = items
+            return torch.ops.kvreuse.llama_layers(
+                x, weights, eps, cos, sin, pool, kv_context.slot_mapping, flat, slots, heads, kv, self._scale
+            )
         for i, layer in enumerate(self.layers[:num_layers]):
             qkv_proj, o_proj = cast("Int4Linear", layer.qkv), cast("Int4Linear", layer.o_proj)
             gate_up, down = cast("Int4Linear", layer.gate_up), cast("Int4Linear", layer.down_proj)
             qkv = qkv_proj.native_fused(x, layer.input_norm.weight, eps).view(t, qk_heads + kv, d)
-            qk = qkv[:, :qk_heads]
-            qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin)  # [T, heads + kv, d]
+            qk = torch.ops.kvreuse.rope_(qkv, cos, sin, qk_heads)[:, :qk_heads]  # [T, heads + kv, d], in place
             o = attend(i, qk[:, :heads], qk[:, heads:], qkv[:, qk_heads:], kv_context, layer.scaling)  # [T, heads, d]
             x = o_proj.native_fused(o.reshape(t, heads * d).contiguous(), residual=x)
             gu = gate_up.native_fused(x, layer.post_norm.weight, eps)  # [T, 2 * intermediate]
@@ -189,6 +205,46 @@ def _all_native_int4(layers: list[_Layer]) -> bool:
     """Whether every projection of every layer is an Int4Linear on kvreuse's kernel, without bias
     (what ``LlamaForward._fused_layers`` needs)."""
     return all(_native_int4(p) for layer in layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj))
+
+
+def _native_items(ctx: ForwardContext) -> tuple[list[int], list[torch.Tensor | None]] | None:
+    """The step's items as ``kvreuse::llama_layers`` takes them (``(start, n, run start or -1,
+    keys)`` flattened, and each item's slots or None for one run), or None where that loop cannot
+    run the step: a padded decode batch, an int8 or non-bf16 pool, documents' frames or masked
+    items (``attention.attend`` serves those)."""
+    kv = ctx.kv_cache
+    if ctx.decodes is not None or not isinstance(kv, KVStore) or kv.format.quantized:
+        return None
+    if kv.tensor.dtype != torch.bfloat16 or kv.tensor.device.type != "cpu":
+        return None
+    flat: list[int] = []
+    slots: list[torch.Tensor | None] = []
+    for item in ctx.prefills:
+        if item.frames is not None or item.masked:
+            return None
+        if len(item.kv_runs) == 1:
+            ((first, length),) = item.kv_runs
+            flat += (item.start, item.num_new, first, length)
+            slots.append(None)
+        else:
+            flat += (item.start, item.num_new, -1, item.keys.num_keys)
+            slots.append(item.kv_slots)
+    return flat, slots
+
+
+LAYER_TENSORS = 14  # tensors a layer passes to kvreuse::llama_layers
+
+
+def _layer_weights(layers: list[_Layer]) -> list[torch.Tensor]:
+    """Each layer's 14 tensors in ``kvreuse::llama_layers``' order: q/k/v, o, gate/up and down
+    (each qweight, scale, min), then the input and post-attention norm weights (read live)."""
+    out: list[torch.Tensor] = []
+    for layer in layers:
+        for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
+            d = p.__dict__  # not nn.Module.__getattr__: ~0.6 us a lookup, 120 a step
+            out += (d["_buffers"]["qweight"], d["native_scale"], d["native_min"])
+        out += (layer.input_norm.weight, layer.post_norm.weight)
+    return out
 
 
 def _native_int4(p: object) -> bool:

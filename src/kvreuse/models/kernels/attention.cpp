@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -388,6 +389,18 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
 }
 
 }  // namespace
+
+namespace kvreuse_kernels {
+std::tuple<at::Tensor, at::Tensor> attention_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    double scale, const std::optional<at::Tensor>& slots) {
+  return decode_attention(q, k, v, scale, slots);
+}
+
+at::Tensor attention_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                            const std::optional<at::Tensor>& slots) {
+  return causal_attention(q, k, v, scale, slots);
+}
+}  // namespace kvreuse_kernels
 
 TORCH_LIBRARY_FRAGMENT(kvreuse, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? slots=None) -> (Tensor, Tensor)");

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "ops.h"
 #include "simd.h"
 
 #include <cmath>
@@ -503,6 +504,14 @@ at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Te
 std::string isa() { return kIsa; }
 
 }  // namespace
+
+namespace kvreuse_kernels {
+at::Tensor fused_q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn,
+                           const std::optional<at::Tensor>& norm_weight, double eps, bool silu_mul,
+                           const std::optional<at::Tensor>& residual) {
+  return q4_linear_fused(x, qw, d, mn, norm_weight, eps, silu_mul, residual);
+}
+}  // namespace kvreuse_kernels
 
 TORCH_LIBRARY(kvreuse, m) {
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale, Tensor min) -> Tensor");

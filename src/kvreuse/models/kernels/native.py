@@ -1,4 +1,4 @@
-"""kvreuse's own CPU kernels (``gemv.cpp``, ``attention.cpp``): built once per machine at first use
+"""kvreuse's own CPU kernels (``gemv.cpp``, ``attention.cpp``, ``layers.cpp``): built once per machine at first use
 with the host compiler and ``-march=native``, cached, and loaded as ``torch.ops.kvreuse``.
 
 Why built here and not shipped: the CPU changes between machines (AMX Xeon, AVX-512 EPYC,
@@ -35,10 +35,11 @@ ENV_SWITCH = "KVREUSE_NATIVE_KERNELS"  # "off" / "0" / "false": PyTorch's kernel
 # The kernels' rounding revision, folded into every model fingerprint that uses them: raise it
 # whenever a kernel's arithmetic changes (its outputs, so the KV it writes), so KV a disk, Redis or
 # object store kept from an older build is never read as this build's. 2: fma-chain attention
-# scores, vectorized exp in SiLU, 16-lane sums of squares in RMSNorm.
-ARITHMETIC_REVISION = 2
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "simd.h"))
+# scores, vectorized exp in SiLU, 16-lane sums of squares in RMSNorm. 3: RoPE on the fused path
+# by layers.cpp's ``rope_`` (x * cos rounded, then one rounding of the sum).
+ARITHMETIC_REVISION = 3
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp", "layers.cpp"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "ops.h", "simd.h"))
 FAST_ISAS = ("avx512vnni", "avx2")
 # -ffp-contract=off: a * b + c rounds twice wherever it is written, so an inlined helper computes
 # the same bits in every caller (the kernels' batch invariance); fma is written out where wanted.
@@ -98,7 +99,7 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], out: Path) -> lis
 
 
 def build_library(cache: Path | None = None) -> Path:
-    """Compile ``gemv.cpp`` and ``attention.cpp`` for this CPU and torch into ``cache`` (default
+    """Compile ``SOURCES`` (``gemv.cpp``, ``attention.cpp``, ``layers.cpp``) for this CPU and torch into ``cache`` (default
     :func:`kernel_cache_dir`) unless a build with the same key is there; returns the ``.so``.
 
     Raises RuntimeError (no compiler, or the compiler's own error text) on failure. Safe to race:
