@@ -99,8 +99,9 @@ def _compile_command(compiler: str, sources: tuple[Path, ...], out: Path) -> lis
 
 
 def build_library(cache: Path | None = None) -> Path:
-    """Compile ``SOURCES`` (``gemv.cpp``, ``attention.cpp``, ``layers.cpp``) for this CPU and torch into ``cache`` (default
-    :func:`kernel_cache_dir`) unless a build with the same key is there; returns the ``.so``.
+    """Compile ``SOURCES`` (``gemv.cpp``, ``attention.cpp``, ``layers.cpp``) for this CPU and
+    torch into ``cache`` (default :func:`kernel_cache_dir`) unless a build with the same key is
+    there; returns the ``.so``.
 
     Raises RuntimeError (no compiler, or the compiler's own error text) on failure. Safe to race:
     each build writes a temporary file and renames it into place."""
