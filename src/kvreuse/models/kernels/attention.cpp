@@ -79,8 +79,11 @@ inline void load_row<Int8Row>(const Int8Row* src, int64_t d, float* dst) {
 
 // One item's keys as the scoring loop reads them: kt [groups][d][16] (key 16 g + l of the item,
 // dim i at kt[(g d + i) 16 + l]; lanes past the item's end 0), vf [n][d] values as floats.
+// bf16 rows on AVX-512 instead: kb / vb, each key's K and V row read in place (kb padded to whole
+// groups of 16 with a zero row), converted in registers to the same floats.
 struct ItemKV {
   std::vector<float> kt, vf;
+  std::vector<const uint16_t*> kb, vb;  // empty unless the bf16 in-place form
   int64_t n = 0;
 };
 
@@ -89,6 +92,8 @@ void load_item(const KV* k, const KV* v, int64_t key_stride, const int64_t* slot
                ItemKV& it) {
   const int64_t groups = (n + kLanes - 1) / kLanes;
   it.n = n;
+  it.kb.clear();  // the float form (a thread's ItemKV may have held the bf16 one last)
+  it.vb.clear();
   it.kt.assign(groups * d * kLanes, 0.f);
   it.vf.resize(n * d);
   float row[kMaxDim];
@@ -101,6 +106,172 @@ void load_item(const KV* k, const KV* v, int64_t key_stride, const int64_t* slot
   }
 }
 
+#if defined(__AVX512F__)
+// 16 x 16 floats transposed in registers: lane j of r[i] moves to lane i of r[j].
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {  // then whole 128-bit lanes
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> 16 floats, exact
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// bf16 rows on AVX-512: row pointers only; scoring transposes 16 keys x 16 dims in registers and
+// the value products read the rows as they are (the generic form's float copies cost more than
+// the arithmetic: a decode reads each key for only a few query rows). The same floats either way.
+alignas(64) constexpr uint16_t kZeroRow[kMaxDim] = {};
+
+template <>
+void load_item<at::BFloat16>(const at::BFloat16* k, const at::BFloat16* v, int64_t key_stride, const int64_t* slots,
+                             int64_t j0, int64_t n, int64_t d, ItemKV& it) {
+  (void)d;
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  it.n = n;
+  it.kt.clear();
+  it.vf.clear();
+  it.kb.resize(padded);
+  it.vb.resize(n);
+  const auto* ku = reinterpret_cast<const uint16_t*>(k);
+  const auto* vu = reinterpret_cast<const uint16_t*>(v);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = (slots == nullptr ? j0 + j : slots[j0 + j]) * key_stride;
+    it.kb[j] = ku + row;
+    it.vb[j] = vu + row;
+  }
+  for (int64_t j = n; j < padded; ++j) it.kb[j] = kZeroRow;
+}
+#endif
+
+// The largest of e[0..n), NaNs skipped (-inf when every one is NaN); exact in any order, so the
+// vector form gives the scalar loop's value (a zero's sign aside, which no later step sees).
+inline float row_max(const float* e, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) m = _mm512_max_ps(_mm512_loadu_ps(e + j), m);  // NaN: m, the second operand
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+    m = _mm512_mask_max_ps(m, tail, _mm512_maskz_loadu_ps(tail, e + j), m);
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, e[j]);
+  return m;
+#endif
+}
+
+// Scores of kRowTile query rows (q: rows of d, already scaled) against G groups of 16 keys (kt:
+// the item's transposed groups from the first one taken): score (r, key) is a chain of fmas over
+// i in order, whatever G; G = 2 keeps twice the chains in flight (fma latency, not width).
+// Rows past `tile` score the padding rows and are not stored.
+template <int G>
+inline void score_groups(const float* q, const float* kt, int64_t d, int64_t tile, float* out) {
+  constexpr int64_t kV = kLanes / kW;
+  Vec s[kRowTile][G * kV];
+  for (auto& row : s)
+    for (auto& x : row) x = vset1(0.f);
+  for (int64_t i = 0; i < d; ++i) {
+    Vec kx[G * kV];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < kV; ++c) kx[g * kV + c] = vload(kt + g * d * kLanes + i * kLanes + c * kW);
+    for (int64_t r = 0; r < kRowTile; ++r) {
+      const Vec qi = vset1(q[r * d + i]);
+      for (int64_t c = 0; c < G * kV; ++c) s[r][c] = vfma(qi, kx[c], s[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < tile; ++r)
+    for (int64_t c = 0; c < G * kV; ++c) vstore(out + r * kItem + c * kW, s[r][c]);
+}
+
+// acc rows a[0..R) += scores[r][j] * v[j] for keys 0..fewest-1 in order (one fma a key and
+// vector, the same chain a row computes alone); returns fewest.
+template <int R, int64_t C>
+inline int64_t pv_common(const float (*scores)[kItem], const float* vi, int64_t d, int64_t fewest, Vec (*a)[C]) {
+  Vec b[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) b[r][c] = a[r][c];
+  for (int64_t j = 0; j < fewest; ++j) {
+    Vec vx[C];
+    for (int64_t c = 0; c < C; ++c) vx[c] = vload(vi + j * d + c * kW);
+    for (int r = 0; r < R; ++r) {
+      const Vec p = vset1(scores[r][j]);
+      for (int64_t c = 0; c < C; ++c) b[r][c] = vfma(p, vx[c], b[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) a[r][c] = b[r][c];
+  return fewest;
+}
+
+#if defined(__AVX512F__)
+// score_groups over bf16 key rows (kb: 16 G row pointers): each 16 x 16 block transposed in
+// registers, then the same fma chains over i in order.
+template <int G>
+inline void score_groups_bf16(const float* q, const uint16_t* const* kb, int64_t d, int64_t tile, float* out) {
+  __m512 s[kRowTile][G];
+  for (auto& row : s)
+    for (auto& x : row) x = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < d; i0 += kLanes) {
+    __m512 kx[G][kLanes];
+    for (int g = 0; g < G; ++g) {
+      for (int64_t l = 0; l < kLanes; ++l) kx[g][l] = bf16x16(kb[g * kLanes + l] + i0);
+      transpose16(kx[g]);  // kx[g][c]: dim i0 + c of the group's 16 keys
+    }
+    for (int64_t c = 0; c < kLanes; ++c)
+      for (int64_t r = 0; r < kRowTile; ++r) {
+        const __m512 qi = _mm512_set1_ps(q[r * d + i0 + c]);
+        for (int g = 0; g < G; ++g) s[r][g] = _mm512_fmadd_ps(qi, kx[g][c], s[r][g]);
+      }
+  }
+  for (int64_t r = 0; r < tile; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * kItem + g * kLanes, s[r][g]);
+}
+
+// pv_common over bf16 value rows (vb[j] + i0: the 4 C vectors of key j's dims i0..).
+template <int R, int64_t C>
+inline int64_t pv_common_bf16(const float (*scores)[kItem], const uint16_t* const* vb, int64_t i0, int64_t fewest,
+                              __m512 (*a)[C]) {
+  __m512 b[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) b[r][c] = a[r][c];
+  for (int64_t j = 0; j < fewest; ++j) {
+    __m512 vx[C];
+    for (int64_t c = 0; c < C; ++c) vx[c] = bf16x16(vb[j] + i0 + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r][j]);
+      for (int64_t c = 0; c < C; ++c) b[r][c] = _mm512_fmadd_ps(p, vx[c], b[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) a[r][c] = b[r][c];
+  return fewest;
+}
+#endif
+
 // Partials of `rows` query rows over one item: row r (qf + r d, already scaled; qf padded to a
 // multiple of kRowTile rows) sees the item's first vis[r] >= 1 keys. Writes mx[r * ps], sm[r * ps]
 // and acc[r * pa .. + d]. A row's values depend on that row, vis[r] and the keys only.
@@ -112,31 +283,27 @@ void item_partials(const float* qf, const int64_t* vis, int64_t rows, int64_t d,
     int64_t most = 0;
     for (int64_t r = 0; r < tile; ++r) most = std::max(most, vis[r0 + r]);
     const int64_t groups = (most + kLanes - 1) / kLanes;
-    for (int64_t g = 0; g < groups; ++g) {  // scores: each a chain of fmas over i in order
-      constexpr int64_t kV = kLanes / kW;
-      Vec s[kRowTile][kV];
-      for (auto& row : s)
-        for (auto& x : row) x = vset1(0.f);
-      const float* kg = it.kt.data() + g * d * kLanes;
-      const float* q0 = qf + r0 * d;
-      for (int64_t i = 0; i < d; ++i) {
-        Vec kx[kV];
-        for (int64_t c = 0; c < kV; ++c) kx[c] = vload(kg + i * kLanes + c * kW);
-        for (int64_t r = 0; r < kRowTile; ++r) {  // rows past `tile` score the padding rows: unused
-          const Vec qi = vset1(q0[r * d + i]);
-          for (int64_t c = 0; c < kV; ++c) s[r][c] = vfma(qi, kx[c], s[r][c]);
-        }
+    for (int64_t g = 0; g < groups; g += 2) {  // scores: each a chain of fmas over i in order
+#if defined(__AVX512F__)
+      if (!it.kb.empty()) {
+        if (g + 1 < groups)
+          score_groups_bf16<2>(qf + r0 * d, it.kb.data() + g * kLanes, d, tile, &scores[0][g * kLanes]);
+        else
+          score_groups_bf16<1>(qf + r0 * d, it.kb.data() + g * kLanes, d, tile, &scores[0][g * kLanes]);
+        continue;
       }
-      for (int64_t r = 0; r < tile; ++r)
-        for (int64_t c = 0; c < kV; ++c) vstore(&scores[r][g * kLanes + c * kW], s[r][c]);
+#endif
+      if (g + 1 < groups)
+        score_groups<2>(qf + r0 * d, it.kt.data() + g * d * kLanes, d, tile, &scores[0][g * kLanes]);
+      else
+        score_groups<1>(qf + r0 * d, it.kt.data() + g * d * kLanes, d, tile, &scores[0][g * kLanes]);
     }
     int64_t fewest = kItem;
     for (int64_t r = 0; r < tile; ++r) {
       const int64_t n = vis[r0 + r];
       fewest = std::min(fewest, n);
       float* e = scores[r];
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, e[j]);
+      const float m = row_max(e, n);
       const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
       exp_lanes(e, padded, m);
       for (int64_t j = n; j < padded; ++j) e[j] = 0.f;  // exact: x + 0 = x
@@ -155,23 +322,50 @@ void item_partials(const float* qf, const int64_t* vis, int64_t rows, int64_t d,
       Vec a[kRowTile][kC];
       for (auto& row : a)
         for (auto& x : row) x = vset1(0.f);
-      const float* vi = it.vf.data() + i0;
+      const bool bf16_rows = !it.vb.empty();  // the bf16 in-place form (AVX-512 only)
+      const float* vi = bf16_rows ? nullptr : it.vf.data() + i0;
+      // key jj's dims i0 + c kW .. as floats, from either form
+      const auto vrow = [&](int64_t jj, int64_t c) -> Vec {
+#if defined(__AVX512F__)
+        if (bf16_rows) return bf16x16(it.vb[jj] + i0 + c * kW);
+#endif
+        return vload(vi + jj * d + c * kW);
+      };
       int64_t j = 0;
-      if (tile == kRowTile && nc == kC) {
-        for (; j < fewest; ++j) {  // every row of the tile sees key j
-          Vec vx[kC];
-          for (int64_t c = 0; c < kC; ++c) vx[c] = vload(vi + j * d + c * kW);
-          for (int64_t r = 0; r < kRowTile; ++r) {
-            const Vec p = vset1(scores[r][j]);
-            for (int64_t c = 0; c < kC; ++c) a[r][c] = vfma(p, vx[c], a[r][c]);
-          }
+#if defined(__AVX512F__)
+      if (nc == kC && bf16_rows) {
+        switch (tile) {
+          case 4: j = pv_common_bf16<4, kC>(scores, it.vb.data(), i0, fewest, a); break;
+          case 3: j = pv_common_bf16<3, kC>(scores, it.vb.data(), i0, fewest, a); break;
+          case 2: j = pv_common_bf16<2, kC>(scores, it.vb.data(), i0, fewest, a); break;
+          default: j = pv_common_bf16<1, kC>(scores, it.vb.data(), i0, fewest, a); break;
         }
       }
-      for (int64_t r = 0; r < tile; ++r)
+#endif
+      if (nc == kC && !bf16_rows) {  // keys every row of the tile sees: the tile's rows together
+        switch (tile) {
+          case 4: j = pv_common<4, kC>(scores, vi, d, fewest, a); break;
+          case 3: j = pv_common<3, kC>(scores, vi, d, fewest, a); break;
+          case 2: j = pv_common<2, kC>(scores, vi, d, fewest, a); break;
+          default: j = pv_common<1, kC>(scores, vi, d, fewest, a); break;
+        }
+      }
+      for (int64_t r = 0; r < tile; ++r) {
+        if (nc == kC) {  // a full-width row: its accumulators in registers (a[r] indexed by r spills)
+          Vec b[kC];
+          for (int64_t c = 0; c < kC; ++c) b[c] = a[r][c];
+          for (int64_t jj = j; jj < vis[r0 + r]; ++jj) {
+            const Vec p = vset1(scores[r][jj]);
+            for (int64_t c = 0; c < kC; ++c) b[c] = vfma(p, vrow(jj, c), b[c]);
+          }
+          for (int64_t c = 0; c < kC; ++c) a[r][c] = b[c];
+          continue;
+        }
         for (int64_t jj = j; jj < vis[r0 + r]; ++jj) {
           const Vec p = vset1(scores[r][jj]);
-          for (int64_t c = 0; c < nc; ++c) a[r][c] = vfma(p, vload(vi + jj * d + c * kW), a[r][c]);
+          for (int64_t c = 0; c < nc; ++c) a[r][c] = vfma(p, vrow(jj, c), a[r][c]);
         }
+      }
       for (int64_t r = 0; r < tile; ++r)
         for (int64_t c = 0; c < nc; ++c) vstore(acc + (r0 + r) * pa + i0 + c * kW, a[r][c]);
     }
@@ -293,7 +487,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
   std::vector<float> mx(items * rows), sm(items * rows), acc(items * rows * d);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    ItemKV it;
+    thread_local ItemKV it;  // its buffers kept between calls (no allocation, no page faults)
     std::vector<float> qf;
     int64_t vis[kMaxRowsDecode];
     for (int64_t t = i0; t < i1; ++t) {
@@ -343,7 +537,7 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   const float sc = static_cast<float>(scale);
   const int64_t units = kv * blocks;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    ItemKV it;
+    thread_local ItemKV it;  // its buffers kept between calls (no allocation, no page faults)
     std::vector<float> qf, mx, sm, acc, rowq(d);
     std::vector<int64_t> vis;
     for (int64_t u = u0; u < u1; ++u) {
