@@ -90,7 +90,7 @@ def test_cap_below_one_is_refused():
 
 
 def test_default_prefill_cap_per_device_and_setting():
-    assert default_prefill_cap(None, "cpu") == 64
+    assert default_prefill_cap(None, "cpu") == 16
     assert default_prefill_cap(None, "cuda") == 2048
     assert default_prefill_cap(0, "cpu") is None  # 0: no cap
     assert default_prefill_cap(32, "cuda") == 32

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from kvreuse.cache.kv_cache_manager import KVCacheManager
 from kvreuse.engine.sequence import Sequence, SequenceStatus
 
-# Prefill tokens a decoding step carries when no setting says: on a CPU a prefill token costs
-# ~1-2 ms (135M, 2 cores), so a step with a 1,500-token prompt beside a decode takes ~1 s; a small
-# cap keeps a stream's inter-token latency near its lone step (bench/decode/mixed_load.py). A GPU
-# computes a few thousand prefill tokens in a decode step's time (vLLM's chunked-prefill budget).
-_DEFAULT_PREFILL_CAP = {"cpu": 64, "cuda": 2048}
+# Prefill tokens a decoding step carries when no setting says. On a CPU a prefill token at a
+# 1,500-token context costs ~2 ms a step (135M, 2 cores; attention over the context is most of
+# it), so a 64-token chunk beside three decodes took 110-175 ms in `kvreuse serve` against a 9 ms
+# lone step. Measured over HTTP (4 clients x 3 requests, a cached 1,500-token system prompt + 128
+# new tokens, 64 out; AMD EPYC, 2 threads): cap 64 -> ITL p99 132-159 ms, TTFT p50 514-892 ms;
+# 16 -> 61-63 ms, 463-512 ms, the same output tok/s; 8 -> 47-50 ms but p50 ITL and throughput
+# worse (docs/benchmarks.md). A GPU computes a few thousand prefill tokens in a decode step's time
+# (vLLM's chunked-prefill budget).
+_DEFAULT_PREFILL_CAP = {"cpu": 16, "cuda": 2048}
 
 
 def default_prefill_cap(setting: int | None, device_type: str) -> int | None:
