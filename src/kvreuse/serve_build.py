@@ -80,6 +80,15 @@ def off_main_thread(build):
     return box["value"]
 
 
+def _prefill_cap(scheduler) -> str:
+    """The start-up line's words for the prefill cap while decoding."""
+    cap = scheduler.max_prefill_tokens_while_decoding
+    if cap is None:
+        return "no cap"
+    per = scheduler.prefill_tokens_per_decode
+    return f"{cap} tokens/step" + (f" (or {per} per decoding stream, if more)" if per else "")
+
+
 def pool_summary(engine) -> str:
     num_blocks, block_size = engine.pool.num_blocks, engine.block_size
     per_token = engine.kv_bytes_per_token
@@ -95,7 +104,7 @@ def pool_summary(engine) -> str:
         f"KV pool: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
         f"{gib:.3f} GiB, {per_token} bytes/token, KV {engine.runner.kv_format.description}{host}; "
         f"forward: {engine.runner.forward_impl}; "
-        f"prefill while decoding: {engine.scheduler.max_prefill_tokens_while_decoding or 'no cap'} tokens/step"
+        f"prefill while decoding: {_prefill_cap(engine.scheduler)}"
     )
 
 

@@ -5,20 +5,21 @@ import pytest
 
 from kvreuse.cache.block_pool import BlockPool
 from kvreuse.cache.kv_cache_manager import KVCacheManager
-from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
+from kvreuse.engine.scheduler import Scheduler, default_prefill_cap, default_prefill_per_decode
 from kvreuse.engine.sequence import Sequence
 from kvreuse.sampling_params import SamplingParams
 
 BS = 4
 
 
-def make(cap, budget=64, n_blocks=64):
+def make(cap, budget=64, n_blocks=64, per_decode=0):
     pool = BlockPool(n_blocks, BS)
     return Scheduler(
         KVCacheManager(pool, model_id="m"),
         max_num_seqs=8,
         max_num_batched_tokens=budget,
         max_prefill_tokens_while_decoding=cap,
+        prefill_tokens_per_decode=per_decode,
     ), pool
 
 
@@ -94,3 +95,28 @@ def test_default_prefill_cap_per_device_and_setting():
     assert default_prefill_cap(None, "cuda") == 2048
     assert default_prefill_cap(0, "cpu") is None  # 0: no cap
     assert default_prefill_cap(32, "cuda") == 32
+    assert default_prefill_per_decode(None, "cpu") == 4  # the CPU default cap grows with the batch
+    assert default_prefill_per_decode(None, "cuda") == 0
+    assert default_prefill_per_decode(32, "cpu") == 0  # a cap given is kept as given
+
+
+def test_the_cap_grows_by_its_share_per_decoding_sequence():
+    """Cap 3, 2 tokens per decode: with one decode the cap (3) holds, with three decodes 6."""
+    sched, pool = make(cap=3, per_decode=2)
+    seqs = [Sequence(name, list(range(i * 20, i * 20 + 4)), SamplingParams()) for i, name in enumerate("abc")]
+    for seq in seqs:
+        sched.add(seq)
+    run_plan(sched, pool, sched.schedule())  # nobody decodes yet: the three prompts whole
+    d = Sequence("d", list(range(200, 220)), SamplingParams())
+    sched.add(d)
+    assert plan_of(sched.schedule()) == [("a", 1), ("b", 1), ("c", 1), ("d", 6)]
+    pool.check_integrity()
+    e, f = make(cap=3, per_decode=2)
+    a = Sequence("a", list(range(4)), SamplingParams())
+    e.add(a)
+    run_plan(e, f, e.schedule())
+    e.add(Sequence("b", list(range(100, 120)), SamplingParams()))
+    assert plan_of(e.schedule()) == [("a", 1), ("b", 3)]  # 2 x 1 decode < 3: the cap
+    f.check_integrity()
+    with pytest.raises(ValueError, match="prefill_tokens_per_decode must be >= 0, got -1"):
+        make(cap=3, per_decode=-1)

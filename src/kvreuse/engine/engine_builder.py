@@ -33,7 +33,7 @@ from kvreuse.engine.kv_quant import KVFormat
 from kvreuse.engine.kv_transfer import HostKVTransfer
 from kvreuse.engine.model_runner import KVLayout, ModelRunner
 from kvreuse.engine.prefill_pacer import PrefillPacer
-from kvreuse.engine.scheduler import Scheduler, default_prefill_cap
+from kvreuse.engine.scheduler import Scheduler, default_prefill_cap, default_prefill_per_decode
 from kvreuse.events.buffer import EventBuffer
 from kvreuse.pml.module_cache import ModuleCache, SchemaInfo
 from kvreuse.pml.registration import RegistrationQueue
@@ -129,6 +129,9 @@ def build_engine(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_tokens_while_decoding=default_prefill_cap(
+            config.max_prefill_tokens_while_decoding, runner.device.type
+        ),
+        prefill_tokens_per_decode=default_prefill_per_decode(
             config.max_prefill_tokens_while_decoding, runner.device.type
         ),
     )

@@ -28,8 +28,18 @@ from kvreuse.engine.sequence import Sequence, SequenceStatus
 # new tokens, 64 out; AMD EPYC, 2 threads): cap 64 -> ITL p99 132-159 ms, TTFT p50 514-892 ms;
 # 16 -> 61-63 ms, 463-512 ms, the same output tok/s; 8 -> 47-50 ms but p50 ITL and throughput
 # worse (docs/benchmarks.md). A GPU computes a few thousand prefill tokens in a decode step's time
-# (vLLM's chunked-prefill budget).
+# (vLLM's chunked-prefill budget). The CPU cap grows by 4 tokens per decoding stream: a step of 16
+# decodes already costs ~70 ms, and 16 prefill tokens a step then left new requests waiting (TTFT
+# p50 5.8 s at 16 streams against 0.75 s with 64; ITL p99 94 vs 212 ms), so the prefill share of a
+# step stays about the same as the batch grows.
 _DEFAULT_PREFILL_CAP = {"cpu": 16, "cuda": 2048}
+_DEFAULT_PREFILL_PER_DECODE = {"cpu": 4}
+
+
+def default_prefill_per_decode(setting: int | None, device_type: str) -> int:
+    """Prefill tokens the cap grows by per decoding sequence: the device's default when the cap is
+    the default (``setting`` None), else 0 (a cap given is kept as given)."""
+    return _DEFAULT_PREFILL_PER_DECODE.get(device_type, 0) if setting is None else 0
 
 
 def default_prefill_cap(setting: int | None, device_type: str) -> int | None:
@@ -55,12 +65,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_prefill_tokens_while_decoding: int | None = None,
+        prefill_tokens_per_decode: int = 0,
     ) -> None:
         """``max_prefill_tokens_while_decoding``: prefill tokens a step may carry when at least
-        one running sequence decodes in it (None: no cap beyond ``max_num_batched_tokens``).
-        Raises ``ValueError`` when it is below 1."""
+        one running sequence decodes in it (None: no cap beyond ``max_num_batched_tokens``),
+        raised to ``prefill_tokens_per_decode`` x the step's decodes when that is more.
+        Raises ``ValueError`` when the cap is below 1 or the per-decode share below 0."""
         if max_prefill_tokens_while_decoding is not None and max_prefill_tokens_while_decoding < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {max_prefill_tokens_while_decoding}")
+        if prefill_tokens_per_decode < 0:
+            raise ValueError(f"prefill_tokens_per_decode must be >= 0, got {prefill_tokens_per_decode}")
+        self.prefill_tokens_per_decode = prefill_tokens_per_decode
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,6 +131,8 @@ class Scheduler:
         # Why a separate prefill budget: one step is one forward, so a decode in it waits for
         # every prefill token beside it (a 1,500-token prompt costs ~1 s on 2 CPU cores).
         cap = self.max_prefill_tokens_while_decoding
+        if cap is not None:
+            cap = max(cap, self.prefill_tokens_per_decode * len(planned))
         prefill_budget = budget if cap is None or not planned else min(budget, cap)
         for seq in prefills:
             if prefill_budget == 0:
