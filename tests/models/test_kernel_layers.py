@@ -86,7 +86,14 @@ def test_llama_layers_gives_the_per_op_paths_bits(tiny_int4, monkeypatch):
         calls["native" if items is not None else "per_op"] += 1
         return items
 
-    kwargs = dict(loaded=tiny_int4, kv_cache_memory_gib=0.05, block_size=16, deterministic=True)
+    # the prefill cap pinned: the workload's step count must not follow the CPU default's changes
+    kwargs = dict(
+        loaded=tiny_int4,
+        kv_cache_memory_gib=0.05,
+        block_size=16,
+        deterministic=True,
+        max_prefill_tokens_while_decoding=64,
+    )
     monkeypatch.setattr(llama_forward, "_native_items", counting)
     native = LLM(**kwargs, max_num_batched_tokens=64)  # prefill chunks of 64 beside decodes
     got = _workload(native, tiny_int4.tokenizer)
