@@ -162,3 +162,14 @@ def test_llama_layers_refuses_bad_arguments_before_writing():
     out = torch.ops.kvreuse.llama_layers(*args)  # the same arguments, unbroken, run
     assert out.shape == args[0].shape and bool(torch.isfinite(out.float()).all())
     assert pool.any()
+
+
+def test_head_dims_the_attention_kernels_cannot_read_keep_the_per_op_path():
+    """d = 8 (not a multiple of 16): the per-op path attends in torch; llama_layers would refuse
+    the step (after writing layer 0's keys), failing every request."""
+    loaded = tiny_model("llama", seed=0, dtype="bfloat16", quantization="int4", head_dim=8)
+    ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 4).input_ids[:30]
+    llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=16, deterministic=True)
+    assert llm.engine.runner._llama.native_fused
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 3

@@ -84,8 +84,10 @@ class LlamaForward:
         # invariant mode every step does (its rows are computed alone at any count)
         self.native_fused = _all_native_int4(self.layers)
         scales = {layer.scaling for layer in self.layers}
-        # llama_layers takes one attention scale for every layer
-        self._scale: float | None = scales.pop() if len(scales) == 1 else None
+        # llama_layers takes one attention scale for every layer, and its attention reads rows of
+        # d a multiple of 16 up to 256 (flash.kernels_read); None: every step takes the per-op path
+        fits = self.head_dim % 16 == 0 and self.head_dim <= 256
+        self._scale: float | None = scales.pop() if len(scales) == 1 and fits else None
         # the tensors as fused above (the norm weights are the model's own parameters, as
         # _NormWeight holds them): llama_layers' argument, built once
         self._weights = _layer_weights(self.layers) if self.native_fused else []
