@@ -173,3 +173,31 @@ def test_head_dims_the_attention_kernels_cannot_read_keep_the_per_op_path():
     assert llm.engine.runner._llama.native_fused
     (out,) = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_llama_layers_refuses_bad_slot_lists_and_runs_before_writing():
+    """A slot list's dtype, shape and every slot are checked with the other arguments, not by the
+    attention kernel after layer 0's keys are written; run bounds do not overflow."""
+    _, args = _layer_args()
+    pool = args[5]
+    bad = {
+        "slot 1000000000 outside the pool": [torch.tensor([0, 10**9])],
+        "slot -1 outside the pool": [torch.tensor([-1, 0])],
+        "slots must be a contiguous int64": [torch.tensor([0, 1], dtype=torch.int32)],
+    }
+    for message, slots in bad.items():
+        call = list(args)
+        call[7], call[8] = [0, 2, -1, 2], slots
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.kvreuse.llama_layers(*call)
+        assert not pool.any()
+    for items in ([0, 2, 2**62, 2**62], [2**62, 2**62, 0, 2]):  # sums past int64
+        call = list(args)
+        call[7] = items
+        with pytest.raises(RuntimeError, match="kvreuse llama_layers: item 0"):
+            torch.ops.kvreuse.llama_layers(*call)
+        assert not pool.any()
+    call = list(args)
+    call[5] = torch.zeros(*pool.shape[:4], 8, dtype=torch.bfloat16)  # d 8: attention cannot read it
+    with pytest.raises(RuntimeError, match="head dim 8 must be a multiple of 16"):
+        torch.ops.kvreuse.llama_layers(*call)

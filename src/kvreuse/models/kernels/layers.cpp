@@ -111,15 +111,22 @@ std::vector<Item> check_items(at::IntArrayRef flat, const c10::List<std::optiona
   std::vector<Item> items;
   for (size_t i = 0; i < slots.size(); ++i) {
     Item it{flat[4 * i], flat[4 * i + 1], flat[4 * i + 2], flat[4 * i + 3], slots.get(i)};
-    TORCH_CHECK(it.start >= 0 && it.n > 0 && it.start + it.n <= rows && it.length >= it.n,
+    TORCH_CHECK(it.start >= 0 && it.n > 0 && it.start <= rows && it.n <= rows - it.start && it.length >= it.n,
                 "kvreuse llama_layers: item ", i, " rows [", it.start, ", ", it.start + it.n, ") of ", rows,
                 " over ", it.length, " keys");
-    if (it.slots.has_value()) {  // attention checks each slot's range
-      TORCH_CHECK(it.slots->numel() == it.length, "kvreuse llama_layers: item ", i, " has ", it.slots->numel(),
-                  " slots for ", it.length, " keys");
-    } else {
-      TORCH_CHECK(it.run_start >= 0 && it.run_start + it.length <= pool_slots, "kvreuse llama_layers: item ", i,
-                  " run outside the pool's ", pool_slots, " slots");
+    if (it.slots.has_value()) {  // checked here, not by attention: that runs after layer 0's pool write
+      const auto& s = *it.slots;
+      TORCH_CHECK(s.dim() == 1 && s.scalar_type() == at::kLong && s.is_contiguous() && s.device().is_cpu(),
+                  "kvreuse llama_layers: item ", i, " slots must be a contiguous int64 CPU tensor [L]");
+      TORCH_CHECK(s.numel() == it.length, "kvreuse llama_layers: item ", i, " has ", s.numel(), " slots for ",
+                  it.length, " keys");
+      const int64_t* p = s.data_ptr<int64_t>();
+      for (int64_t j = 0; j < it.length; ++j)
+        TORCH_CHECK(p[j] >= 0 && p[j] < pool_slots, "kvreuse llama_layers: item ", i, " slot ", p[j],
+                    " outside the pool's ", pool_slots, " slots");
+    } else {  // written so that no sum overflows
+      TORCH_CHECK(it.run_start >= 0 && it.run_start <= pool_slots && it.length <= pool_slots - it.run_start,
+                  "kvreuse llama_layers: item ", i, " run outside the pool's ", pool_slots, " slots");
     }
     items.push_back(std::move(it));
   }
@@ -159,6 +166,8 @@ at::Tensor llama_layers(const at::Tensor& x_in, at::TensorList weights, double e
                   pool.scalar_type() == at::kBFloat16 && pool.stride(-1) == 1 && pool.device().is_cpu(),
               "kvreuse llama_layers: pool must be bf16 [layers, 2, kv_heads, slots, d], got ", pool.sizes());
   const int64_t d = pool.size(4), pool_slots = pool.size(3);
+  TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "kvreuse llama_layers: head dim ", d,
+              " must be a multiple of 16 up to 256 (the attention kernels' rows)");
   TORCH_CHECK(heads > 0 && heads % kv == 0, "kvreuse llama_layers: heads must be a multiple of kv_heads");
   TORCH_CHECK(write_slots.dim() == 1 && write_slots.numel() == rows && write_slots.scalar_type() == at::kLong &&
                   write_slots.is_contiguous(),
