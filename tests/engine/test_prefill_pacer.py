@@ -212,3 +212,24 @@ def test_a_context_reacquired_inside_a_step_never_runs_a_step_inside_it(tiny_lla
     assert deepest[0] == 1
     engine.reset_prefix_cache()
     assert engine.pool.num_free_blocks == 40
+
+
+def test_default_cpu_cap_grows_with_the_decoding_streams_as_the_schedulers(tiny_llama):
+    """No cap given on CPU: the scheduler lets a step carry max(16, 4 x its decodes) prefill
+    tokens, and a context pass gets the same share. With 8 streams decoding, a 64-token pass
+    (3 of head text, 61 of document) runs in 2 chunks of <= 32, one step between them."""
+    llm = LLM(loaded=tiny_llama, kv_cache_memory_gib=0.02, block_size=4, **NO_REPAIR)
+    engine = llm.engine
+    assert engine.scheduler.max_prefill_tokens_while_decoding == 16
+    assert engine.scheduler.prefill_tokens_per_decode == 4
+    engine.pacer.attach(engine.step, engine.scheduler.num_decoding)
+    for i in range(8):
+        engine.add_request(f"s{i}", [5 + i, 6, 7, 8], LONG)
+    engine.step()  # the 8 prompts: every stream decodes from here on
+    assert engine.scheduler.num_decoding() == 8
+    prompt = DocumentPrompt.of([([7, 8, 9], False), (list(range(100, 161)), True), ([11, 12], False)])
+    engine.add_prepared_request("doc", prompt, ONE)
+    assert engine.pacer.steps_between == 1
+    engine.pacer.attach(lambda: None, lambda: 0)
+    step_to_end(engine)
+    engine.check_integrity()

@@ -155,7 +155,7 @@ def build_engine(
         kv_bytes_per_token=kv_bytes_per_token,
     )
     # context passes (documents, evicted modules) yield to decodes; the engine loop attaches it
-    pacer = PrefillPacer(scheduler.max_prefill_tokens_while_decoding)
+    pacer = PrefillPacer(scheduler.max_prefill_tokens_while_decoding, scheduler.prefill_tokens_per_decode)
     modules.between_chunks = pacer.between
     documents = DocumentCache(
         kv,

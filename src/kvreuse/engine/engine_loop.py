@@ -113,7 +113,7 @@ class EngineLoop:
         self._stats_lock = threading.Lock()
         self._stats: EngineStats = engine.stats()  # latest snapshot, replaced under the lock
         # a documents or PML prompt's context pass (in _add) lets running decodes step between its chunks
-        engine.pacer.attach(self._step, engine.scheduler.has_decoding)
+        engine.pacer.attach(self._step, engine.scheduler.num_decoding)
 
     @property
     def latest_stats(self) -> EngineStats:

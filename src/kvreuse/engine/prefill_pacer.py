@@ -27,25 +27,28 @@ from contextlib import contextmanager
 class PrefillPacer:
     """Chunk sizes and steps between the chunks of a context pass (module docstring)."""
 
-    def __init__(self, cap: int | None) -> None:
+    def __init__(self, cap: int | None, per_decode: int = 0) -> None:
         """``cap``: the scheduler's ``max_prefill_tokens_while_decoding`` (``None``: no cap,
-        the pacer never steps)."""
+        the pacer never steps); ``per_decode``: its ``prefill_tokens_per_decode`` (a chunk
+        grows to that many tokens per decoding request when that is more, as a step's cap does)."""
         self.cap = cap
+        self.per_decode = per_decode
         self._step: Callable[[], None] | None = None
-        self._decoding: Callable[[], bool] = lambda: False
+        self._decoding: Callable[[], int] = lambda: 0
         self._inside = False
         self.steps_between = 0  # engine steps run between context chunks (tests, stats)
 
-    def attach(self, step: Callable[[], None], decoding: Callable[[], bool]) -> None:
+    def attach(self, step: Callable[[], None], decoding: Callable[[], int]) -> None:
         """Let ``between`` run ``step`` (one engine step, its outputs delivered; must not
-        raise) whenever ``decoding()`` says a running request is decoding."""
+        raise) whenever ``decoding()`` (how many running requests decode; a bool counts as
+        0 / 1) says a running request is decoding."""
         self._step, self._decoding = step, decoding
 
     @property
     def active(self) -> bool:
         """Whether a context pass now yields to decodes (attached, capped, a decode running,
         not already inside a step the pacer ran)."""
-        return self._step is not None and self.cap is not None and not self._inside and self._decoding()
+        return self._step is not None and self.cap is not None and not self._inside and bool(self._decoding())
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -58,8 +61,11 @@ class PrefillPacer:
             self._inside = saved
 
     def chunk_tokens(self, default: int) -> int:
-        """Tokens the next chunk of a context pass runs: the cap while ``active``, else ``default``."""
-        return min(default, self.cap) if self.active and self.cap is not None else default
+        """Tokens the next chunk of a context pass runs: the cap (grown by ``per_decode`` per
+        decoding request, as the scheduler's) while ``active``, else ``default``."""
+        if not self.active or self.cap is None:
+            return default
+        return min(default, max(self.cap, self.per_decode * int(self._decoding())))
 
     def between(self) -> None:
         """Between two chunks of a context pass: one engine step if ``active``. The pass's

@@ -94,6 +94,10 @@ class Scheduler:
         """Whether a running request is past its prompt (its next step is a decode)."""
         return any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
 
+    def num_decoding(self) -> int:
+        """Running requests past their prompt (each one's next step is a decode)."""
+        return sum(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a running or waiting sequence and free its blocks (module blocks included)."""
         if seq in self.running:
