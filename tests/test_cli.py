@@ -204,3 +204,18 @@ def test_blend_flags_default_to_the_config_and_reach_it():
 def test_a_bad_blend_flag_is_refused_naming_it(flags, name):
     with pytest.raises(ValueError, match=name):
         _engine_config(_args(*flags))
+
+
+def test_serve_help_states_the_default_prefill_cap_rule(capsys):
+    """Without the flag the CPU cap is 16 or 4 per decoding stream, whichever is more (so the
+    default is not the same as ``--max-prefill-tokens-while-decoding 16``); the help says so."""
+    from kvreuse.engine.scheduler import default_prefill_cap, default_prefill_per_decode
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    cap, per = default_prefill_cap(None, "cpu"), default_prefill_per_decode(None, "cpu")
+    assert (
+        f"default on CPU: {cap}, or {per} per decoding stream if more; {default_prefill_cap(None, 'cuda')} on CUDA"
+        in text
+    )

@@ -167,7 +167,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=C.max_prefill_tokens_while_decoding,
         metavar="N",
         help="prefill tokens an engine step may carry while any stream decodes in it: decode first, "
-        "prompts chunked around it (0: no cap; default: 16 on CPU, 2048 on CUDA)",
+        "prompts chunked around it (0: no cap; default on CPU: 16, or 4 per decoding stream if more; "
+        "2048 on CUDA)",
     )
     p.add_argument(
         "--eviction-policy",
