@@ -201,3 +201,28 @@ def test_llama_layers_refuses_bad_slot_lists_and_runs_before_writing():
     call[5] = torch.zeros(*pool.shape[:4], 8, dtype=torch.bfloat16)  # d 8: attention cannot read it
     with pytest.raises(RuntimeError, match="head dim 8 must be a multiple of 16"):
         torch.ops.kvreuse.llama_layers(*call)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_head_dims_over_256_keep_rope(deterministic):
+    """rope_ takes any even head dim: the per-op path runs it for every int4 model (before
+    rope_ it was torch's arithmetic, for any d), so d 512 must answer."""
+    loaded = tiny_model(
+        "llama",
+        seed=0,
+        dtype="bfloat16",
+        quantization="int4",
+        head_dim=512,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+    )
+    ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 4).input_ids[:30]
+    llm = LLM(loaded=loaded, kv_cache_memory_gib=0.01, block_size=16, deterministic=deterministic)
+    assert llm.engine.runner._llama.native_fused
+    (out,) = llm.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 512, generator=g).bfloat16()
+    cos, sin = torch.randn(3, 512, generator=g).bfloat16(), torch.randn(3, 512, generator=g).bfloat16()
+    assert torch.equal(torch.ops.kvreuse.rope_(x.clone(), cos, sin, 1), _rope_reference(x, cos, sin, 1))

@@ -48,7 +48,7 @@ template <typename T>
 void rope_rows(T* x, int64_t rows, int64_t heads, int64_t rotated, int64_t d, const T* cos, const T* sin) {
   constexpr bool bf16 = sizeof(T) == 2;
   const int64_t half = d / 2;
-  float src[kMaxDim];
+  std::vector<float> src(d);  // any head dim (the per-op path takes every model's)
   for (int64_t t = 0; t < rows; ++t) {
     const T* c = cos + t * d;
     const T* s = sin + t * d;
@@ -75,8 +75,8 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "kvreuse rope_: x must be a contiguous bf16 or fp32 CPU tensor [T, heads, d]");
   const int64_t d = x.size(2);
-  TORCH_CHECK(d % 2 == 0 && d <= kMaxDim && rotated >= 0 && rotated <= x.size(1),
-              "kvreuse rope_: d must be even and <= 256, rotated_heads within the heads");
+  TORCH_CHECK(d % 2 == 0 && rotated >= 0 && rotated <= x.size(1),
+              "kvreuse rope_: d must be even, rotated_heads within the heads");
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->numel() == x.size(0) * d,
                 "kvreuse rope_: cos and sin must be contiguous [T, d] in x's dtype");
