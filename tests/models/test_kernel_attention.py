@@ -99,6 +99,10 @@ def test_causal_attention_names_what_it_refuses():
         torch.ops.kvreuse.causal_attention(torch.randn(4, 5, 64).bfloat16(), k, v, 0.125)
     with pytest.raises(RuntimeError, match="share one dtype"):
         torch.ops.kvreuse.causal_attention(q.float(), k, v, 0.125)
+    for bad in (k[0, 0], k[0, 0, 0]):  # k of 1 or 0 dims: a RuntimeError, with or without slots
+        for slots in (None, torch.tensor([0])):
+            with pytest.raises(RuntimeError, match="k / v \\[kv, L, D\\]"):
+                torch.ops.kvreuse.causal_attention(q, bad, bad, 0.125, slots)
 
 
 def test_keys_read_by_slot_are_the_gathered_keys_bits():

@@ -520,13 +520,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 // first; each computes its rows' item partials in order and merges them.
 at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
                             const std::optional<at::Tensor>& slots) {
-  const auto rows_read = key_rows(k, slots, "causal_attention");
+  constexpr const char* kShapes =
+      "kvreuse causal_attention: q [n, H, D], k / v [kv, L, D] with H a multiple of kv and n <= L";
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.size(0) > 0 && q_in.size(1) > 0 &&
+                  q_in.size(1) % k.size(0) == 0,
+              kShapes);
+  const auto rows_read = key_rows(k, slots, "causal_attention");  // after the dims: it reads k.size(-2)
   const int64_t* slot = rows_read.first;
   const int64_t length = rows_read.second;
-  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.size(0) > 0 && q_in.size(1) > 0 &&
-                  q_in.size(1) % k.size(0) == 0 &&
-                  q_in.size(0) <= length,
-              "kvreuse causal_attention: q [n, H, D], k / v [kv, L, D] with H a multiple of kv and n <= L");
+  TORCH_CHECK(q_in.size(0) <= length, kShapes);
   const int64_t n = q_in.size(0), heads = q_in.size(1), d = q_in.size(2), kv = k.size(0);
   const int64_t groups = heads / kv, context = length - n;
   const Rows kind = check_kv(q_in, k, v, d, "causal_attention");
