@@ -106,3 +106,21 @@ def test_default_model_same_answer_on_miss_hit_and_in_a_batch():
     llm = LLM("default", kv_cache_memory_gib=0.25)  # the defaults: int4 weights, bf16, deterministic where free
     assert llm.engine.runner.deterministic == (native_kernels() is not None)
     _miss_hit_batch(llm, _prompts(llm.tokenizer, 600), max_tokens=16)
+
+
+@pytest.mark.skipif(native_kernels() is None, reason="kvreuse's kernels are not built on this machine")
+def test_a_pool_in_another_float_dtype_turns_the_mode_off_or_is_refused(tiny_int4):
+    """A float16 / float32 pool under the bf16 model: keys were read through the kernels on a miss
+    and through the torch path on a hit, and a hit answered differently. The default turns the mode
+    off for such a pool (the start-up promise is not made); asking for it names the setting."""
+    for dtype in ("float16", "float32"):
+        llm = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype)
+        assert not llm.engine.runner.deterministic
+        assert "batch-invariant" not in llm.engine.model_id
+        with pytest.raises(ValueError, match=f"--deterministic needs --kv-cache-dtype auto or int8 .*got {dtype}"):
+            LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype, deterministic=True)
+    for dtype in ("bfloat16", "int8"):
+        llm = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype)
+        assert llm.engine.runner.deterministic
+        _miss_hit_batch(llm, _prompts(tiny_int4.tokenizer, 300), max_tokens=8)
+        llm.engine.pool.check_integrity()

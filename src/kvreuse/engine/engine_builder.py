@@ -87,7 +87,9 @@ def build_engine(
         sliding_windows=tuple(sorted({w for w in shape.sliding_window if w is not None})),
     )
     kv_format = KVFormat.resolve(config.kv_cache_dtype, loaded.dtype)
-    deterministic = llama.resolve_deterministic(config.deterministic, loaded.model)
+    deterministic = deterministic_with(
+        kv_format, llama.resolve_deterministic(config.deterministic, loaded.model), config
+    )
     # blocks of another KV format, or of the other arithmetic, never share a key
     loaded = kv_identity(loaded, kv_format, deterministic)
     kv_bytes_per_token = kv_format.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -184,6 +186,23 @@ def build_engine(
     )
     torch.manual_seed(config.seed)
     return parts
+
+
+def deterministic_with(kv_format: KVFormat, deterministic: bool, config: EngineConfig) -> bool:
+    """Whether the batch-invariant forward keeps its promise with this pool: it reads keys as the
+    pool holds them on every path only when the pool is in the model's dtype or int8 rows (a
+    float16 / float32 pool under a bf16 model took one path on a miss and another on a hit, and
+    the answers differed). The default (None) turns the mode off for such a pool; asking for it
+    raises ValueError naming the settings."""
+    if not deterministic or kv_format.quantized or kv_format.storage_dtype == kv_format.compute_dtype:
+        return deterministic
+    if config.deterministic:
+        model_dtype = str(kv_format.compute_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--deterministic needs --kv-cache-dtype auto or int8 for a {model_dtype} model "
+            f"(got {kv_format.name}: its keys are read through another path on a cache hit)"
+        )
+    return False
 
 
 def kv_identity(loaded: LoadedModel, kv_format: KVFormat, deterministic: bool = False) -> LoadedModel:
