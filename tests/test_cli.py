@@ -174,6 +174,40 @@ except KeyboardInterrupt:
     assert out.stdout.strip() == "interrupted True"
 
 
+def test_ctrl_c_taken_by_another_thread_still_interrupts_the_build(tmp_path):
+    """The kernel may hand a process-directed SIGINT to any thread; when not the main one, an
+    untimed join() never woke to run Python's handler and the process hung (CI, 60 s timeout).
+    Here the main thread blocks SIGINT, so another thread takes it for sure."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "cleanup-ran"
+    script = f"""
+import os, signal, threading, time
+from kvreuse import cli
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})  # threads started later inherit it
+def build():
+    try:
+        while True:
+            time.sleep(0.01)
+    finally:
+        open({str(marker)!r}, "w").write("yes")
+def fire():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})  # this thread takes the signal
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=fire, daemon=True).start()
+try:
+    cli._off_main_thread(build)
+except KeyboardInterrupt:
+    print("interrupted", os.path.exists({str(marker)!r}))
+    raise SystemExit(130)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 130, out.stderr
+    assert out.stdout.strip() == "interrupted True"
+
+
 # `kvreuse serve --blend-*` reach the engine config; a bad value is refused naming the flag.
 def _args(*flags: str):
     return build_parser().parse_args(["serve", "--model", "tiny:llama", *flags])

@@ -65,16 +65,22 @@ def off_main_thread(build):
     thread = threading.Thread(target=run, name="kvreuse-load", daemon=True)
     thread.start()
     try:
-        thread.join()
+        # Timed waits: the kernel may hand a process-directed SIGINT to another thread, and then an
+        # untimed join() never wakes to run Python's handler (CI hung 60 s in the Ctrl-C test);
+        # a timed wait reaches it within 0.1 s.
+        while not done.wait(0.1):
+            pass
     except KeyboardInterrupt:
         # Ctrl-C lands in this thread: raise it in the loader too and wait until its cleanup ran
-        # (a GGUF conversion removes its temporary folder). Not a second join(): an interrupted
-        # join has already marked the thread stopped (Python 3.11), so it would return at once.
-        # A second Ctrl-C leaves at once.
+        # (a GGUF conversion removes its temporary folder). Waiting on `done`, not join(): an
+        # interrupted join has already marked the thread stopped (Python 3.11). A second Ctrl-C
+        # leaves at once.
         assert thread.ident is not None  # started above
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt))
-        done.wait()
+        while not done.wait(0.1):
+            pass
         raise
+    thread.join()
     if "error" in box:
         raise box["error"]
     return box["value"]
