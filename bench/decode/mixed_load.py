@@ -32,6 +32,7 @@ def run_load(llm: LLM, cap: int | None, args, rng: random.Random, system: list[i
     """One load run; returns ITLs (ms), TTFTs (ms) and output tok/s."""
     engine = llm.engine
     engine.scheduler.max_prefill_tokens_while_decoding = cap
+    engine.scheduler.prefill_tokens_per_decode = 0  # each arm a fixed cap (the default grows it per stream)
     params = SamplingParams(max_tokens=args.out, temperature=0, ignore_eos=True)
     queues = {c: args.requests for c in range(args.clients)}
     last: dict[str, float] = {}
@@ -53,9 +54,15 @@ def run_load(llm: LLM, cap: int | None, args, rng: random.Random, system: list[i
         owner[rid] = client
         queues[client] -= 1
 
-    for c in range(args.clients):
-        submit(c)
-    while engine.has_unfinished_requests():
+    # Staggered starts: client c sends its first request after c * out / clients steps. Started
+    # together, the clients' requests prefilled together (no decode beside them, so no cap applied),
+    # decoded together and finished together, and no step ever mixed a prefill with decodes.
+    pending = {c * args.out // args.clients: c for c in range(args.clients)}
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if steps in pending:
+            submit(pending.pop(steps))
+        steps += 1
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
