@@ -144,6 +144,15 @@ def test_an_error_in_the_build_is_raised_in_the_caller():
     assert not any(t.name == "kvreuse-load" for t in threading.enumerate())
 
 
+# The test process may hand its children SIGINT blocked or ignored (the full suite in CI did: a
+# library blocks it in pytest's main thread, and a child then never saw the signal and hung), so
+# each script first restores what an interactive `kvreuse serve` gets from a terminal.
+_SIGINT_AS_A_TERMINAL_SENDS_IT = (
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler)"
+)
+
+
 def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
     """SIGINT while the build runs: the loader gets the interrupt too and its cleanup (a GGUF
     conversion's temporary folder) runs before the process leaves with KeyboardInterrupt
@@ -155,6 +164,7 @@ def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
     script = f"""
 import os, signal, threading, time
 from kvreuse import cli
+{_SIGINT_AS_A_TERMINAL_SENDS_IT}
 def build():
     try:
         while True:
@@ -185,6 +195,7 @@ def test_ctrl_c_taken_by_another_thread_still_interrupts_the_build(tmp_path):
     script = f"""
 import os, signal, threading, time
 from kvreuse import cli
+{_SIGINT_AS_A_TERMINAL_SENDS_IT}
 signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})  # threads started later inherit it
 def build():
     try:
