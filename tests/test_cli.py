@@ -153,10 +153,10 @@ _SIGINT_AS_A_TERMINAL_SENDS_IT = (
 )
 
 
-def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
-    """SIGINT while the build runs: the loader gets the interrupt too and its cleanup (a GGUF
-    conversion's temporary folder) runs before the process leaves with KeyboardInterrupt
-    (review: a second join() returned at once, the daemon loader died with its folder left)."""
+def _interrupted_build(tmp_path, sender: str, timeout: float) -> None:
+    """Run ``cli._off_main_thread`` in a child on a build that loops until interrupted (its cleanup
+    takes 0.3 s, then leaves a marker), ``sender`` arranging the SIGINT; assert the child left with
+    KeyboardInterrupt after the cleanup ran."""
     import subprocess
     import sys
 
@@ -172,51 +172,38 @@ def build():
     finally:
         time.sleep(0.3)  # a cleanup that takes a while
         open({str(marker)!r}, "w").write("yes")
-threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+{sender}
 try:
     cli._off_main_thread(build)
 except KeyboardInterrupt:
     print("interrupted", os.path.exists({str(marker)!r}))
     raise SystemExit(130)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 130, out.stderr
     assert out.stdout.strip() == "interrupted True"
+
+
+def test_ctrl_c_during_the_build_waits_for_its_cleanup(tmp_path):
+    """SIGINT while the build runs: the loader gets the interrupt too and its cleanup (a GGUF
+    conversion's temporary folder) runs before the process leaves with KeyboardInterrupt
+    (review: a second join() returned at once, the daemon loader died with its folder left)."""
+    _interrupted_build(tmp_path, "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()", 60)
 
 
 def test_ctrl_c_taken_by_another_thread_still_interrupts_the_build(tmp_path):
     """The kernel may hand a process-directed SIGINT to any thread; when not the main one, an
     untimed join() never woke to run Python's handler and the process hung (CI, 60 s timeout).
     Here the main thread blocks SIGINT, so another thread takes it for sure."""
-    import subprocess
-    import sys
-
-    marker = tmp_path / "cleanup-ran"
-    script = f"""
-import os, signal, threading, time
-from kvreuse import cli
-{_SIGINT_AS_A_TERMINAL_SENDS_IT}
-signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})  # threads started later inherit it
-def build():
-    try:
-        while True:
-            time.sleep(0.01)
-    finally:
-        open({str(marker)!r}, "w").write("yes")
+    sender = """
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # threads started later inherit it
 def fire():
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})  # this thread takes the signal
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # this thread takes the signal
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGINT)
 threading.Thread(target=fire, daemon=True).start()
-try:
-    cli._off_main_thread(build)
-except KeyboardInterrupt:
-    print("interrupted", os.path.exists({str(marker)!r}))
-    raise SystemExit(130)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 130, out.stderr
-    assert out.stdout.strip() == "interrupted True"
+    _interrupted_build(tmp_path, sender, 30)
 
 
 # `kvreuse serve --blend-*` reach the engine config; a bad value is refused naming the flag.
