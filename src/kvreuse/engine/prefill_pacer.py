@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvreuse.engine.scheduler import prefill_cap
+
 
 class PrefillPacer:
     """Chunk sizes and steps between the chunks of a context pass (module docstring)."""
@@ -63,9 +65,8 @@ class PrefillPacer:
     def chunk_tokens(self, default: int) -> int:
         """Tokens the next chunk of a context pass runs: the cap (grown by ``per_decode`` per
         decoding request, as the scheduler's) while ``active``, else ``default``."""
-        if not self.active or self.cap is None:
-            return default
-        return min(default, max(self.cap, self.per_decode * int(self._decoding())))
+        cap = prefill_cap(self.cap, self.per_decode, int(self._decoding()))
+        return default if not self.active or cap is None else min(default, cap)
 
     def between(self) -> None:
         """Between two chunks of a context pass: one engine step if ``active``. The pass's

@@ -36,6 +36,13 @@ _DEFAULT_PREFILL_CAP = {"cpu": 16, "cuda": 2048}
 _DEFAULT_PREFILL_PER_DECODE = {"cpu": 4}
 
 
+def prefill_cap(cap: int | None, per_decode: int, decodes: int) -> int | None:
+    """Prefill tokens a step (or a context pass's chunk) may carry while ``decodes`` requests
+    decode: ``cap`` raised to ``per_decode`` per decoding request when that is more; None: no cap.
+    The one rule the scheduler and the prefill pacer share."""
+    return None if cap is None else max(cap, per_decode * decodes)
+
+
 def default_prefill_per_decode(setting: int | None, device_type: str) -> int:
     """Prefill tokens the cap grows by per decoding sequence: the device's default when the cap is
     the default (``setting`` None), else 0 (a cap given is kept as given)."""
@@ -134,9 +141,7 @@ class Scheduler:
                 prefills.append(seq)
         # Why a separate prefill budget: one step is one forward, so a decode in it waits for
         # every prefill token beside it (a 1,500-token prompt costs ~1 s on 2 CPU cores).
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None:
-            cap = max(cap, self.prefill_tokens_per_decode * len(planned))
+        cap = prefill_cap(self.max_prefill_tokens_while_decoding, self.prefill_tokens_per_decode, len(planned))
         prefill_budget = budget if cap is None or not planned else min(budget, cap)
         for seq in prefills:
             if prefill_budget == 0:
