@@ -88,7 +88,7 @@ def build_engine(
     )
     kv_format = KVFormat.resolve(config.kv_cache_dtype, loaded.dtype)
     deterministic = deterministic_with(
-        kv_format, llama.resolve_deterministic(config.deterministic, loaded.model), config
+        kv_format, llama.resolve_deterministic(config.deterministic, loaded.model), config.deterministic
     )
     # blocks of another KV format, or of the other arithmetic, never share a key
     loaded = kv_identity(loaded, kv_format, deterministic)
@@ -188,7 +188,7 @@ def build_engine(
     return parts
 
 
-def deterministic_with(kv_format: KVFormat, deterministic: bool, config: EngineConfig) -> bool:
+def deterministic_with(kv_format: KVFormat, deterministic: bool, requested: bool | None) -> bool:
     """Whether the batch-invariant forward keeps its promise with this pool: it reads keys as the
     pool holds them on every path only when the pool is in the model's dtype or int8 rows (a
     float16 / float32 pool under a bf16 model took one path on a miss and another on a hit, and
@@ -196,7 +196,7 @@ def deterministic_with(kv_format: KVFormat, deterministic: bool, config: EngineC
     raises ValueError naming the settings."""
     if not deterministic or kv_format.quantized or kv_format.storage_dtype == kv_format.compute_dtype:
         return deterministic
-    if config.deterministic:
+    if requested:
         model_dtype = str(kv_format.compute_dtype).removeprefix("torch.")
         raise ValueError(
             f"--deterministic needs --kv-cache-dtype auto or int8 for a {model_dtype} model "
