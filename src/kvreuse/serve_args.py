@@ -33,8 +33,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default=C.kv_cache_dtype,
         choices=list(KV_CACHE_DTYPES),
-        help="KV pool format: auto (the model's dtype), bfloat16, float16, float32, or int8 "
-        "(one bf16 scale per token and KV head: ~1.9x the tokens of bf16 in the same memory)",
+        help="KV pool format: auto (the model's dtype), bfloat16, float16, float32, int8, or fp8 "
+        "(= fp8_e4m3) / fp8_e5m2 (8-bit rows with one bf16 scale per token and KV head: ~1.9x the "
+        "tokens of bf16 in the same memory; int8 is the recommended 8-bit format, docs/kv_cache_dtype.md)",
     )
     p.add_argument(
         "--host-cache-memory",

@@ -9,10 +9,10 @@ import torch
 
 from kvreuse.engine.kv_quant import KVFormat
 from kvreuse.simulator.cli import simulate_main
-from kvreuse.simulator.kv_memory import blocks_in, kv_bytes_per_token
+from kvreuse.simulator.kv_memory import KV_FORMAT_BYTES, blocks_in, kv_bytes_per_token
 
 
-@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32", "int8"])
+@pytest.mark.parametrize("name", sorted(KV_FORMAT_BYTES))  # every format the simulator counts
 def test_bytes_per_token_are_the_engines(name):
     engine = KVFormat.resolve(name, torch.bfloat16).bytes_per_token(30, 3, 64)
     assert kv_bytes_per_token(name) == engine

@@ -157,7 +157,9 @@ def _attend_item(
             ((a, length),) = item.kv_runs
             kk, vv = k_cache.stored_run(a, length), v_cache.stored_run(a, length)  # [kv, L, row]
             return invariant_attention.attend(q, kk, vv, scale)
-        return invariant_attention.attend(q, k_cache.stored_rows(), v_cache.stored_rows(), scale, item.kv_slots)
+        kk, at = k_cache.stored_at(item.kv_slots)  # the pool side read at ``at``, or gathered (fp8)
+        vv, _ = v_cache.stored_at(item.kv_slots)
+        return invariant_attention.attend(q, kk, vv, scale, at)
     if item.frames is not None:
         if sliding_window:
             raise RuntimeError(

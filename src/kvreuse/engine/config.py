@@ -8,7 +8,8 @@ from kvreuse.engine.blend import Blend
 from kvreuse.engine.step_faults import StepFaults
 from kvreuse.pml.schema_cost import DEFAULT_MAX_BYTES, DEFAULT_MAX_TOKENS
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")  # --kv-cache-dtype (vLLM's flag name)
+# --kv-cache-dtype (vLLM's flag name and format names; fp8 = fp8_e4m3): engine/kv_quant.py
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ format, so a trace answers "what does int8 KV buy me at N GiB".
 
 A block of ``block_tokens`` tokens takes ``block_tokens * bytes_per_token``, with
 ``bytes_per_token = 2 * layers * kv_heads * (head_dim * value_bytes + scale_bytes)``: the
-engine's own sizing (``engine/kv_quant.py``; int8 rows carry one bf16 scale per token and KV
-head). The layout defaults to the default model's (SmolLM2-135M: 30 layers, 3 KV heads, 64).
+engine's own sizing (``engine/kv_quant.py``; int8 and fp8 rows carry one bf16 scale per token
+and KV head). The layout defaults to the default model's (SmolLM2-135M: 30 layers, 3 KV heads, 64).
 Pure arithmetic: no torch.
 """
 
@@ -15,7 +15,15 @@ from __future__ import annotations
 import argparse
 
 # bytes per stored value, bytes of scale per (token, KV head)
-KV_FORMAT_BYTES = {"bfloat16": (2, 0), "float16": (2, 0), "float32": (4, 0), "int8": (1, 2)}
+KV_FORMAT_BYTES = {
+    "bfloat16": (2, 0),
+    "float16": (2, 0),
+    "float32": (4, 0),
+    "int8": (1, 2),
+    "fp8": (1, 2),  # vLLM's name for fp8_e4m3
+    "fp8_e4m3": (1, 2),
+    "fp8_e5m2": (1, 2),
+}
 DEFAULT_LAYOUT = (30, 3, 64)  # the default model (SmolLM2-135M): layers, KV heads, head_dim
 
 
@@ -44,7 +52,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=sorted(KV_FORMAT_BYTES),
         default="bfloat16",
-        help="KV format the GiB are counted in (int8: one bf16 scale per token and KV head)",
+        help="KV format the GiB are counted in (int8, fp8: one bf16 scale per token and KV head)",
     )
     p.add_argument(
         "--kv-layout",
