@@ -51,9 +51,15 @@ def test_rope_refuses_mismatched_shapes():
         )
 
 
-@pytest.fixture(scope="module")
-def tiny_int4():
-    return tiny_model("llama", seed=0, dtype="bfloat16", quantization="int4")
+@pytest.fixture(scope="module", params=["min-max", "q4_0"])
+def tiny_int4(request):
+    """Random float weights (min-max codes, a min per group), or weights as a GGUF Q4_0 file
+    loads them (the file's own codes, no min plane)."""
+    q4_0 = request.param == "q4_0"
+    loaded = tiny_model("llama", seed=0, dtype="bfloat16", quantization="int4", q4_0_weights=q4_0)
+    layers = [m for m in loaded.model.modules() if type(m).__name__ == "Int4Linear"]
+    assert layers and all(m.symmetric == q4_0 for m in layers)
+    return loaded
 
 
 def _answers(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[tuple]]]:

@@ -16,6 +16,7 @@ from kvreuse.models import invariant, quant
 from kvreuse.models.kernels import native, native_kernels
 from kvreuse.models.kernels.packing import pack_q4, pack_q8, unpack_q4, unpack_q8
 from kvreuse.models.quant import Int4Linear, Int8Linear
+from kvreuse.models.quant.int4_linear import _symmetric_codes
 
 KERNELS = native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="kvreuse's native kernels are not built on this machine")
@@ -164,6 +165,78 @@ def test_int4_layer_keeps_its_weights_and_computes_them():
     if quant.dense_dtype(len(many), torch.bfloat16) is not None:  # a prefill chunk: dense over the unpacked copy
         dense = many.float() @ layer.unpacked_weight(torch.float32).T
         torch.testing.assert_close(layer(many).float(), dense, rtol=2e-2, atol=2e-2 * dense.abs().max().item())
+
+
+def _q4_0(n: int, k: int, seed: int) -> torch.Tensor:
+    """``[n, k]`` as a GGUF Q4_0 tensor loads: gguf-py's port of llama.cpp's quantizer and back."""
+    import gguf
+    from gguf import quants
+
+    kind = gguf.GGMLQuantizationType.Q4_0
+    w = torch.randn(n, k, generator=_gen(seed)).numpy()
+    return torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind))
+
+
+def test_q4_0_codes_are_read_back_exactly_and_nothing_else_passes():
+    w = _q4_0(32, 96, 30)
+    w[3, 32:64] = 0  # an all-zero group: scale 0
+    w[4, :32] *= -1  # a group whose peak is positive: a negative scale
+    q, d = _symmetric_codes(w, 32)
+    assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert torch.equal(((q.view(32, 3, 32) - 8) * d[..., None]).view(32, 96), w)
+    assert d[3, 1].item() == 0 and d[4, 0].item() < 0 and torch.equal(d.half().float(), d)
+    off = w.clone()
+    off[7, 40] += 1e-3  # one value off its group's grid: the tensor is not Q4_0
+    assert _symmetric_codes(off, 32) is None
+    assert _symmetric_codes(torch.randn(32, 96, generator=_gen(31)), 32) is None  # float weights
+    q41 = _q4_0(32, 96, 32) + 0.5 * torch.rand(32, 3, generator=_gen(33)).repeat_interleave(32, 1)
+    assert _symmetric_codes(q41, 32) is None  # an offset grid (Q4_1-like): a min per group is needed
+
+
+@needs_kernels
+def test_a_q4_0_layer_keeps_no_min_plane_and_computes_the_two_plane_bits():
+    """A Q4_0 tensor's layer holds 4.5 bits a weight, dequantizes to the file's exact values,
+    and its output is bit for bit the two-plane layout's with its mins (-8 * scale) written out."""
+    w = _q4_0(64, 576, 34)
+    layer = Int4Linear(w, None, torch.bfloat16).to(torch.bfloat16)
+    assert layer.symmetric and "kernel=kvreuse-q4_0" in repr(layer)
+    assert layer.native_min.numel() == 0 and layer.scale_zero.shape == (1, 4, 18, 16)
+    assert layer.qweight.numel() + 2 * layer.scale_zero.numel() == 64 * 576 // 2 + 64 * 18 * 2  # 4.5 bits
+    assert torch.equal(layer.unpacked_weight(torch.float32), w)
+    codes, d, m = unpack_q4(layer.qweight, layer.native_scale, layer.native_min)
+    assert torch.equal(m, -8 * d)
+    two = layer.native_planes(2)
+    assert two.shape == (2, 4, 18, 16) and torch.equal(two[0], layer.native_scale)
+    for rows in (1, 2, 3, 4, 5):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, 576, generator=_gen(35 + rows)).to(dtype)
+            assert torch.equal(layer.native_linear(x), torch.ops.kvreuse.q4_linear(x, layer.qweight, two[0], two[1]))
+    x = torch.randn(3, 576, generator=_gen(40)).bfloat16()
+    norm, res = torch.rand(576, generator=_gen(41)).bfloat16(), torch.randn(3, 64, generator=_gen(42)).bfloat16()
+    fused = torch.ops.kvreuse.q4_linear_fused(x, layer.qweight, two[0], two[1], norm, 1e-5, False, res)
+    assert torch.equal(layer.native_fused(x, norm, 1e-5, residual=res), fused)
+    with pytest.raises(RuntimeError, match="mins empty"):
+        torch.ops.kvreuse.q4_linear(x, layer.qweight, two[0], two[1][:2])
+    with pytest.raises(ValueError, match="min plane"):
+        Int4Linear(torch.randn(64, 576, generator=_gen(43)), None, torch.bfloat16).native_planes(1)
+
+
+@needs_kernels
+def test_q4_0_and_min_max_layers_fuse_into_one_projection():
+    """q and k from a Q4_0 file beside a float v: the fused layer writes the Q4_0 parts' mins out
+    (exact) and computes each part's bits; Q4_0 parts alone keep one plane."""
+    sym = [Int4Linear(_q4_0(n, 576, 44 + n), None, torch.bfloat16) for n in (576, 192)]
+    asym = Int4Linear(torch.randn(192, 576, generator=_gen(45)), None, torch.bfloat16)
+    x = torch.randn(2, 576, generator=_gen(46)).bfloat16()
+    for parts, planes in ((sym + [asym], 2), (sym, 1)):
+        owner = torch.nn.Module()
+        for name, p in zip(("q", "k", "v"), parts):
+            setattr(owner, name, p)
+        names = ("q", "k", "v")[: len(parts)]
+        before = [p(x) for p in parts]
+        fused = quant.fused_projection(owner, names)
+        assert fused is not None and fused.scale_zero.size(0) == planes
+        assert torch.equal(fused(x), torch.cat(before, dim=-1))
 
 
 @needs_kernels

@@ -133,6 +133,7 @@ def tiny_model(
     cache_dir: str | Path | None = None,
     attn_implementation: str | None = None,
     quantization: str = "none",
+    q4_0_weights: bool = False,
     **config_kwargs: Any,
 ) -> ml.LoadedModel:
     """Build a tiny random-weight model (deterministic in ``seed``) with the SmolLM2 tokenizer.
@@ -142,6 +143,8 @@ def tiny_model(
     ``quantization`` (``none|int8|int4``). ``auto`` (the server's defaults) is none, and ``auto``
     dtype with no quantization float32, here: a tiny model is a test fixture, and its tests must
     size pools and compare values the same way on every CPU (``auto`` would be bf16 on some).
+    ``q4_0_weights``: every decoder layer's linear weight is put through GGUF Q4_0 and back
+    (gguf-py's port of llama.cpp's quantizer), as a Q4_0 file's weights load.
     Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
@@ -162,6 +165,8 @@ def tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if q4_0_weights:
+        _through_q4_0(model)
     # Hash the fp32 weights (before a dtype cast) so the digest names the random draw itself.
     digest = store.state_dict_digest(model)
     return ml.finish_model(
@@ -176,3 +181,16 @@ def tiny_model(
         attn_implementation=attn_implementation,
         quantization=quant,
     )
+
+
+def _through_q4_0(model: torch.nn.Module) -> None:
+    """Replace each decoder layer's linear weight by its GGUF Q4_0 round trip, in place."""
+    import gguf
+    from gguf import quants
+
+    kind = gguf.GGMLQuantizationType.Q4_0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and ".layers." in name:
+                w = m.weight.detach().numpy()
+                m.weight.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind)))

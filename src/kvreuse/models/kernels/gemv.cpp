@@ -117,7 +117,9 @@ inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_v
 
 // ---- int4: qw [N/16, K/32, 256] u8, d / mn [N/16, K/32, 16] fp16; w = code * d + mn ----------
 // Byte (p, r, i) of a group's 256 holds row r's code for input 8p + i (low nibble) and 8p + 4 + i
-// (high nibble).
+// (high nibble). mn == nullptr: symmetric groups (a GGUF Q4_0 block, w = (code - 8) * d), the min
+// taken as -8 * d in fp32: exactly the fp16 min -8 * d would convert to, so the same bits as the
+// two-plane layout holding it, from 10% fewer bytes (no min plane to stream).
 template <int M>
 void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t groups,
               const QuantRow* const* xr, float (*acc)[kRows]) {
@@ -144,7 +146,8 @@ void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t 
     }
     for (int m = 0; m < M; ++m) s[m] = _mm512_add_epi32(s[m], t[m]);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kRows)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * kRows)));
+    const __m512 mv = mn == nullptr ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
+                                    : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + g * kRows)));
     for (int m = 0; m < M; ++m) {
       const __m512 ds = _mm512_mul_ps(dv, _mm512_set1_ps(xr[m]->scale[g]));
       f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), ds, f[m]);
@@ -176,7 +179,9 @@ void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t 
     }
     for (int h = 0; h < 2; ++h) {
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kRows + 8 * h)));
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kRows + 8 * h)));
+      const __m256 mv = mn == nullptr
+                            ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.f))
+                            : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kRows + 8 * h)));
       for (int m = 0; m < M; ++m) {
         const __m256 ds = _mm256_mul_ps(dv, _mm256_set1_ps(xr[m]->scale[g]));
         f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][h]), ds, f[m][h]);
@@ -204,7 +209,8 @@ void q4_block(const uint8_t* qw, const uint16_t* d, const uint16_t* mn, int64_t 
           }
         const float ds = half_to_float(d[g * kRows + r]) * xr[m]->scale[g];
         acc[m][r] = std::fma(static_cast<float>(s), ds, acc[m][r]);
-        acc[m][r] = std::fma(half_to_float(mn[g * kRows + r]), xr[m]->sum[g], acc[m][r]);
+        const float mi = mn == nullptr ? -8.f * half_to_float(d[g * kRows + r]) : half_to_float(mn[g * kRows + r]);
+        acc[m][r] = std::fma(mi, xr[m]->sum[g], acc[m][r]);
       }
     }
   }
@@ -379,8 +385,9 @@ at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   // float16 values, or their bits as int16 (a module's .to(dtype) leaves integer buffers alone)
   const auto half_bits = [](const at::Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kShort; };
   TORCH_CHECK(half_bits(d) && half_bits(mn) && d.is_contiguous() && mn.is_contiguous() &&
-                  d.numel() == qw.size(0) * qw.size(1) * kRows && mn.numel() == d.numel(),
-              "kvreuse q4_linear: scales and mins must be contiguous float16 (or its int16 bits) [N/16, K/32, 16]");
+                  d.numel() == qw.size(0) * qw.size(1) * kRows && (mn.numel() == d.numel() || mn.numel() == 0),
+              "kvreuse q4_linear: scales and mins must be contiguous float16 (or its int16 bits) [N/16, K/32, 16] "
+              "(mins empty: symmetric Q4_0 groups)");
   const int64_t nblocks = qw.size(0), groups = qw.size(1), k = groups * kGroup;
   check_x(x, f.silu_mul ? 2 * k : k);
   auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
@@ -404,11 +411,11 @@ at::Tensor q4_fused(const at::Tensor& x, const at::Tensor& qw, const at::Tensor&
   const auto q = quantize(x, k, f);
   const auto* w = qw.data_ptr<uint8_t>();
   const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
-  const auto* mp = static_cast<const uint16_t*>(mn.data_ptr());
+  const auto* mp = mn.numel() == 0 ? nullptr : static_cast<const uint16_t*>(mn.data_ptr());
   for_blocks(nblocks, q, y, [&](int64_t b, const QuantRow* const* xr, int mm, float (*acc)[kRows]) {
     const uint8_t* wb = w + b * groups * 256;
     const uint16_t* db = dp + b * groups * kRows;
-    const uint16_t* mb = mp + b * groups * kRows;
+    const uint16_t* mb = mp == nullptr ? nullptr : mp + b * groups * kRows;
     switch (mm) {
       case 1: q4_block<1>(wb, db, mb, groups, xr, acc); break;
       case 2: q4_block<2>(wb, db, mb, groups, xr, acc); break;
@@ -463,20 +470,21 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   return y;
 }
 
-// The int4 layout's weight [N, K] = code * scale + min, rounded once to bfloat16 (or float32):
+// The int4 layout's weight [N, K] = code * scale + min (min = -8 * scale when mins are empty), rounded once to bfloat16 (or float32):
 // what a many-row call (a prefill chunk) multiplies densely.
 at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, at::ScalarType dtype) {
   TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 256 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
               "kvreuse q4_dequantize: qweight must be contiguous uint8 [N/16, K/32, 256]");
-  TORCH_CHECK(d.numel() == qw.size(0) * qw.size(1) * kRows && mn.numel() == d.numel() && d.is_contiguous() &&
-                  mn.is_contiguous() && d.element_size() == 2 && mn.element_size() == 2,
-              "kvreuse q4_dequantize: scales and mins must be contiguous float16 bits [N/16, K/32, 16]");
+  TORCH_CHECK(d.numel() == qw.size(0) * qw.size(1) * kRows && (mn.numel() == d.numel() || mn.numel() == 0) &&
+                  d.is_contiguous() && mn.is_contiguous() && d.element_size() == 2 && mn.element_size() == 2,
+              "kvreuse q4_dequantize: scales and mins must be contiguous float16 bits [N/16, K/32, 16] "
+              "(mins empty: symmetric Q4_0 groups)");
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "kvreuse q4_dequantize: dtype must be bf16 or fp32");
   const int64_t nblocks = qw.size(0), groups = qw.size(1), k = groups * kGroup;
   auto out = at::empty({nblocks * kRows, k}, qw.options().dtype(dtype));
   const auto* w = qw.data_ptr<uint8_t>();
   const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
-  const auto* mp = static_cast<const uint16_t*>(mn.data_ptr());
+  const auto* mp = mn.numel() == 0 ? nullptr : static_cast<const uint16_t*>(mn.data_ptr());
   const bool bf16 = dtype == at::kBFloat16;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     float row[kGroup];
@@ -486,7 +494,7 @@ at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Te
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* wg = w + (b * groups + g) * 256;
           const float sc = half_to_float(dp[(b * groups + g) * kRows + r]);
-          const float mi = half_to_float(mp[(b * groups + g) * kRows + r]);
+          const float mi = mp == nullptr ? -8.f * sc : half_to_float(mp[(b * groups + g) * kRows + r]);
           for (int p = 0; p < 4; ++p)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = wg[64 * p + 4 * r + i];

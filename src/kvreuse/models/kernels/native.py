@@ -36,8 +36,9 @@ ENV_SWITCH = "KVREUSE_NATIVE_KERNELS"  # "off" / "0" / "false": PyTorch's kernel
 # whenever a kernel's arithmetic changes (its outputs, so the KV it writes), so KV a disk, Redis or
 # object store kept from an older build is never read as this build's. 2: fma-chain attention
 # scores, vectorized exp in SiLU, 16-lane sums of squares in RMSNorm. 3: RoPE on the fused path
-# by layers.cpp's ``rope_`` (x * cos rounded, then one rounding of the sum).
-ARITHMETIC_REVISION = 3
+# by layers.cpp's ``rope_`` (x * cos rounded, then one rounding of the sum). 4: a GGUF Q4_0
+# tensor keeps its own symmetric codes (``Int4Linear``: min-max codes re-derived before).
+ARITHMETIC_REVISION = 4
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp", "layers.cpp"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "ops.h", "simd.h"))
 FAST_ISAS = ("avx512vnni", "avx2")

@@ -4,7 +4,9 @@ of 16 so one vector lane is one output row. Pure tensor functions, exact both wa
 - int4 (``q4_linear``): codes 0..15 with ``w = code * scale + min`` per group of 32 input
   channels (a GGUF Q4_1 block). ``qweight [N/16, K/32, 256]`` uint8, byte ``(p, r, i)`` of a
   group holding row ``r``'s code for input ``8p + i`` (low nibble) and ``8p + 4 + i`` (high);
-  ``scale``, ``min`` ``[N/16, K/32, 16]`` float16.
+  ``scale``, ``min`` ``[N/16, K/32, 16]`` float16. Symmetric groups (a GGUF Q4_0 block,
+  ``w = (code - 8) * scale``) keep no min plane: ``min`` is empty and the kernels take
+  ``-8 * scale`` (exact in float16), 4.5 bits a weight instead of 5.
 - int8 (``q8_linear``): ``w = q * scale[row]``. ``qweight [N/16, K/4, 64]`` uint8, byte
   ``(c, r, i)`` holding row ``r``'s weight for input ``4c + i``, as ``q + 128`` for the VNNI
   kernel (``unsigned``) or as ``q``'s own byte otherwise; ``scale [N]`` float32.
@@ -29,10 +31,11 @@ def q8_packable(out_features: int, in_features: int) -> bool:
 
 
 def pack_q4(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``codes [N, K]`` (0..15, any int dtype), ``scale`` / ``minimum [N, K/32]`` -> the kernel's
-    ``(qweight, scale, min)``. Raises ValueError for a shape the layout cannot hold."""
+    ``(qweight, scale, min)``; ``minimum`` None: symmetric groups (``w = (code - 8) * scale``),
+    ``min`` empty. Raises ValueError for a shape the layout cannot hold."""
     n, k = codes.shape
     if not q4_packable(n, k):
         raise ValueError(f"int4 pack needs out % {ROWS} == 0 and in % {GROUP} == 0, got [{n}, {k}]")
@@ -40,19 +43,22 @@ def pack_q4(
     c = codes.to(torch.uint8).view(n // ROWS, ROWS, g, 4, 2, 4)  # [b, r, g, p, half, i]
     c = c.permute(0, 2, 3, 1, 5, 4)  # [b, g, p, r, i, half]
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // ROWS, g, 256).contiguous()
-    return packed, _interleave(scale, torch.float16), _interleave(minimum, torch.float16)
+    mins = torch.empty(0, dtype=torch.float16) if minimum is None else _interleave(minimum, torch.float16)
+    return packed, _interleave(scale, torch.float16), mins
 
 
 def unpack_q4(
     qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_q4`: ``(codes [N, K] uint8, scale [N, K/32], min [N, K/32])``
-    (float16; ``scale`` / ``minimum`` may be given as their int16 bits)."""
+    (float16; ``scale`` / ``minimum`` may be given as their int16 bits; an empty ``minimum``
+    unpacks as ``-8 * scale``, exact in float16)."""
     nb, g, _ = qweight.shape
     b = qweight.view(nb, g, 4, ROWS, 4)  # [b, g, p, r, i]
     c = torch.stack([b & 0xF, b >> 4], dim=-1)  # [b, g, p, r, i, half]
     codes = c.permute(0, 3, 1, 2, 5, 4).reshape(nb * ROWS, g * GROUP)
-    return codes, _deinterleave(scale), _deinterleave(minimum)
+    d = _deinterleave(scale)
+    return codes, d, -8 * d if minimum.numel() == 0 else _deinterleave(minimum)
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, unsigned: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,7 +74,11 @@ def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
         fused.register_buffer("qweight", torch.cat([m.qweight for m in int4]))  # packed rows, or [out, in/2]
         # (scale, zero): [2, out/16, in/32, 16] native, [in/group, out, 2] for torch's kernel, [out, groups, 2] unpacked
         dim = 1 if int4[0].use_kernel else 0
-        fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=dim))
+        if fused.native:  # symmetric parts keep one plane; beside an asymmetric one their mins are written out
+            planes = max(m.scale_zero.size(0) for m in int4)
+            fused.register_buffer("scale_zero", torch.cat([m.native_planes(planes) for m in int4], dim=1))
+        else:
+            fused.register_buffer("scale_zero", torch.cat([m.scale_zero for m in int4], dim=dim))
         if fused.native:
             fused.bind_native_scales()
     fused.register_buffer("bias", None)

@@ -28,6 +28,27 @@ def _int4_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     return q, scale.view(n, -1), (lo + 8.0 * scale).view(n, -1)
 
 
+def _symmetric_codes(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GGUF Q4_0 tensor's own codes: ``(q int32 [out, in] in 0..15, d fp32 [out, in/group])``
+    with ``w == (q - 8) * d`` exactly in every group and ``d``, ``-8 * d`` float16 values; None
+    when any group is off that grid (then min-max codes, which need a min per group, are used).
+
+    Why: Q4_0 maps a group's largest magnitude to code 0 (``d = peak / -8``) and dequantizes in
+    fp32 exactly, so ``d`` is read back from the peak; min-max codes re-derived from the same
+    values hold a min per group (10% more bytes) and are off the file's grid whenever code 15 is
+    unused."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    peak = wg.gather(-1, wg.abs().argmax(dim=-1, keepdim=True))  # [out, groups, 1]
+    d = peak / -8.0
+    if not (torch.equal(d.half().float(), d) and bool(torch.isfinite((8 * d).half()).all())):
+        return None
+    q = torch.where(d == 0, 8.0, torch.round(wg / torch.where(d == 0, 1.0, d)) + 8)
+    if not (bool(((q >= 0) & (q <= 15)).all()) and torch.equal((q - 8) * d, wg)):
+        return None
+    return q.to(torch.int32).view(n, k), d.view(n, -1)
+
+
 class Int4Linear(nn.Module):
     """Group-wise 4-bit weights (``INT4_GROUP`` input channels per scale/zero).
 
@@ -43,7 +64,8 @@ class Int4Linear(nn.Module):
     # native: [out/16, in/32, 256] uint8; torch kernel: its packed rows; else [out, in/2] uint8, two codes a byte
     qweight: torch.Tensor
     # native: (scale, min) float16 bits as int16 [2, out/16, in/32, 16] (int16: a module's .to(dtype)
-    # leaves it alone); torch kernel: (scale, zero) [in/group, out, 2]; else [out, groups, 2]
+    # leaves it alone), or [1, ...] scales only for symmetric (Q4_0) groups; torch kernel: (scale, zero)
+    # [in/group, out, 2]; else [out, groups, 2]
     scale_zero: torch.Tensor
     # native: scale_zero[0] and scale_zero[1], views kept so a decode call indexes nothing
     native_scale: torch.Tensor
@@ -65,7 +87,6 @@ class Int4Linear(nn.Module):
             raise ValueError(f"in_features {k} is not a multiple of the int4 group {group}")
         self.in_features, self.out_features, self.group = k, n, group
         self.act_dtype = act_dtype
-        q, scale, zero = _int4_codes(weight.detach(), group)
         self.use_kernel = weight.device.type == "cpu" and n % 16 == 0
         self.native = (
             native is not False
@@ -75,6 +96,15 @@ class Int4Linear(nn.Module):
             and act_dtype == torch.bfloat16
             and native_kernels() is not None
         )
+        symmetric = _symmetric_codes(weight.detach(), group) if self.native else None
+        if symmetric is not None:  # a Q4_0 tensor: its own codes and scales, no min plane
+            packed, d, _ = pack_q4(symmetric[0], symmetric[1], None)  # w = (q - 8) * scale
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scale_zero", d.unsqueeze(0).view(torch.int16))
+            self.bind_native_scales()
+            self.register_buffer("bias", None if bias is None else bias.detach().to(act_dtype))
+            return
+        q, scale, zero = _int4_codes(weight.detach(), group)
         if self.native:
             packed, d, m = pack_q4(q, scale, zero - 8 * scale)  # w ~= q * scale + min
             self.register_buffer("qweight", packed)
@@ -135,8 +165,27 @@ class Int4Linear(nn.Module):
         return torch.ops.kvreuse.q4_dequantize(self.qweight, self.native_scale, self.native_min, built).to(dtype)
 
     def bind_native_scales(self) -> None:
-        """Keep ``scale_zero``'s two halves as plain attributes (call after ``scale_zero`` is set)."""
-        self.__dict__["native_scale"], self.__dict__["native_min"] = self.scale_zero[0], self.scale_zero[1]
+        """Keep ``scale_zero``'s planes as plain attributes (call after ``scale_zero`` is set);
+        a symmetric layer's ``native_min`` is empty (the kernels take ``-8 * scale``)."""
+        sz = self.scale_zero
+        self.__dict__["native_scale"] = sz[0]
+        self.__dict__["native_min"] = sz[1] if sz.size(0) == 2 else sz.new_empty(0)
+
+    @property
+    def symmetric(self) -> bool:
+        """Native layout without a min plane (a GGUF Q4_0 tensor's own codes)."""
+        return self.native and self.scale_zero.size(0) == 1
+
+    def native_planes(self, planes: int) -> torch.Tensor:
+        """``scale_zero`` of the native layout with ``planes`` planes (1: scales only, for a
+        symmetric layer; 2: scales and mins, a symmetric layer's mins written out as
+        ``-8 * scale``, exact in float16): what fusing it with other layers concatenates."""
+        sz = self.scale_zero
+        if sz.size(0) == planes:
+            return sz
+        if planes != 2:
+            raise ValueError("an asymmetric int4 layer has a min plane: it cannot drop it")
+        return torch.stack([sz[0], (-8 * sz[0].view(torch.float16)).view(torch.int16)])
 
     def native_linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` (contiguous, bf16 / fp32) through the native kernel: ``[T, out]``, each
@@ -184,5 +233,7 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        kernel = "kvreuse" if self.native else "torch" if self.use_kernel else "none"
+        kernel = (
+            ("kvreuse-q4_0" if self.symmetric else "kvreuse") if self.native else "torch" if self.use_kernel else "none"
+        )
         return f"in={self.in_features}, out={self.out_features}, group={self.group}, kernel={kernel}"
