@@ -168,6 +168,47 @@ def test_a_clock_forgets_the_mark_once_the_executor_is_up_again():
     )
 
 
+def test_a_read_whose_executor_comes_back_within_the_grace_is_not_ended():
+    # A stalled stream marks its executor down, and the next health probe brings it back
+    # (Router.probe: healthy, last_error cleared) before the grace ends: the other reads of
+    # that executor wait on (bench/ray/kill_replica.py once cut every stream of the live
+    # replica here: "it was marked down () and sent no byte for 1 s after").
+    e = Executor("http://a", healthy=True)
+
+    def probe_ok() -> None:
+        e.healthy, e.last_error = True, None
+
+    async def late():
+        await asyncio.sleep(0.5)  # longer than the grace
+        return b"chunk"
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, e.mark_down, "a stream stalled")
+        loop.call_later(0.1, probe_ok)
+        return await within(late(), e, since=time.monotonic(), limit_s=None, setting="--flag", grace_s=0.2)
+
+    got, _ = _timed(scenario)
+    assert got == b"chunk"
+
+
+def test_a_read_whose_executor_came_back_still_ends_at_its_deadline():
+    e = Executor("http://a", healthy=True)
+
+    def probe_ok() -> None:
+        e.healthy, e.last_error = True, None
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, e.mark_down, "a stream stalled")
+        loop.call_later(0.1, probe_ok)
+        return await within(_forever(), e, since=time.monotonic(), limit_s=0.6, setting="--flag", grace_s=0.2)
+
+    got, took = _timed(scenario)
+    assert isinstance(got, Stalled) and str(got) == "it sent no byte for 0.6 s (--flag)"
+    assert 0.6 <= took < 0.6 + MARGIN_S
+
+
 def test_a_read_cancelled_from_outside_is_cancelled_not_stalled():
     async def scenario():
         clock = ReadClock(Executor("http://a", healthy=True), limit_s=0.3, setting="--flag")
@@ -343,3 +384,68 @@ def test_a_non_streamed_request_has_no_first_byte_deadline_but_moves_when_its_ex
     assert raw.status_code == 200 and raw.json() == {"choices": [{"text": "from b"}]}
     assert raw.headers["x-kvreuse-executor"] == "http://b"
     assert 1.0 <= took < 1.0 + MARGIN_S
+
+
+class _Paced(httpx.AsyncByteStream):
+    """``chunks``, one every ``gap_s``."""
+
+    def __init__(self, chunks: list[bytes], gap_s: float) -> None:
+        self.chunks, self.gap_s = chunks, gap_s
+
+    async def __aiter__(self):
+        for i, chunk in enumerate(self.chunks):
+            if i:
+                await asyncio.sleep(self.gap_s)
+            yield chunk
+
+
+def test_one_stalled_stream_does_not_cut_the_streams_its_executor_still_sends():
+    # Executor a streams one request (a token every 0.6 s: a loaded CPU) and holds another
+    # after its first chunk (queued or preempted there). The held one passes its progress
+    # deadline and is ended; a is not marked down for it, since a sent bytes meanwhile, so
+    # the other stream is not cut a grace after a mark (it was, in bench/ray/kill_replica.py:
+    # one preempted stream on the surviving replica cut all of that replica's streams).
+    steady = [_event(f" t{i}") for i in range(5)] + [b"data: [DONE]\n\n"]
+
+    async def handler(request):
+        if json.loads(request.content)["prompt"] == [1, 2, 3]:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Chunks([_event("Hi")]))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Paced(steady, 0.6))
+
+    async def calls(http, router):
+        held = asyncio.ensure_future(http.post("/v1/completions", json=STREAM))
+        await asyncio.sleep(0.05)
+        other = await http.post("/v1/completions", json={**STREAM, "prompt": [4, 5, 6]})
+        return await held, other, router
+
+    held, other, router = _route(handler, ["http://a"], Deadlines(60.0, 1.0, down_grace_s=0.05), calls)
+    assert other.status_code == 200 and other.content == b"".join(steady)
+    assert held.content.startswith(_event("Hi") + b'data: {"error":')
+    assert "failed mid-response: it sent no byte for 1 s (--upstream-progress-timeout)" in held.text
+    a = router.executors["http://a"]
+    assert a.healthy and a.last_error is None
+    assert a.in_flight == 0 and router.metrics.streams_cut._value.get() == 1
+
+
+def test_a_stream_that_stalls_while_its_executor_sends_nothing_marks_it_down():
+    # the same two streams, but the steady one ends before the held one's deadline: then
+    # nothing came from a during the held read, and a is marked down as before
+    async def handler(request):
+        if json.loads(request.content)["prompt"] == [1, 2, 3]:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Chunks([_event("Hi")]))
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=_Chunks([_event("x"), b"data: [DONE]\n\n"], stall=False),
+        )
+
+    async def calls(http, router):
+        other = await http.post("/v1/completions", json={**STREAM, "prompt": [4, 5, 6]})
+        held = await http.post("/v1/completions", json=STREAM)
+        return held, other, router
+
+    held, other, router = _route(handler, ["http://a"], Deadlines(60.0, 0.4, down_grace_s=0.05), calls)
+    assert other.content == _event("x") + b"data: [DONE]\n\n"
+    assert "it sent no byte for 0.4 s (--upstream-progress-timeout)" in held.text
+    a = router.executors["http://a"]
+    assert not a.healthy and a.last_error == "a stream stalled: it sent no byte for 0.4 s (--upstream-progress-timeout)"

@@ -12,10 +12,12 @@ on completion streams), and then one event per decoded chunk. So the router has 
   second on a CPU; 10 s of silence means a hung executor (or one whose request was
   preempted and is still waiting, which another executor then serves at once).
 
-And one signal: an executor **marked down** (a failed health probe, a refused connection)
-has its waits ended once it has sent no byte for ``DOWN_GRACE_S`` (1 s) since it was seen
-down. An executor that answers ``/health`` slowly but still streams keeps its streams; a
-stopped or hung one loses them within a second of the probe's verdict.
+And one signal: an executor **marked down** (a failed health probe, a refused connection,
+a stream of it that stalled while it sent nothing at all: ``upstream.Upstream.chunks``) has
+its waits ended once it has sent no byte for ``DOWN_GRACE_S`` (1 s) since it was seen down,
+unless a health probe has brought it back by then. An executor that answers ``/health``
+slowly but still streams keeps its streams; a stopped or hung one loses them within a
+second of the probe's verdict.
 
 A wait that ends so raises ``Stalled``; the caller retries the request (nothing sent to the
 client yet), continues the stream elsewhere (``kvreuse.router.migration``) or ends it with
@@ -144,6 +146,10 @@ class ReadClock:
             self._timer = asyncio.get_running_loop().call_at(end, self._fire)
             return
         if down_end is not None and (limit_end is None or down_end < limit_end):
+            if self.executor.healthy:  # a health probe brought it back within the grace: no cut
+                self._down_seen = None
+                self._arm()
+                return
             why = self.executor.scrub(self.executor.last_error or "")  # told to the client: no address
             self._stalled = Stalled(
                 f"it was marked down ({why}) and sent no byte for {self.grace_s:g} s after",

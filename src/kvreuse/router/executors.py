@@ -127,6 +127,9 @@ class Executor:
     requests_routed: int = 0
     failures: int = 0  # requests that failed before their first byte here
     last_error: str | None = None
+    # when a byte of any of its streams last came (time.monotonic()): a stream that stalls
+    # while others still get bytes is waiting there (queued, preempted), not on a hung executor
+    last_byte_at: float = field(default=0.0, repr=False, compare=False)
     # called when it is marked down: the reads waiting on it (kvreuse.router.deadline.within)
     on_down: set[Callable[[], None]] = field(default_factory=set, repr=False, compare=False)
 

@@ -135,20 +135,25 @@ class Upstream:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The raw bytes as they come (the first chunk included). Raises
         ``httpx.TransportError`` when the connection breaks, ``Stalled`` when no byte comes
-        within the progress deadline (the executor is then marked down) or since the
-        executor was marked down (``kvreuse.router.deadline``)."""
+        within the progress deadline or since the executor was marked down
+        (``kvreuse.router.deadline``). A missed deadline marks the executor down only when
+        none of its streams got a byte meanwhile: one that still streams is alive, and this
+        request is waiting there (queued, preempted); marking it down would cut its other
+        streams a grace later."""
         if self._first is not None:
             first, self._first = self._first, None
             yield first
         while True:
+            began = time.monotonic()
             try:
-                chunk = await self._clock.read(anext(self._rest))
+                chunk = await self._clock.read(anext(self._rest), since=began)
             except StopAsyncIteration:
                 return
             except Stalled as exc:
-                if exc.timed_out:
+                if exc.timed_out and self.executor.last_byte_at < began:
                     self.executor.mark_down(f"a stream stalled: {exc}")
                 raise
+            self.executor.last_byte_at = time.monotonic()
             yield chunk
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -235,6 +240,7 @@ async def send(
     chunks = resp.aiter_raw()
     try:
         first = await watched(anext(chunks))
+        executor.last_byte_at = time.monotonic()
     except (httpx.TransportError, StopAsyncIteration) as exc:
         await resp.aclose()
         executor.mark_down(f"stream broke before its first byte: {exc!r}")
