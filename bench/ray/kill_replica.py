@@ -89,12 +89,25 @@ def rejoin(url: str, before: set[str], timeout_s: float) -> dict:
     return {"rejoined": True, "healthy_after_s": healthy_after, "new_replicas": len(new), "indexed": False}
 
 
+def blocks_of_all(results: list[dict], block_size: int = 16) -> int:
+    """The KV blocks every stream holds at its end (from its usage chunk): what one replica
+    needs to hold all of them at once."""
+    total = 0
+    for res in results:
+        usage = next(e["usage"] for e in res["events"] if isinstance(e, dict) and e.get("usage"))
+        total += -(-(usage["prompt_tokens"] + usage["completion_tokens"]) // block_size)
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--streams", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--kv-cache-memory", default="0.2", help="GiB per replica: every stream fits on one")
+    # 40 streams of the default model (fp32: 46,080 bytes of KV a token, 16-token blocks) need
+    # about 300 blocks at their full length; 0.2 GiB is 291: the survivor then preempted some
+    # (its other streams waited on them), which is not what this bench measures
+    ap.add_argument("--kv-cache-memory", default="0.4", help="GiB per replica: every stream fits on one")
     ap.add_argument("--deterministic", action="store_true", help="replicas with batch-invariant kernels")
     ap.add_argument("--out", default=str(RESULTS / "ray_kill.json"))
     args = ap.parse_args()
@@ -109,6 +122,7 @@ def main() -> None:
         with ThreadPoolExecutor(args.streams) as pool:
             refs = list(pool.map(lambda r: stream(url, *r), requests))
         reference = [outcome(res, path.endswith("chat/completions")) for res, (path, _) in zip(refs, requests)]
+        blocks_needed = blocks_of_all(refs)
         assert all(kind == "whole" for kind, _ in reference), f"the reference run was not clean: {reference}"
         before, pids = executors(url), replica_pids(driver.pid)
         assert len(pids) == 2, f"expected 2 replica processes of this cluster, found {pids}"
@@ -130,6 +144,8 @@ def main() -> None:
         "streams": args.streams,
         "max_tokens": args.max_tokens,
         "deterministic": args.deterministic,
+        "kv_cache_memory_gib": float(args.kv_cache_memory),
+        "blocks_of_all_streams": blocks_needed,  # what the surviving replica holds once it has them all
         "replica_pids_before": pids,
         "killed_pid": killed[0] if killed else None,
         "outcomes": counts,
