@@ -104,9 +104,9 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--streams", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=48)
-    # 40 streams of the default model (fp32: 46,080 bytes of KV a token, 16-token blocks) need
-    # about 300 blocks at their full length; 0.2 GiB is 291: the survivor then preempted some
-    # (its other streams waited on them), which is not what this bench measures
+    # 40 streams of the default model (fp32: 46,080 bytes of KV a token, 16-token blocks) hold
+    # 510 blocks at their end with --max-tokens 32 (blocks_of_all_streams); 0.2 GiB is 291: the
+    # survivor then queued or preempted half of them, which is not what this bench measures
     ap.add_argument("--kv-cache-memory", default="0.4", help="GiB per replica: every stream fits on one")
     ap.add_argument("--deterministic", action="store_true", help="replicas with batch-invariant kernels")
     ap.add_argument("--out", default=str(RESULTS / "ray_kill.json"))
