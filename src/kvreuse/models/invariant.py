@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvreuse.models.quant import Int4Linear, Int8Linear
+from kvreuse.models.quant import Int4Linear, Int8Linear, Q6KLinear
 
 # CPU sgemm (fp32) picks other kernels below 8 rows and again at 9-11 rows (a reviewer's scan on
 # an AVX-512 EPYC, torch 2.13); from 16 rows on every count tried (up to 2,048) gives a row the
@@ -40,7 +40,7 @@ def project(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     parts = getattr(layer, "parts", None)
     if parts is not None:
         return torch.cat([project(p, x) for p in parts], dim=-1)
-    if isinstance(layer, (Int4Linear, Int8Linear)) and layer.native:  # each row alone by construction
+    if isinstance(layer, (Int4Linear, Int8Linear, Q6KLinear)) and layer.native:  # each row alone by construction
         return layer.native_linear(x.contiguous())
     if isinstance(layer, Int4Linear) and layer.use_kernel:
         sz = layer.scale_zero if layer.scale_zero.dtype == x.dtype else layer.scale_zero.to(x.dtype)

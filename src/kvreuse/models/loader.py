@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
+from kvreuse.models import gguf_blocks
 from kvreuse.models.kernels import native_kernels
 from kvreuse.models.kernels.native import ARITHMETIC_REVISION
 from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
-from kvreuse.models.quant import SCHEMES, QuantMode, kernels_in_use, parse_quantization, quantize_model
+from kvreuse.models.quant import SCHEMES, Q6KLinear, QuantMode, kernels_in_use, parse_quantization, quantize_model
 from kvreuse.models.sources import SPEC_HELP, ModelSource, resolve_model_spec, resolve_source
 from kvreuse.models.store import (
     MARKER,
@@ -215,10 +216,12 @@ def finish_model(
     path: Path | None,
     attn_implementation: str | None = None,
     quantization: str | QuantMode = QuantMode.NONE,
+    output_blocks: torch.Tensor | None = None,
 ) -> LoadedModel:
     """Put ``model`` in eval mode on ``device``/``dtype``, quantize its weights if asked, and
     wrap it in a :class:`LoadedModel`. Quantization runs on ``device`` from the weights as
-    given (pass fp32 weights), before the cast to ``dtype``.
+    given (pass fp32 weights), before the cast to ``dtype``; ``output_blocks``: the GGUF's Q6_K
+    blocks of the output projection (``gguf_blocks``), kept as they are where they fit.
     Raises ``ValueError`` naming ``--dtype`` for fp16 on Gemma models, whose activations
     overflow fp16 (NaN logits, also in plain transformers), or for an unknown quantization."""
     quant = parse_quantization(quantization)
@@ -226,7 +229,7 @@ def finish_model(
     if dtype == torch.float16 and model_type.startswith(("gemma2", "gemma3")):
         raise ValueError(f"--dtype float16: {model_type} overflows fp16 (NaN logits); use --dtype bfloat16 or float32")
     if quant is not QuantMode.NONE:
-        model = quantize_model(model.to(device=device), quant, act_dtype=dtype)
+        model = quantize_model(model.to(device=device), quant, act_dtype=dtype, output_blocks=output_blocks)
     model = model.to(device=device, dtype=dtype).eval()
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
@@ -241,6 +244,8 @@ def finish_model(
     # KV is not torch's kernels' KV, nor an older revision's. The ISA stays out (AVX2 and AVX-512
     # builds agree to the bit)
     scheme = SCHEMES[quant] if kernels == "torch" else f"{SCHEMES[quant]};kernels=kvreuse-r{ARITHMETIC_REVISION}"
+    if isinstance(model.get_output_embeddings(), Q6KLinear):  # the file's own output blocks, not int8
+        scheme = scheme.replace("lm_head-int8", "lm_head-q6_k")
     model_id, full = compute_model_id(
         name, weights_hash, model.config, tokenizer_hash, dtype_name(dtype), quantization=scheme
     )
@@ -359,6 +364,11 @@ def load_model(
         kw["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(folder), **kw)
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    blocks = None
+    if quant is not QuantMode.NONE and src.kind != "hf":  # a GGUF's Q6_K output projection, as the file holds it
+        blocks = gguf_blocks.load(folder)
+        if blocks is None and src.kind == "gguf":  # converted before the folder kept them
+            blocks = gguf_blocks.output_blocks_of(src.path)
     return finish_model(
         model,
         tokenizer,
@@ -370,4 +380,5 @@ def load_model(
         path=folder,
         attn_implementation=attn_implementation,
         quantization=quant,
+        output_blocks=blocks,
     )

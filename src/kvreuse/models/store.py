@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvreuse.models import gguf_blocks
 from kvreuse.models.sources import SPEC_HELP, ModelSource
 
 __all__ = [
@@ -243,6 +244,9 @@ def convert_gguf(src: ModelSource, target: Path) -> Path:
             model.save_pretrained(str(out))
             tok.save_pretrained(str(out))
             del model
+            blocks = gguf_blocks.output_blocks_of(gguf_dir / gguf_name)
+            if blocks is not None:  # kept as the file holds them (quant.Q6KLinear)
+                gguf_blocks.save(out, blocks)
             meta = {
                 "format_version": FORMAT_VERSION,
                 "name": src.name,

@@ -134,6 +134,7 @@ def tiny_model(
     attn_implementation: str | None = None,
     quantization: str = "none",
     q4_0_weights: bool = False,
+    q6_k_output: bool = False,
     **config_kwargs: Any,
 ) -> ml.LoadedModel:
     """Build a tiny random-weight model (deterministic in ``seed``) with the SmolLM2 tokenizer.
@@ -144,7 +145,9 @@ def tiny_model(
     dtype with no quantization float32, here: a tiny model is a test fixture, and its tests must
     size pools and compare values the same way on every CPU (``auto`` would be bf16 on some).
     ``q4_0_weights``: every decoder layer's linear weight is put through GGUF Q4_0 and back
-    (gguf-py's port of llama.cpp's quantizer), as a Q4_0 file's weights load.
+    (gguf-py's port of llama.cpp's quantizer), as a Q4_0 file's weights load. ``q6_k_output``:
+    the output projection (tied: the embedding too) is random Q6_K blocks, handed to the
+    quantization as a GGUF's would be (``hidden_size`` a multiple of 256).
     Raises ValueError for an unknown arch, dtype, device or quantization.
     """
     from transformers import AutoModelForCausalLM
@@ -167,6 +170,7 @@ def tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if q4_0_weights:
         _through_q4_0(model)
+    blocks = _random_q6_k_output(model, seed) if q6_k_output else None
     # Hash the fp32 weights (before a dtype cast) so the digest names the random draw itself.
     digest = store.state_dict_digest(model)
     return ml.finish_model(
@@ -180,6 +184,7 @@ def tiny_model(
         path=None,
         attn_implementation=attn_implementation,
         quantization=quant,
+        output_blocks=blocks,
     )
 
 
@@ -194,3 +199,19 @@ def _through_q4_0(model: torch.nn.Module) -> None:
             if isinstance(m, torch.nn.Linear) and ".layers." in name:
                 w = m.weight.detach().numpy()
                 m.weight.copy_(torch.from_numpy(quants.dequantize(quants.quantize(w, kind), kind)))
+
+
+def _random_q6_k_output(model: Any, seed: int) -> torch.Tensor:
+    """Random Q6_K blocks ``[vocab, hidden / 256 * 210]`` uint8, written into the output
+    projection's weight as their dequantized values."""
+    from kvreuse.models.quant.q6k_linear import BLOCK_BYTES, dequantize_q6k
+
+    n, k = model.get_output_embeddings().weight.shape
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 256, BLOCK_BYTES), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 256, 1, generator=g) * 2e-4).half()  # weights up to ~0.8
+    blocks[..., 208:] = d.view(torch.uint8)
+    blocks = blocks.view(n, -1)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(dequantize_q6k(blocks))
+    return blocks

@@ -57,6 +57,7 @@ struct QuantRow {
   std::vector<float> scale;    // [K / 32]
   std::vector<float> sum;      // [K / 32] the group's sum of x (exact, for the int4 min term)
   std::vector<int32_t> qsum;   // [K / 32] the group's sum of q (the int8 kernel's +128 term)
+  std::vector<int32_t> qsum16;  // [K / 16] each half group's sum of q (the 6-bit kernel's -32 term)
 };
 
 template <typename T>
@@ -66,6 +67,7 @@ void quantize_row(const T* x, int64_t k, QuantRow& out) {
   out.scale.resize(groups);
   out.sum.resize(groups);
   out.qsum.resize(groups);
+  out.qsum16.resize(2 * groups);
   float v[kGroup];
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.f, sum = 0.f;
@@ -82,13 +84,16 @@ void quantize_row(const T* x, int64_t k, QuantRow& out) {
     const float s = finite ? amax / 127.f : NAN;
     const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
     const bool tiny = std::isinf(inv);  // amax below ~3.7e-37: 127 / amax overflows, scale in double
-    int32_t qsum = 0;
+    int32_t half[2] = {0, 0};
     for (int i = 0; i < kGroup; ++i) {
       const float t = !finite ? 0.f : tiny ? static_cast<float>(v[i] * (127.0 / amax)) : v[i] * inv;
       const int8_t c = static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, t))));
       out.q[g * kGroup + i] = c;
-      qsum += c;
+      half[i / 16] += c;
     }
+    const int32_t qsum = half[0] + half[1];
+    out.qsum16[2 * g] = half[0];
+    out.qsum16[2 * g + 1] = half[1];
     out.scale[g] = s;
     out.sum[g] = sum;
     out.qsum[g] = qsum;
@@ -293,6 +298,133 @@ void q8_block(const uint8_t* qw, const float* scale, int64_t groups, const Quant
 #endif
 }
 
+// ---- 6-bit (a GGUF Q6_K tensor): w = d * sc * (code - 32), code 0..63 ---------------------------
+// qw [N/16, K/32, 384] u8: bytes 0..255 the codes' low nibbles in the int4 layout, bytes
+// 256 + 64 (p / 2) + 4r + i their high two bits (bits 4 (p % 2) + 0..1: input 8p + i, + 2..3: input
+// 8p + 4 + i); sc [N/16, K/32, 2, 16] int8 (row r's scale of inputs 0..15 / 16..31 of the group);
+// d [N/16, K/256, 16] fp16. d * sc is exact in fp32 (11 x 8 significant bits).
+template <int M>
+void q6_block(const uint8_t* qw, const int8_t* sc, const uint16_t* d, int64_t groups,
+              const QuantRow* const* xr, float (*acc)[kRows]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+  __m512 f[M];
+  __m512 dv = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 8 == 0) dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (g / 8) * kRows)));
+    __m512i s[M][2], t[M][2];  // [half of the group]: two chains each (latency, not width)
+    for (int m = 0; m < M; ++m) s[m][0] = s[m][1] = t[m][0] = t[m][1] = _mm512_setzero_si512();
+    const uint8_t* w = qw + g * 384;
+    if (KVREUSE_PREFETCH > 0) {
+      for (int p = 0; p < 6; ++p) _mm_prefetch(reinterpret_cast<const char*>(w + KVREUSE_PREFETCH + 64 * p), _MM_HINT_T0);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * p);
+      const __m512i h = _mm512_loadu_si512(w + 256 + 64 * (p / 2));
+      // the high bits moved to bits 4..5 of each byte (16-bit shifts: the mask drops what crossed)
+      const __m512i hl = p % 2 == 0 ? _mm512_slli_epi16(h, 4) : h;
+      const __m512i hh = p % 2 == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(hl, bits45));
+      const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_and_si512(hh, bits45));
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup + 8 * p);
+        s[m][p / 2] = _mm512_dpbusd_epi32(s[m][p / 2], lo, _mm512_set1_epi32(xq[0]));
+        t[m][p / 2] = _mm512_dpbusd_epi32(t[m][p / 2], hi, _mm512_set1_epi32(xq[1]));
+      }
+    }
+    const __m512 wa = _mm512_mul_ps(
+        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 32)))));
+    const __m512 wb = _mm512_mul_ps(
+        dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 32 + 16)))));
+    for (int m = 0; m < M; ++m) {
+      const __m512 sx = _mm512_set1_ps(xr[m]->scale[g]);
+      const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(s[m][0], t[m][0]), _mm512_set1_epi32(32 * xr[m]->qsum16[2 * g]));
+      const __m512i b =
+          _mm512_sub_epi32(_mm512_add_epi32(s[m][1], t[m][1]), _mm512_set1_epi32(32 * xr[m]->qsum16[2 * g + 1]));
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(wa, sx), f[m]);
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(wb, sx), f[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc[m], f[m]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i bits45 = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[M][2];
+  __m256 dv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g % 8 == 0)
+      for (int h = 0; h < 2; ++h)
+        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + (g / 8) * kRows + 8 * h)));
+    __m256i s[M][2][2];  // [m][rows 8h..][half of the group]
+    for (int m = 0; m < M; ++m) s[m][0][0] = s[m][0][1] = s[m][1][0] = s[m][1][1] = _mm256_setzero_si256();
+    const uint8_t* w = qw + g * 384;
+    for (int p = 0; p < 4; ++p) {
+      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * p + 32 * h));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256 + 64 * (p / 2) + 32 * h));
+        const __m256i hl = p % 2 == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+        const __m256i hh = p % 2 == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(hl, bits45));
+        const __m256i hi =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), _mm256_and_si256(hh, bits45));
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(xr[m]->q.data() + g * kGroup + 8 * p);
+          // codes <= 63 and |x| <= 127: a pair's sum stays below 2^15 (no saturation)
+          const __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[0])), ones);
+          const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[1])), ones);
+          s[m][h][p / 2] = _mm256_add_epi32(s[m][h][p / 2], _mm256_add_epi32(a, b));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 wa = _mm256_mul_ps(
+          dv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + g * 32 + 8 * h)))));
+      const __m256 wb = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + g * 32 + 16 + 8 * h)))));
+      for (int m = 0; m < M; ++m) {
+        const __m256 sx = _mm256_set1_ps(xr[m]->scale[g]);
+        const __m256i a = _mm256_sub_epi32(s[m][h][0], _mm256_set1_epi32(32 * xr[m]->qsum16[2 * g]));
+        const __m256i b = _mm256_sub_epi32(s[m][h][1], _mm256_set1_epi32(32 * xr[m]->qsum16[2 * g + 1]));
+        f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(wa, sx), f[m][h]);
+        f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_mul_ps(wb, sx), f[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm256_storeu_ps(acc[m], f[m][0]);
+    _mm256_storeu_ps(acc[m] + 8, f[m][1]);
+  }
+#else
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = qw + g * 384;
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = xr[m]->q.data() + g * kGroup;
+      for (int r = 0; r < kRows; ++r) {
+        int32_t s[2] = {0, 0};
+        for (int p = 0; p < 4; ++p)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t b = w[64 * p + 4 * r + i];
+            const uint8_t h = w[256 + 64 * (p / 2) + 4 * r + i] >> (4 * (p % 2));
+            s[p / 2] += ((b & 0x0f) | ((h & 3) << 4)) * xq[8 * p + i] + ((b >> 4) | (((h >> 2) & 3) << 4)) * xq[8 * p + 4 + i];
+          }
+        const float dr = half_to_float(d[(g / 8) * kRows + r]);
+        for (int k = 0; k < 2; ++k) {
+          const float wk = dr * static_cast<float>(sc[g * 32 + 16 * k + r]);
+          const int32_t a = s[k] - 32 * xr[m]->qsum16[2 * g + k];
+          acc[m][r] = std::fma(static_cast<float>(a), wk * xr[m]->scale[g], acc[m][r]);
+        }
+      }
+    }
+  }
+#endif
+}
+
 // A decoder layer's small ops fused into its projections (a decode step pays ~2 us of dispatch
 // an op, ~14 ops a layer): on each x row before it is quantized, on each output row after.
 // In bf16 each step rounds to bf16 where the unfused PyTorch ops would.
@@ -470,6 +602,36 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   return y;
 }
 
+at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sc, const at::Tensor& d) {
+  TORCH_CHECK(qw.dim() == 3 && qw.size(2) == 384 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              "kvreuse q6_linear: qweight must be contiguous uint8 [N/16, K/32, 384]");
+  const int64_t nblocks = qw.size(0), groups = qw.size(1), k = groups * kGroup;
+  TORCH_CHECK(groups % 8 == 0, "kvreuse q6_linear: in_features must be a multiple of 256");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == nblocks * groups * 32,
+              "kvreuse q6_linear: scales must be contiguous int8 [N/16, K/32, 2, 16]");
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kShort) && d.is_contiguous() &&
+                  d.numel() == nblocks * (groups / 8) * kRows,
+              "kvreuse q6_linear: d must be contiguous float16 (or its int16 bits) [N/16, K/256, 16]");
+  check_x(x, k);
+  auto y = at::empty({x.size(0), nblocks * kRows}, x.options());
+  const auto q = quantize(x, k);
+  const auto* w = qw.data_ptr<uint8_t>();
+  const auto* sp = sc.data_ptr<int8_t>();
+  const auto* dp = static_cast<const uint16_t*>(d.data_ptr());
+  for_blocks(nblocks, q, y, [&](int64_t b, const QuantRow* const* xr, int mm, float (*acc)[kRows]) {
+    const uint8_t* wb = w + b * groups * 384;
+    const int8_t* sb = sp + b * groups * 32;
+    const uint16_t* db = dp + b * (groups / 8) * kRows;
+    switch (mm) {
+      case 1: q6_block<1>(wb, sb, db, groups, xr, acc); break;
+      case 2: q6_block<2>(wb, sb, db, groups, xr, acc); break;
+      case 3: q6_block<3>(wb, sb, db, groups, xr, acc); break;
+      default: q6_block<4>(wb, sb, db, groups, xr, acc); break;
+    }
+  });
+  return y;
+}
+
 // The int4 layout's weight [N, K] = code * scale + min (min = -8 * scale when mins are empty), rounded once to bfloat16 (or float32):
 // what a many-row call (a prefill chunk) multiplies densely.
 at::Tensor q4_dequantize(const at::Tensor& qw, const at::Tensor& d, const at::Tensor& mn, at::ScalarType dtype) {
@@ -529,6 +691,8 @@ at::Tensor fused_q4_linear(const at::Tensor& x, const at::Tensor& qw, const at::
 TORCH_LIBRARY(kvreuse, m) {
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale, Tensor min) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+  m.def("q6_linear(Tensor x, Tensor qweight, Tensor scales, Tensor d) -> Tensor");
+  m.impl("q6_linear", c10::DispatchKey::CPU, &q6_linear);
   m.def(
       "q4_linear_fused(Tensor x, Tensor qweight, Tensor scale, Tensor min, Tensor? norm_weight, float eps, "
       "bool silu_mul, Tensor? residual) -> Tensor");

@@ -14,7 +14,9 @@ Schemes (``SCHEMES`` names them; the name is folded into the model fingerprint):
   per group of 32 input channels, tinygemm layout ``w = (q - 8) * scale + zero`` with
   ``zero = min + 8 * scale``, ``torch._weight_int4pack_mm_for_cpu``. A GGUF Q4_1 block is exactly
   this (32 weights, ``w = q * d + m``), so requantizing a Q4_1-dequantized weight recovers the
-  file's own codes.
+  file's own codes; a GGUF Q4_0 tensor keeps its own symmetric codes without the min plane.
+- ``Q6KLinear`` (:mod:`.q6k_linear`): a GGUF Q6_K output projection kept as the file's blocks
+  (``models/gguf_blocks.py``) on kvreuse's 6-bit kernel, where they are exactly its weight.
 - A tied or plain ``nn.Embedding`` becomes int8 with one scale per group of 32
   (:mod:`.int8_embedding`: a GGUF Q8_0 block, recovered exactly from its dequantized values); the
   lookup gathers rows and scales.
@@ -41,6 +43,7 @@ from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import SCHEMES, QuantMode, parse_quantization
+from kvreuse.models.quant.q6k_linear import Q6KLinear
 from kvreuse.models.quant.surgery import kernels_in_use, quantize_model, weight_bytes
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "Int8Linear",
     "Int4Linear",
     "Int8Embedding",
+    "Q6KLinear",
     "dense_dtype",
     "fuse_linears",
     "fused_projection",

@@ -12,6 +12,7 @@ from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import INT4_GROUP, QuantMode, parse_quantization
+from kvreuse.models.quant.q6k_linear import Q6KLinear
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -25,7 +26,13 @@ def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype
     return Int8Linear(linear.weight, linear.bias, act_dtype)
 
 
-def quantize_model(model: PreTrainedModel, mode: str | QuantMode, *, act_dtype: torch.dtype) -> PreTrainedModel:
+def quantize_model(
+    model: PreTrainedModel,
+    mode: str | QuantMode,
+    *,
+    act_dtype: torch.dtype,
+    output_blocks: torch.Tensor | None = None,
+) -> PreTrainedModel:
     """Replace, in place, every ``nn.Linear`` of ``model`` by its quantized form.
 
     Linear layers take ``mode`` (int4 falls back to int8 where ``in_features`` is not a multiple
@@ -34,7 +41,9 @@ def quantize_model(model: PreTrainedModel, mode: str | QuantMode, *, act_dtype: 
     for little speed); the input embedding, a plain ``nn.Embedding`` or Gemma's scaled one
     (``embed_scale``), becomes :class:`Int8Embedding`; other embeddings are kept. Scales are stored in
     ``act_dtype``; call this on the model's device before casting it to ``act_dtype``, with the
-    weights still fp32 so the codes are computed from full-precision values.
+    weights still fp32 so the codes are computed from full-precision values. ``output_blocks``:
+    the GGUF's Q6_K blocks of the output projection; where they are exactly its weight and
+    kvreuse's kernels are built, it keeps them (:class:`Q6KLinear`) instead of int8.
     Returns ``model``. ``mode`` none returns ``model`` untouched.
     """
     mode = parse_quantization(mode)
@@ -44,8 +53,11 @@ def quantize_model(model: PreTrainedModel, mode: str | QuantMode, *, act_dtype: 
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
+        kept = None
+        if linear is out_emb and output_blocks is not None:
+            kept = Q6KLinear.from_gguf_blocks(output_blocks, linear.weight, linear.bias, act_dtype)
         layer_mode = QuantMode.INT8 if linear is out_emb else mode
-        _set_module(model, name, _quantized_linear(linear, layer_mode, act_dtype))
+        _set_module(model, name, kept if kept is not None else _quantized_linear(linear, layer_mode, act_dtype))
     if type(in_emb) is nn.Embedding or (isinstance(in_emb, nn.Embedding) and hasattr(in_emb, "embed_scale")):
         model.set_input_embeddings(
             Int8Embedding(in_emb.weight, act_dtype, embed_scale=getattr(in_emb, "embed_scale", None))
