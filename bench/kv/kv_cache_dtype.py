@@ -1,14 +1,17 @@
-"""int8 KV (``--kv-cache-dtype int8``) against bf16 KV on one model: quality and decode speed.
+"""8-bit KV (``--kv-cache-dtype int8`` / ``fp8`` / ``fp8_e5m2``) against bf16 KV on one model:
+quality and decode speed.
 
     nice -n 19 .venv/bin/python bench/kv/kv_cache_dtype.py [--model default] [--part quality|speed|all]
+        [--arms int8,fp8]
     -> bench/results/kv_cache_dtype.json, bench/results/kv_cache_dtype.png
 
-Two engines share one loaded model (the serving default: ``dtype`` and ``quantization`` auto), one
-with the pool in the model's dtype, one with int8 rows.
+Engines share one loaded model (the serving default: ``dtype`` and ``quantization`` auto): ``auto``
+with the pool in the model's dtype, and one per ``--arms`` format (rows of 8-bit values and one
+bf16 scale per token and KV head), all measured in the same run.
 
 - quality: the shipped text (tests/data/perplexity_text.txt) run through each engine's own pool in
   chunks of 128 tokens, every chunk attending to the earlier chunks' K/V as the pool holds them:
-  perplexity over the text once, and top-1 agreement with the bf16-KV engine at every position of
+  perplexity over the text once, and each arm's top-1 agreement with the bf16-KV engine at every position of
   the text four times over (``--agreement-repeats``: a fixed set of ~2,100 positions whose context
   reaches ~2,000 keys on the default model; 1 for a large vocabulary such as Gemma 3's);
 - speed: a 4,096-token prompt cached, then decode of 32 tokens after it (ms per token,
@@ -36,7 +39,7 @@ from kvreuse.engine.seq_chunk import SeqChunk
 
 TEXT = (Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_text.txt").read_text()
 CHUNK = 128
-ARMS = ("auto", "int8")
+COLORS = {"auto": "#777", "int8": "#2a7", "fp8": "#27a", "fp8_e4m3": "#27a", "fp8_e5m2": "#a72"}
 
 
 def logits_over(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -65,9 +68,16 @@ def quality(llms: dict[str, LLM], repeat: int) -> dict:
         top1[name] = (logits if repeat == 1 else logits_over(llm, many))[:-1].argmax(-1)
         del logits
         print(f"{name}: perplexity {out[f'perplexity_{name}']:.4f}", flush=True)
-    out["perplexity_ratio"] = out["perplexity_int8"] / out["perplexity_auto"]
-    out["top1_agreement"] = (top1["int8"] == top1["auto"]).float().mean().item()
-    print(f"top-1 agreement over {out['agreement_positions']} positions: {out['top1_agreement']:.4f}", flush=True)
+    for name in llms:
+        if name == "auto":
+            continue
+        out[f"perplexity_ratio_{name}"] = out[f"perplexity_{name}"] / out["perplexity_auto"]
+        out[f"top1_agreement_{name}"] = (top1[name] == top1["auto"]).float().mean().item()
+        print(
+            f"{name}: top-1 agreement with auto over {out['agreement_positions']} positions: "
+            f"{out[f'top1_agreement_{name}']:.4f}, perplexity x{out[f'perplexity_ratio_{name}']:.4f}",
+            flush=True,
+        )
     return out
 
 
@@ -103,15 +113,13 @@ def speed(llms: dict[str, LLM], context: int, reps: int) -> dict:
     }
     for name, r in rows.items():
         print(f"{name}: decode {r['ms_per_token']:.1f} ms/token, cached TTFT {r['ttft_ms']:.0f} ms", flush=True)
-    return {
-        "context_tokens": context,
-        "decode_tokens": 32,
-        "reps": reps,
-        "arms": rows,
-        "decode_speed_ratio_int8_vs_auto": rows["auto"]["ms_per_token"] / rows["int8"]["ms_per_token"],
-        "ttft_ratio_int8_vs_auto": rows["int8"]["ttft_ms"] / rows["auto"]["ttft_ms"],
-        "same_tokens": tokens.get("int8") == tokens.get("auto"),
-    }
+    out: dict = {"context_tokens": context, "decode_tokens": 32, "reps": reps, "arms": rows}
+    for name in rows:
+        if name != "auto":
+            out[f"decode_speed_ratio_{name}_vs_auto"] = rows["auto"]["ms_per_token"] / rows[name]["ms_per_token"]
+            out[f"ttft_ratio_{name}_vs_auto"] = rows[name]["ttft_ms"] / rows["auto"]["ttft_ms"]
+            out[f"same_tokens_{name}"] = tokens.get(name) == tokens.get("auto")
+    return out
 
 
 def main() -> None:
@@ -121,20 +129,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--agreement-repeats", type=int, default=4, help="top-1 agreement over the text this many times")
+    ap.add_argument("--arms", default="int8,fp8", help="KV formats measured against auto (comma-separated)")
     ap.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per engine")
     ap.add_argument("--note", default="", help="recorded as is (e.g. 'machine shared with other jobs')")
     ap.add_argument("--out", default=str(RESULTS / "kv_cache_dtype.json"))
     args = ap.parse_args()
     first = LLM(args.model, kv_cache_memory_gib=args.kv_cache_memory, max_model_len=args.context + 64)
-    llms = {
-        "auto": first,
-        "int8": LLM(
+    llms = {"auto": first}
+    for name in args.arms.split(","):
+        llms[name] = LLM(
             loaded=first.engine.loaded,
             kv_cache_memory_gib=args.kv_cache_memory,
             max_model_len=args.context + 64,
-            kv_cache_dtype="int8",
-        ),
-    }
+            kv_cache_dtype=name,
+        )
     doc: dict = {
         "model": first.engine.loaded.name,
         "model_id": {n: llm.engine.model_id for n, llm in llms.items()},
@@ -157,20 +165,35 @@ def main() -> None:
 
 
 def plot(doc: dict, path: Path) -> None:
+    """Tokens per budget, then (where measured) top-1 agreement with ``auto``, perplexity (axis
+    zoomed to the values: the differences are a few percent) and decode ms/token, per arm."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    names = list(ARMS)
-    axes[0].bar(names, [doc["pool_tokens"][n] for n in names], color=["#777", "#2a7"])
-    axes[0].set_title(f"tokens in {doc['kv_cache_memory_gib']} GiB")
-    q = doc.get("quality")
-    if q:
-        axes[1].bar(names, [q[f"perplexity_{n}"] for n in names], color=["#777", "#2a7"])
-        axes[1].set_title(f"perplexity (top-1 agreement {q['top1_agreement']:.3f})")
-    s = doc.get("speed")
-    if s:
-        axes[2].bar(names, [s["arms"][n]["ms_per_token"] for n in names], color=["#777", "#2a7"])
-        axes[2].set_title(f"decode ms/token after {s['context_tokens']} cached")
-    fig.suptitle(f"{doc['model']}: KV {doc['compute_dtype']} vs int8 rows {doc['note']}".strip(), fontsize=9)
+    q, s = doc.get("quality"), doc.get("speed")
+    panels = ["tokens"] + (["agreement", "perplexity"] if q else []) + (["speed"] if s else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.7 * len(panels), 3.6), squeeze=False)
+    names = list(doc["pool_tokens"])
+    arms = [n for n in names if n != "auto"]
+    color = {n: COLORS.get(n, "#555") for n in names}
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "tokens":
+            ax.bar(names, [doc["pool_tokens"][n] for n in names], color=[color[n] for n in names])
+            ax.set_title(f"tokens in {doc['kv_cache_memory_gib']} GiB", fontsize=9)
+        elif panel == "agreement":
+            values = [100 * q[f"top1_agreement_{n}"] for n in arms]
+            ax.bar_label(ax.bar(arms, values, color=[color[n] for n in arms]), fmt="%.2f", fontsize=8)
+            ax.set_ylim(min(values) - 2, 100)
+            ax.set_title(f"top-1 agreement with auto, % ({q['agreement_positions']} positions)", fontsize=9)
+        elif panel == "perplexity":
+            values = [q[f"perplexity_{n}"] for n in names]
+            ax.bar_label(ax.bar(names, values, color=[color[n] for n in names]), fmt="%.3f", fontsize=8)
+            ax.set_ylim(min(values) * 0.97, max(values) * 1.02)
+            ax.set_title(f"perplexity over the text ({q['text_tokens']} tokens)", fontsize=9)
+        else:
+            ax.bar(names, [s["arms"][n]["ms_per_token"] for n in names], color=[color[n] for n in names])
+            ax.set_title(f"decode ms/token after {s['context_tokens']} cached", fontsize=9)
+    fig.suptitle(
+        f"{doc['model']}: KV {doc['compute_dtype']} vs {', '.join(arms)} rows {doc['note']}".strip(), fontsize=9
+    )
     fig.tight_layout()
     save_png(fig, path)
 
