@@ -216,9 +216,10 @@ def _rows_by_key(llm: LLM) -> dict[bytes, torch.Tensor]:
     }
 
 
-def test_seam_repair_runs_on_int8_modules_and_keeps_them(tiny_llama, tmp_path):
+@pytest.mark.parametrize("fmt", BYTE_FORMATS)
+def test_seam_repair_runs_on_byte_modules_and_keeps_them(tiny_llama, tmp_path, fmt):
     prompt = '<prompt schema="s"><a/><b/>Where is the ledger kept?</prompt>'
-    llm = _int8(tiny_llama, gib=0.01, schema_dir=str(tmp_path))
+    llm = _int8(tiny_llama, fmt, gib=0.01, schema_dir=str(tmp_path))
     llm.register_schema(SCHEMA)
     modules = _rows_by_key(llm)
     out = llm.generate(prompt, GREEDY, blend={"ratio": 0.5})[0]
@@ -226,8 +227,8 @@ def test_seam_repair_runs_on_int8_modules_and_keeps_them(tiny_llama, tmp_path):
     after = _rows_by_key(llm)
     assert all(torch.equal(after[key], rows) for key, rows in modules.items())  # shared module rows untouched
     llm.engine.check_integrity()
-    # the schema store keeps the int8 rows as they are: a restart loads them bit for bit
-    restarted = _int8(tiny_llama, gib=0.01, schema_dir=str(tmp_path))
+    # the schema store keeps the 8-bit rows as they are: a restart loads them bit for bit
+    restarted = _int8(tiny_llama, fmt, gib=0.01, schema_dir=str(tmp_path))
     assert [s.name for s in restarted.engine.restored_schemas] == ["s"]
     restarted.generate(prompt, ONE)
     loaded = _rows_by_key(restarted)
