@@ -59,13 +59,16 @@ def run_serve(args: argparse.Namespace) -> int:
     app, engine, publisher, loaded = built.app, built.engine, built.publisher, built.loaded
     names = ", ".join(app.state.ctx.served_model_names)
     from kvreuse.models.placement import dtype_name
+    from kvreuse.models.quant import kept_from_file
 
     quant = loaded.quantization.value
+    kept = kept_from_file(loaded.model)
     console.print(
         # the engine's model_id: the KV format and the deterministic mode are folded into it
         f"kvreuse: model [bold]{loaded.name}[/] ({engine.facts.model_id}) on {loaded.device}, "
         f"{dtype_name(loaded.dtype)}"
         + ("" if quant == "none" else f", {quant} weights on {loaded.kernels} kernels")
+        + (f" (the file's {' and '.join(kept)} kept)" if kept else "")
         + (", deterministic (a cache hit gives the miss's answer)" if engine.facts.deterministic else "")
         + f", context {engine.max_model_len} tokens, served as {names}"
     )

@@ -12,6 +12,7 @@ import torch
 from kvreuse import LLM, SamplingParams
 from kvreuse.engine import llama_forward
 from kvreuse.models.kernels import native_kernels
+from kvreuse.models.quant import kept_from_file
 from kvreuse.models.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="kvreuse's native kernels are not built here")
@@ -59,6 +60,7 @@ def tiny_int4(request):
     loaded = tiny_model("llama", seed=0, dtype="bfloat16", quantization="int4", q4_0_weights=q4_0)
     layers = [m for m in loaded.model.modules() if type(m).__name__ == "Int4Linear"]
     assert layers and all(m.symmetric == q4_0 for m in layers)
+    assert kept_from_file(loaded.model) == (["Q4_0 codes"] if q4_0 else [])
     return loaded
 
 

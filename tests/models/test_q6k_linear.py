@@ -12,7 +12,7 @@ import torch
 from kvreuse import LLM, SamplingParams
 from kvreuse.models.kernels import native_kernels
 from kvreuse.models.kernels.packing import pack_q6, unpack_q6
-from kvreuse.models.quant import Int8Linear, Q6KLinear
+from kvreuse.models.quant import Int8Linear, Q6KLinear, kept_from_file
 from kvreuse.models.quant.q6k_linear import BLOCK_BYTES, NATIVE_MAX_ROWS, dequantize_q6k, q6k_fields
 from kvreuse.models.tiny import tiny_model
 
@@ -42,7 +42,9 @@ def test_fields_dequantize_as_gguf_py_does():
     blk = blocks[row, BLOCK_BYTES : 2 * BLOCK_BYTES]  # the row's second block
     ql, qh = int(blk[64 * j + 32 * (s % 2) + lo]), int(blk[128 + 32 * j + lo])
     assert int(codes[row, 256 + 128 * j + 32 * s + lo]) == ((ql >> (4 * (s // 2))) & 0xF) | (((qh >> (2 * s)) & 3) << 4)
-    assert int(scale[row, 16 + (128 * j + 32 * s + lo) // 16]) == int(blk[192 + (128 * j + 32 * s + lo) // 16].view(torch.int8))
+    assert int(scale[row, 16 + (128 * j + 32 * s + lo) // 16]) == int(
+        blk[192 + (128 * j + 32 * s + lo) // 16].view(torch.int8)
+    )
     with pytest.raises(ValueError, match="210-byte"):
         q6k_fields(blocks[:, :300])
 
@@ -125,11 +127,12 @@ def test_a_model_keeps_its_q6_k_output_and_answers_a_hit_as_its_miss(monkeypatch
     kw = dict(seed=0, dtype="bfloat16", quantization="int4", q6_k_output=True, hidden_size=256)
     loaded = tiny_model("llama", **kw)
     assert isinstance(loaded.model.get_output_embeddings(), Q6KLinear)
+    assert kept_from_file(loaded.model) == ["Q6_K output"]  # what serve's start-up line says
     # the same weights with the output requantized to int8: another fingerprint (other KV, other logits)
     monkeypatch.setattr(Q6KLinear, "from_gguf_blocks", classmethod(lambda cls, *a: None))
     int8 = tiny_model("llama", **kw)
     monkeypatch.undo()
-    assert isinstance(int8.model.get_output_embeddings(), Int8Linear)
+    assert isinstance(int8.model.get_output_embeddings(), Int8Linear) and kept_from_file(int8.model) == []
     assert int8.fingerprint != loaded.fingerprint
     llm = LLM(loaded=loaded, kv_cache_memory_gib=0.02, block_size=16, deterministic=True)
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 8).input_ids[:70]

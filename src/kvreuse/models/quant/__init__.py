@@ -44,7 +44,7 @@ from kvreuse.models.quant.int8_embedding import Int8Embedding
 from kvreuse.models.quant.int8_linear import Int8Linear
 from kvreuse.models.quant.mode import SCHEMES, QuantMode, parse_quantization
 from kvreuse.models.quant.q6k_linear import Q6KLinear
-from kvreuse.models.quant.surgery import kernels_in_use, quantize_model, weight_bytes
+from kvreuse.models.quant.surgery import kept_from_file, kernels_in_use, quantize_model, weight_bytes
 
 __all__ = [
     "QuantMode",
@@ -61,6 +61,7 @@ __all__ = [
     "quantize_model",
     "weight_bytes",
     "kernels_in_use",
+    "kept_from_file",
     "DENSE_MIN_ROWS",
     "SLOW_BF16_DENSE_MIN_ROWS",
     "FP32_DENSE_MIN_ROWS",

@@ -17,7 +17,7 @@ from kvreuse.models.quant.q6k_linear import Q6KLinear
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["quantize_model", "weight_bytes", "kernels_in_use"]
+__all__ = ["quantize_model", "weight_bytes", "kernels_in_use", "kept_from_file"]
 
 
 def _quantized_linear(linear: nn.Linear, mode: QuantMode, act_dtype: torch.dtype) -> nn.Module:
@@ -88,3 +88,14 @@ def kernels_in_use(model: nn.Module) -> str:
         kernels = native_kernels()
         return f"kvreuse-{kernels.isa}" if kernels is not None else "kvreuse"
     return "torch"
+
+
+def kept_from_file(model: nn.Module) -> list[str]:
+    """The GGUF formats whose values ``model``'s layers keep as the file holds them (for the
+    start-up line): ``Q4_0 codes`` (symmetric int4 layers), ``Q6_K output`` (:class:`Q6KLinear`)."""
+    kept = []
+    if any(isinstance(m, Int4Linear) and m.symmetric for m in model.modules()):
+        kept.append("Q4_0 codes")
+    if any(isinstance(m, Q6KLinear) for m in model.modules()):
+        kept.append("Q6_K output")
+    return kept
