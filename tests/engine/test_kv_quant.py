@@ -227,3 +227,17 @@ def test_the_tier_codec_carries_fp8_blocks_unchanged():
     assert torch.equal(store.gather(1, torch.arange(4, 8)), store.gather(1, torch.arange(4)))
     with pytest.raises(ValueError, match="fp8_e4m3 rows"):
         store.write_rows([0], store.read_rows([1]).float())
+
+
+@pytest.mark.parametrize("code", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_reads_every_finite_code_as_torchs_cast_does(code, dtype):
+    """``dequantize`` reads e4m3 by its bits (not torch's cast): every finite code of the 256,
+    subnormals and -0 included, comes out exactly as the cast gives it, times the scale."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(code).float())
+    rows = torch.cat([codes.view(16, 16), torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).expand(16, 2)], 1)
+    got = dequantize(rows, dtype, code).reshape(256)  # [256]
+    want = codes.view(code).to(dtype) * torch.tensor(1.5, dtype=dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got[finite].view(bits), want[finite].view(bits))  # to the bit: -0 stays -0
