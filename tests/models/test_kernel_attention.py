@@ -72,6 +72,24 @@ def test_a_token_gets_the_same_bits_alone_in_a_suffix_and_as_a_decode(n, length,
         assert torch.equal(decode.view(heads, d).view(torch.int16), whole[t].view(torch.int16))
 
 
+@pytest.mark.parametrize("n, kv", [(16, 3), (40, 2), (3, 1)])
+def test_a_short_chunk_split_by_items_gives_the_same_bits_on_any_threads(n, kv):
+    """Few (KV head, 32-token) units: each unit's items run as separate tasks (with 2 threads or
+    more) or a unit at a time (1 thread); the same bits either way, over a 1,500-key context."""
+    q, k, v = _inputs(n, 1500, 3 * kv, kv, 64, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(torch.ops.kvreuse.causal_attention(q, k, v, 0.125).view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    want = _reference(q, k, v, 0.125)
+    assert (outs[0].view(torch.bfloat16).double() - want).abs().max().item() <= 2**-8 * want.abs().max().item()
+
+
 def test_causal_attention_reads_pool_views_and_int8_rows():
     """Keys read in place from a pool-shaped tensor ([kv, slots, d] sliced to a run) give the
     bits of a contiguous copy; an int8 pool's stored rows give the bits of their dequantization."""

@@ -516,8 +516,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q_in, cons
 // tokens' last (rows of D contiguous, any other strides; or an int8 pool's rows [kv, L, D + 2];
 // or, with `slots` [L], a pool side [kv, rows, D] whose row slots[j] is key j).
 // Token t (logical key index L - n + t) sees keys 0 .. L - n + t; query head h uses KV head
-// h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 32 tokens), heaviest
-// first; each computes its rows' item partials in order and merges them.
+// h / (H / kv). Returns out [n, H, D] in q's dtype. Work units are (KV head, 32 tokens); each
+// computes its rows' item partials in order and merges them (with fewer units than twice the
+// threads, the units' items run as separate tasks first).
 at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, double scale,
                             const std::optional<at::Tensor>& slots) {
   constexpr const char* kShapes =
@@ -538,48 +539,89 @@ at::Tensor causal_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   const int64_t esize = out.element_size(), blocks = (n + kBlockTokens - 1) / kBlockTokens;
   const float sc = static_cast<float>(scale);
   const int64_t units = kv * blocks;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    thread_local ItemKV it;  // its buffers kept between calls (no allocation, no page faults)
-    std::vector<float> qf, mx, sm, acc, rowq(d);
-    std::vector<int64_t> vis;
-    for (int64_t u = u0; u < u1; ++u) {
-      // units interleaved from both ends: the later blocks see more keys, so each thread's
-      // contiguous share mixes long and short ones
-      const int64_t rank = u / kv, h = u % kv;
-      const int64_t b = rank % 2 == 0 ? blocks - 1 - rank / 2 : rank / 2;
-      const int64_t t0 = b * kBlockTokens, tokens = std::min(kBlockTokens, n - t0), rows = tokens * groups;
-      const int64_t items = (context + t0 + tokens - 1) / kItem + 1;  // the block's last token sees these
-      // rows (token, group): the query head h * groups + group of token t0 + token
-      for_q_dtype(q, [&](const auto* qp) {
-        using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
-        std::vector<T> gathered(rows * d);
-        for (int64_t t = 0; t < tokens; ++t)
-          for (int64_t g = 0; g < groups; ++g)
-            std::memcpy(&gathered[(t * groups + g) * d], qp + ((t0 + t) * heads + h * groups + g) * d, d * sizeof(T));
-        scaled_rows(gathered.data(), rows, d, sc, qf);
-      });
-      mx.assign(rows * items, 0.f);
-      sm.assign(rows * items, 0.f);
-      acc.assign(rows * items * d, 0.f);
-      vis.assign(rows, 0);
-      for (int64_t s = 0; s < items; ++s) {
-        const int64_t j0 = s * kItem;
-        const int64_t first_token = std::max<int64_t>(0, j0 - context);  // the block's first token seeing key j0
-        const int64_t r0 = std::max<int64_t>(0, first_token - t0) * groups;  // rows before r0 do not see the item
-        const int64_t nk = std::min(kItem, length - j0);
-        load_head_item(k, v, kind, slot, h, j0, nk, d, it);
-        for (int64_t r = r0; r < rows; ++r) vis[r] = std::min(kItem, context + t0 + r / groups + 1 - j0);
-        // partial of row r for item s at [r * items + s]
-        item_partials(qf.data() + r0 * d, vis.data() + r0, rows - r0, d, it, &mx[r0 * items + s],
-                      &sm[r0 * items + s], &acc[(r0 * items + s) * d], items, items * d);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = t0 + r / groups, head = h * groups + r % groups;
-        const int64_t seen = (context + t) / kItem + 1;
-        void* dst = static_cast<char*>(out.data_ptr()) + (t * heads + head) * d * esize;
-        merge_row(&mx[r * items], &sm[r * items], &acc[r * items * d], seen, 1, d, d, bf16, dst);
-      }
+  // Unit u: KV head h, token block b (interleaved from both ends: the later blocks see more keys,
+  // so each thread's contiguous share of units mixes long and short ones); rows (token, group)
+  // are the query heads h * groups + group of tokens t0 ..
+  struct Unit {
+    int64_t h, t0, tokens, rows, items;
+  };
+  const auto unit = [&](int64_t u) {
+    const int64_t rank = u / kv, h = u % kv;
+    const int64_t b = rank % 2 == 0 ? blocks - 1 - rank / 2 : rank / 2;
+    const int64_t t0 = b * kBlockTokens, tokens = std::min(kBlockTokens, n - t0);
+    return Unit{h, t0, tokens, tokens * groups, (context + t0 + tokens - 1) / kItem + 1};  // items: its last token's
+  };
+  const auto queries = [&](const Unit& w, std::vector<float>& qf) {
+    for_q_dtype(q, [&](const auto* qp) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+      std::vector<T> gathered(w.rows * d);
+      for (int64_t t = 0; t < w.tokens; ++t)
+        for (int64_t g = 0; g < groups; ++g)
+          std::memcpy(&gathered[(t * groups + g) * d], qp + ((w.t0 + t) * heads + w.h * groups + g) * d, d * sizeof(T));
+      scaled_rows(gathered.data(), w.rows, d, sc, qf);
+    });
+  };
+  // the partials of the unit's rows over item s: row r's at [r * items + s] of mx, sm (acc: times d)
+  const auto item = [&](const Unit& w, int64_t s, const float* qf, ItemKV& it, std::vector<int64_t>& vis, float* mx,
+                        float* sm, float* acc) {
+    const int64_t j0 = s * kItem;
+    const int64_t first_token = std::max<int64_t>(0, j0 - context);  // the block's first token seeing key j0
+    const int64_t r0 = std::max<int64_t>(0, first_token - w.t0) * groups;  // rows before r0 do not see the item
+    load_head_item(k, v, kind, slot, w.h, j0, std::min(kItem, length - j0), d, it);
+    vis.resize(w.rows);
+    for (int64_t r = r0; r < w.rows; ++r) vis[r] = std::min(kItem, context + w.t0 + r / groups + 1 - j0);
+    item_partials(qf + r0 * d, vis.data() + r0, w.rows - r0, d, it, &mx[r0 * w.items + s], &sm[r0 * w.items + s],
+                  &acc[(r0 * w.items + s) * d], w.items, w.items * d);
+  };
+  const auto merge = [&](const Unit& w, const float* mx, const float* sm, const float* acc) {
+    for (int64_t r = 0; r < w.rows; ++r) {
+      const int64_t t = w.t0 + r / groups, head = w.h * groups + r % groups;
+      const int64_t seen = (context + t) / kItem + 1;
+      void* dst = static_cast<char*>(out.data_ptr()) + (t * heads + head) * d * esize;
+      merge_row(&mx[r * w.items], &sm[r * w.items], &acc[r * w.items * d], seen, 1, d, d, bf16, dst);
     }
+  };
+  if (units >= 2 * at::get_num_threads()) {  // enough units to share: each unit's items in one task
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      thread_local ItemKV it;  // its buffers kept between calls (no allocation, no page faults)
+      std::vector<float> qf, mx, sm, acc;
+      std::vector<int64_t> vis;
+      for (int64_t u = u0; u < u1; ++u) {
+        const Unit w = unit(u);
+        queries(w, qf);
+        mx.assign(w.rows * w.items, 0.f);
+        sm.assign(w.rows * w.items, 0.f);
+        acc.assign(w.rows * w.items * d, 0.f);
+        for (int64_t s = 0; s < w.items; ++s) item(w, s, qf.data(), it, vis, mx.data(), sm.data(), acc.data());
+        merge(w, mx.data(), sm.data(), acc.data());
+      }
+    });
+    return out;
+  }
+  // Few units (a short chunk: 3 KV heads x one block on 2 threads left one idle a third of the
+  // time): every (unit, item) is a task, then each unit merges its items. The same partials and
+  // merges as above, so the same bits; only the work's split across threads differs.
+  std::vector<Unit> work(units);
+  std::vector<std::vector<float>> qf(units), mx(units), sm(units), acc(units);
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t u = 0; u < units; ++u) {
+    work[u] = unit(u);
+    queries(work[u], qf[u]);
+    mx[u].assign(work[u].rows * work[u].items, 0.f);
+    sm[u].assign(work[u].rows * work[u].items, 0.f);
+    acc[u].assign(work[u].rows * work[u].items * d, 0.f);
+    for (int64_t s = 0; s < work[u].items; ++s) tasks.emplace_back(u, s);
+  }
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+    thread_local ItemKV it;
+    std::vector<int64_t> vis;
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [u, s] = tasks[i];
+      item(work[u], s, qf[u].data(), it, vis, mx[u].data(), sm[u].data(), acc[u].data());
+    }
+  });
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) merge(work[u], mx[u].data(), sm[u].data(), acc[u].data());
   });
   return out;
 }
