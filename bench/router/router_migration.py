@@ -57,11 +57,14 @@ def request(i: int, max_tokens: int) -> tuple[str, dict]:
 
 
 def stream(url: str, path: str, body: dict, seen=None) -> dict:
-    """One stream's executor, events (parsed) and arrival times."""
+    """One stream's executor, events (parsed) and arrival times. A request whose connection
+    fails before its headers (the router refused or dropped it) is recorded as refused, with
+    ``status`` ``None`` and the error; ``seen`` then hears that it is over, as for a refusal."""
     events, times = [], []
+    served_by, answered = None, False  # no executor, no headers yet
     try:
         with httpx.stream("POST", url + path, json=body, timeout=300) as r:
-            served_by = r.headers.get(EXECUTOR_HEADER)
+            served_by, answered = r.headers.get(EXECUTOR_HEADER), True
             if r.status_code != 200:  # refused before any byte (e.g. a 503: no executor healthy)
                 events.append({"status": r.status_code, "body": r.read().decode(errors="replace")[:300]})
                 if seen is not None:
@@ -73,8 +76,13 @@ def stream(url: str, path: str, body: dict, seen=None) -> dict:
                     times.append(time.perf_counter())
                     if seen is not None:
                         seen(served_by, len(events))
-    except httpx.HTTPError as exc:  # the connection itself broke: a cut without an event
-        events.append({"transport_error": repr(exc)})
+    except httpx.HTTPError as exc:
+        if not answered:  # no headers: refused before any byte, like a 503
+            events.append({"status": None, "transport_error": repr(exc)})
+        else:  # the connection broke mid-stream: a cut without an event
+            events.append({"transport_error": repr(exc)})
+        if seen is not None:
+            seen(served_by, 1_000_000)  # over: it holds back no kill
     return {"executor": served_by, "events": events, "times": times}
 
 
