@@ -243,3 +243,51 @@ def test_when_every_executor_fails_the_503_names_them_by_id_never_by_address():
         "connection failed: ConnectError('connect to http://a/v1/completions refused')",
         "connection failed: ConnectError('connect to http://b/v1/completions refused')",
     ]  # the admin route (/v1/route/executors) and the log keep the addresses
+
+
+class _DoneThenOpen(httpx.AsyncByteStream):
+    """A stream that sends ``data`` (ending with ``[DONE]``) and then keeps its connection open
+    until it is closed, as an executor slow to close it would."""
+
+    def __init__(self, data: bytes, closed: list[str]) -> None:
+        self.data, self.closed = data, closed
+
+    async def __aiter__(self):
+        yield self.data
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed.append("closed")
+
+
+def test_a_passed_through_stream_ends_at_done_and_releases_its_executor():
+    # Executors send nothing after data: [DONE] (serving.sse's last event), so the relay of a
+    # stream the router does not continue (here: migration off) ends the client's response
+    # there, closes the upstream response and frees the executor's place, without waiting for
+    # the executor to close the connection (it read on until the progress deadline, then
+    # appended an error event after [DONE] and marked the executor down).
+    from kvreuse.router.deadline import Deadlines
+
+    events = b'data: {"choices":[{"index":0,"text":"hi","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    closed: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_DoneThenOpen(events, closed))
+
+    stream = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "stream": True}).encode()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            router = _router(client)
+            router.migration_limit = 0
+            router.deadlines = Deadlines(60.0, 1.0)
+            response = await forward(router, "/v1/completions", stream, JSON, chat=False)
+            body = b"".join([chunk async for chunk in response.body_iterator])
+            return body, router
+
+    body, router = asyncio.run(scenario())
+    assert body == events
+    assert closed == ["closed"]
+    a = router.executors["http://a"]
+    assert (a.in_flight, a.in_flight_blocks, a.healthy) == (0, 0, True)
+    assert router.metrics.streams_cut._value.get() == 0

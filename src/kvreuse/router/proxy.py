@@ -189,15 +189,21 @@ def _refusal(router: Router, stream: StreamRequest) -> tuple[str, str] | None:
 
 async def _relay(router: Router, upstream: Upstream, refusal: tuple[str, str] | None) -> AsyncGenerator[bytes, None]:
     """``upstream``'s bytes in whole events, untouched, then the error event if it fails
-    (saying ``refusal``'s why: the stream is not one the router continues)."""
+    (saying ``refusal``'s why: the stream is not one the router continues). It ends at
+    ``[DONE]``: executors send nothing after it (``serving.sse``), so the response is
+    finished and the upstream closed (the executor's place freed) without waiting for the
+    executor to close the connection."""
     splitter = EventSplitter()
     done = False
     try:
-        async for chunk in upstream.chunks():
-            events = splitter.feed(chunk)
-            if events:
-                done = events[-1] == SSE_DONE
-                yield b"".join(events)
+        async with aclosing(upstream.chunks()) as chunks:
+            async for chunk in chunks:
+                events = splitter.feed(chunk)
+                if events:
+                    done = SSE_DONE in events
+                    yield b"".join(events)  # all of the chunk's whole events: [DONE] is the last one sent
+                    if done:
+                        break
         failure = None if done else "it closed the stream before [DONE]"
     except httpx.TransportError as exc:
         failure = f"the connection broke ({type(exc).__name__})"
