@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
 import httpx
@@ -132,7 +132,7 @@ class Upstream:
         )
         self._closed = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The raw bytes as they come (the first chunk included). Raises
         ``httpx.TransportError`` when the connection breaks, ``Stalled`` when no byte comes
         within the progress deadline or since the executor was marked down
