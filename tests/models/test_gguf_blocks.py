@@ -49,3 +49,21 @@ def test_a_folder_keeps_them_beside_the_weights(tmp_path):
     gguf_blocks.save(tmp_path, blocks)
     assert torch.equal(gguf_blocks.load(tmp_path), blocks)
     assert [f.name for f in _weight_files(tmp_path)] == ["model.safetensors"]  # not hashed as a weight
+
+
+def test_an_unreadable_blocks_file_is_no_blocks(tmp_path):
+    """A corrupt, truncated or foreign ``gguf_blocks.st`` loads as no blocks (the output
+    projection is requantized as without them), never as an error that stops the model load."""
+    from safetensors.torch import save_file
+
+    (tmp_path / gguf_blocks.FILE).write_bytes(b"not a safetensors file")
+    assert gguf_blocks.load(tmp_path) is None
+    gguf_blocks.save(tmp_path, torch.randint(0, 256, (16, BLOCK_BYTES), dtype=torch.uint8))
+    whole = (tmp_path / gguf_blocks.FILE).read_bytes()
+    (tmp_path / gguf_blocks.FILE).write_bytes(whole[: len(whole) // 2])  # truncated
+    assert gguf_blocks.load(tmp_path) is None
+    save_file({"output.q6_k": torch.zeros(16, BLOCK_BYTES)}, str(tmp_path / gguf_blocks.FILE))  # float, not bytes
+    assert gguf_blocks.load(tmp_path) is None
+    (tmp_path / gguf_blocks.FILE).unlink()
+    (tmp_path / gguf_blocks.FILE).mkdir()  # not a file at all
+    assert gguf_blocks.load(tmp_path) is None

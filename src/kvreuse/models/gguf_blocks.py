@@ -10,11 +10,14 @@ load. No blocks: the output projection is requantized to int8 as before.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 __all__ = ["FILE", "output_blocks_of", "save", "load"]
+
+log = logging.getLogger(__name__)
 
 FILE = "gguf_blocks.st"
 _KEY = "output.q6_k"
@@ -44,10 +47,20 @@ def save(folder: Path, blocks: torch.Tensor) -> None:
 
 
 def load(folder: Path) -> torch.Tensor | None:
-    """The blocks ``save`` wrote into ``folder``, or None."""
+    """The blocks ``save`` wrote into ``folder``, or None: also for a file that cannot be read
+    (corrupt, truncated, another tensor), logged; the output projection is then requantized as
+    without blocks rather than the model load failing on an optional file."""
     path = folder / FILE
     if not path.is_file():
         return None
     from safetensors.torch import load_file
 
-    return load_file(str(path)).get(_KEY)
+    try:
+        blocks = load_file(str(path)).get(_KEY)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type, or OSError
+        log.warning("%s unreadable, the output projection is requantized: %s", path, exc)
+        return None
+    if blocks is None or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        log.warning("%s holds no Q6_K blocks (uint8 [rows, bytes]), the output projection is requantized", path)
+        return None
+    return blocks
