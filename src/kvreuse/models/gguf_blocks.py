@@ -48,8 +48,8 @@ def save(folder: Path, blocks: torch.Tensor) -> None:
 
 def load(folder: Path) -> torch.Tensor | None:
     """The blocks ``save`` wrote into ``folder``, or None: also for a file that cannot be read
-    (corrupt, truncated, another tensor), logged; the output projection is then requantized as
-    without blocks rather than the model load failing on an optional file."""
+    (corrupt, truncated, another tensor), logged and ignored: the load goes on as without the
+    file (a GGUF source's blocks read again, else int8) rather than failing on an optional file."""
     path = folder / FILE
     if not path.is_file():
         return None
@@ -58,9 +58,9 @@ def load(folder: Path) -> torch.Tensor | None:
     try:
         blocks = load_file(str(path)).get(_KEY)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type, or OSError
-        log.warning("%s unreadable, the output projection is requantized: %s", path, exc)
+        log.warning("%s unreadable, ignored: %s", path, exc)
         return None
     if blocks is None or blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        log.warning("%s holds no Q6_K blocks (uint8 [rows, bytes]), the output projection is requantized", path)
+        log.warning("%s holds no Q6_K blocks (uint8 [rows, bytes]), ignored", path)
         return None
     return blocks
