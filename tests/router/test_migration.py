@@ -128,7 +128,7 @@ def _scenario(
 def _events(raw: bytes) -> list:
     out = []
     for event in raw.split(b"\n\n"):
-        if event:
+        if event and not event.startswith(b":"):  # a keep-alive comment (a continuation's slow first byte)
             assert event.startswith(b"data: "), event
             out.append("[DONE]" if event == b"data: [DONE]" else json.loads(event[6:]))
     return out

@@ -6,6 +6,7 @@
                   [--tenant-limits FILE] [--tenant-max-in-flight N] [--tenant-tokens-per-minute N]
                   [--metrics-tenant-labels] [--metrics-executor-urls]
                   [--migration-limit N] [--upstream-progress-timeout S] [--upstream-first-byte-timeout S]
+                  [--stream-keepalive-interval S]
 
 At start it asks every executor for ``/v1/kvreuse/info`` (waiting up to
 ``--startup-timeout`` for them), refuses executors whose model identity or hash settings
@@ -41,6 +42,8 @@ when its executor fails mid-response (``kvreuse.router.migration``).
 ``--upstream-progress-timeout`` (default 10 s) and ``--upstream-first-byte-timeout``
 (default 300 s), 0: none, bound how long the router waits on an executor
 (``kvreuse.router.deadline``): a stream silent that long moves to another executor.
+``--stream-keepalive-interval`` (default 5 s, 0: none): while a stream waits for a first
+byte, its client gets an SSE comment that often (``kvreuse.router.keepalive``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from kvreuse.api.tenant_limits import add_arguments as add_tenant_limit_argument
 from kvreuse.api.tenants import APIKeys
 from kvreuse.router.deadline import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_PROGRESS_TIMEOUT_S, Deadlines
 from kvreuse.router.executors import Executor, ExecutorInfo, check_compatible
+from kvreuse.router.keepalive import DEFAULT_KEEPALIVE_S
 from kvreuse.router.policy import DEFAULT_OVERLAP_WEIGHT, POLICIES, make_policy, parse_tier_weights
 from kvreuse.router.router import DEFAULT_MIGRATION_LIMIT
 
@@ -161,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         "included) is retried on another executor (default "
         f"{DEFAULT_FIRST_BYTE_TIMEOUT_S:g}; 0: no limit; non-streamed replies have none)",
     )
+    p.add_argument(
+        "--stream-keepalive-interval",
+        type=float,
+        default=DEFAULT_KEEPALIVE_S,
+        metavar="S",
+        help="while a stream waits for an executor's first byte (queueing, prefill, a continuation "
+        "on another executor), send the client an SSE comment every S seconds so its read timeout "
+        f"does not fire (default {DEFAULT_KEEPALIVE_S:g}; 0: none)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -217,7 +230,9 @@ def route_main(argv: Sequence[str] | None = None) -> int:
         if tenant_limits is not None:
             tenant_limits.check_keys(keys)
         policy = make_policy(args.routing_policy, args.overlap_weight)  # a bad flag fails before any wait
-        deadlines = Deadlines.of(args.upstream_first_byte_timeout, args.upstream_progress_timeout)
+        deadlines = Deadlines.of(
+            args.upstream_first_byte_timeout, args.upstream_progress_timeout, args.stream_keepalive_interval
+        )
         tier_weights = parse_tier_weights(args.tier_weights)
         infos = asyncio.run(discover(urls, args.startup_timeout, args.executor_api_key))
         settings = check_compatible(list(infos.values()))

@@ -35,12 +35,14 @@ from typing import TypeVar
 import anyio
 
 from kvreuse.router.executors import Executor
+from kvreuse.router.keepalive import DEFAULT_KEEPALIVE_S, KEEPALIVE_SETTING
 
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 300.0  # --upstream-first-byte-timeout
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0  # --upstream-progress-timeout
 DOWN_GRACE_S = 1.0  # a stream of an executor marked down moves after this long without a byte
 FIRST_BYTE_SETTING = "--upstream-first-byte-timeout"
 PROGRESS_SETTING = "--upstream-progress-timeout"
+_OFF = {FIRST_BYTE_SETTING: "no limit", PROGRESS_SETTING: "no limit", KEEPALIVE_SETTING: "no comments"}
 
 T = TypeVar("T")
 
@@ -56,20 +58,24 @@ class Stalled(Exception):
 
 @dataclass(frozen=True)
 class Deadlines:
-    """The router's deadlines, in seconds (``None``: no limit)."""
+    """The router's deadlines, in seconds (``None``: no limit), and how often a stream that
+    waits for a first byte sends its client a keep-alive comment (``keepalive_s``, ``None``:
+    never; ``kvreuse.router.keepalive``)."""
 
     first_byte_s: float | None = DEFAULT_FIRST_BYTE_TIMEOUT_S
     progress_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S
     down_grace_s: float = DOWN_GRACE_S
+    keepalive_s: float | None = DEFAULT_KEEPALIVE_S
 
     @classmethod
-    def of(cls, first_byte_s: float, progress_s: float) -> Deadlines:
-        """From the flags' values (0: no limit). Raises ``ValueError`` naming the flag for a
-        negative or non-finite value."""
-        for value, flag in ((first_byte_s, FIRST_BYTE_SETTING), (progress_s, PROGRESS_SETTING)):
+    def of(cls, first_byte_s: float, progress_s: float, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> Deadlines:
+        """From the flags' values (0: no limit, no comments). Raises ``ValueError`` naming
+        the flag for a negative or non-finite value."""
+        flags = ((first_byte_s, FIRST_BYTE_SETTING), (progress_s, PROGRESS_SETTING), (keepalive_s, KEEPALIVE_SETTING))
+        for value, flag in flags:
             if not 0 <= value < float("inf"):
-                raise ValueError(f"{flag} must be a finite number of seconds >= 0 (0: no limit), got {value}")
-        return cls(first_byte_s or None, progress_s or None)
+                raise ValueError(f"{flag} must be a finite number of seconds >= 0 (0: {_OFF[flag]}), got {value}")
+        return cls(first_byte_s or None, progress_s or None, keepalive_s=keepalive_s or None)
 
 
 DEFAULT_DEADLINES = Deadlines()

@@ -9,7 +9,9 @@ upstream request. A stream is relayed event by event; one that breaks after its 
 is not continued on another executor (the OpenAI streams are, ``kvreuse.router.migration``): it
 ends with the events received whole and an Anthropic ``error`` event, which the official client
 raises. Errors the router answers itself are rewritten into Anthropic's shape by the app's
-``AnthropicErrorMiddleware``.
+``AnthropicErrorMiddleware``. A stream that waits for its first byte past
+``--stream-keepalive-interval`` starts with keep-alive comments (``kvreuse.router.keepalive``);
+what the request answers instead then comes as the ``error`` event.
 """
 
 from __future__ import annotations
@@ -17,21 +19,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvreuse.api.anthropic_errors import stream_error
+from kvreuse.api.anthropic_errors import error_type, stream_error
 from kvreuse.api.connection import client_disconnected
 from kvreuse.api.limiter import Lease
 from kvreuse.router.deadline import Stalled
+from kvreuse.router.keepalive import Waiting, kept_alive
 from kvreuse.router.prompt_keys import RequestKeys
-from kvreuse.router.proxy import CLIENT_CLOSED, error
+from kvreuse.router.proxy import first_byte
 from kvreuse.router.router import Router
-from kvreuse.router.sse import SSE_SEPARATOR, EventSplitter
-from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
+from kvreuse.router.sse import SSE_SEPARATOR, EventSplitter, payload
+from kvreuse.router.upstream import EXECUTOR_HEADER, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -133,42 +137,57 @@ async def forward_messages(
         fwd = {k: v for k, v in fwd.items() if k.lower() != "x-api-key"}
     stream = isinstance(body, dict) and body.get("stream") is True
     gone = asyncio.ensure_future(client_disconnected(request))
-    tried: list[str] = []
-    last_error, last_answer = "no healthy executor", None
     try:
-        while True:
-            routed = router.decide(keys, exclude=tried, affinity_key=affinity)
-            if routed is None:
-                if last_answer is not None:
-                    return last_answer
-                return error(f"no executor could serve the request ({last_error}); tried {router.labels(tried)}", 503)
-            executor = router.executors[routed.decision.choice]
-            blocks = router.prompt_blocks(keys)
-            executor.begin(blocks)
-            router.metrics.decision(routed.decision, routed.candidates)
-            try:
-                result = await send(
-                    router.client, executor, path, raw, fwd, blocks, gone, stream=stream, deadlines=router.deadlines
+        attempts = first_byte(router, path, raw, fwd, keys, affinity, [], gone, stream=stream)
+        if not stream:
+            result = await attempts
+        else:
+            every_s = router.deadlines.keepalive_s
+            waiting = Waiting(attempts, every_s, orphan=_close)
+            if not await waiting.ready(every_s):  # no first byte yet: start the stream, keep-alives until it comes
+
+                async def then(late: Response | Upstream) -> AsyncGenerator[bytes, None]:
+                    if isinstance(late, Upstream):
+                        async with aclosing(_relay(router, late, usage)) as events:
+                            async for data in events:
+                                yield data
+                        return
+                    if usage is not None:
+                        usage.response(late.status_code, bytes(late.body))
+                    yield _answer_event(late)  # its 200 is sent: what it answered instead ends it
+
+                return StreamingResponse(
+                    kept_alive(waiting, then), status_code=200, headers={"content-type": "text/event-stream"}
                 )
-            except ClientGone:
-                executor.end(blocks)
-                return error("the client disconnected before the response", CLIENT_CLOSED, "client_disconnected")
-            except Retry as exc:
-                router.count_retry(executor, blocks)
-                tried.append(executor.name)
-                last_error, last_answer = str(exc), exc.response
-                continue
-            if not isinstance(result, Upstream):
-                if usage is not None:
-                    usage.response(result.status_code, bytes(result.body))
-                return result
-            headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
-            return StreamingResponse(_relay(router, result, usage), status_code=result.status_code, headers=headers_out)
+            result = waiting.result()
+        if not isinstance(result, Upstream):
+            if usage is not None:
+                usage.response(result.status_code, bytes(result.body))
+            return result
+        headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: result.executor.url}
+        return StreamingResponse(_relay(router, result, usage), status_code=result.status_code, headers=headers_out)
     finally:
         gone.cancel()
 
 
-async def _relay(router: Router, upstream: Upstream, usage: MessagesUsage | None) -> AsyncIterator[bytes]:
+def _answer_event(response: Response) -> bytes:
+    """``response`` (an error the router or an executor answered, in either API's shape) as
+    an Anthropic ``error`` event."""
+    answer = payload(b"data: " + bytes(response.body) + SSE_SEPARATOR) or {}
+    error = answer.get("error")
+    message = (error.get("message") if isinstance(error, dict) else None) or (
+        f"the request failed with status {response.status_code}"
+    )
+    return stream_error(str(message), error_type(response.status_code)).encode()
+
+
+async def _close(result: Response | Upstream) -> None:
+    """A first answer that came when nobody waited for it any more."""
+    if isinstance(result, Upstream):
+        await result.close()
+
+
+async def _relay(router: Router, upstream: Upstream, usage: MessagesUsage | None) -> AsyncGenerator[bytes, None]:
     """``upstream``'s whole events, untouched (``usage`` reads them); if it breaks before
     ``message_stop``, an Anthropic ``error`` event after them."""
     splitter = EventSplitter()

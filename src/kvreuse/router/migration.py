@@ -12,6 +12,9 @@ translated back into the client's format. A greedy reply is then the one an unin
 run gives; a sampled one goes on from what the client has. When the client has no event
 yet, the original request is sent again instead, whatever it asks for.
 
+While a continuation waits for its executor's first byte, the client gets a keep-alive
+comment every ``--stream-keepalive-interval`` (``kvreuse.router.keepalive``).
+
 Each executor tried counts against ``Router.migration_limit`` (``--migration-limit``, 0:
 off). When the router cannot continue (the limit, no other healthy executor, a request it
 does not continue: ``n`` > 1, several prompts, logprobs, echo, a PML prompt, or executors
@@ -36,6 +39,7 @@ import httpx
 from kvreuse.cache.kv_block import cdiv
 from kvreuse.router.deadline import Stalled
 from kvreuse.router.executors import ExecutorInfo
+from kvreuse.router.keepalive import Waiting
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
 from kvreuse.router.sse import error_event, payload
@@ -125,7 +129,15 @@ async def migrating_stream(
                     yield stream_error_event(failed.label, failure, reason)
                     return
                 attempts += 1
-                upstream, problem = await _continue(router, request, ledger, origin, keys, path, headers, tried)
+                waiting = Waiting(
+                    _continue(router, request, ledger, origin, keys, path, headers, tried),
+                    router.deadlines.keepalive_s,
+                    orphan=_close,
+                )
+                async with aclosing(waiting.beats()) as beats:
+                    async for beat in beats:  # keep-alive comments until the new executor's first byte
+                        yield beat
+                upstream, problem = waiting.result()
                 if problem is not None:  # the executor answered, and not with a stream: say its words
                     router.metrics.migration("failed")
                     router.metrics.streams_cut.inc()
@@ -172,6 +184,12 @@ def _refusal(
     if router.hasher.tokenizer is None or origin is None or origin.eos_token_ids is None:
         return "unsupported", "the router lacks the executors' tokenizer or EOS ids (/v1/kvreuse/info eos_token_ids)"
     return None
+
+
+async def _close(continued: tuple[Upstream | None, str | None]) -> None:
+    """A continuation's stream that came when its client had left."""
+    if continued[0] is not None:
+        await continued[0].close()
 
 
 async def _continue(

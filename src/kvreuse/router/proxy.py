@@ -23,6 +23,11 @@ router would not continue (the limit at 0, or a request it does not continue, su
 ``n`` > 1) passes through untouched. An executor that refuses or drops a
 connection is marked down at once; the health loop brings it back.
 
+While a stream waits for its first byte past ``--stream-keepalive-interval``, its response
+starts (a 200 event stream) and the client gets keep-alive comments until the byte comes
+(``kvreuse.router.keepalive``); what the request answers instead then ends the stream as an
+error event.
+
 A client that disconnects while the router waits for the executor (the whole response
 of a non-streamed request, the first chunk of a streamed one) is noticed: the upstream
 request is closed, which makes the executor abort it and free its blocks, and nothing is
@@ -46,10 +51,11 @@ from kvreuse.api.connection import client_disconnected  # the executor's own wat
 from kvreuse.api.errors import APIError, error_response
 from kvreuse.router.affinity import prompt_cache_key
 from kvreuse.router.deadline import Stalled
+from kvreuse.router.keepalive import Waiting, kept_alive
 from kvreuse.router.migration import MIGRATION_OFF, migrating_stream, stream_error_event
 from kvreuse.router.prompt_keys import RequestKeys
 from kvreuse.router.router import Router
-from kvreuse.router.sse import SSE_DONE, EventSplitter
+from kvreuse.router.sse import SSE_DONE, EventSplitter, encode, error_event, payload
 from kvreuse.router.stream_request import StreamRequest
 from kvreuse.router.tenant_usage import UsageTap
 from kvreuse.router.upstream import EXECUTOR_HEADER, ClientGone, Retry, Upstream, send
@@ -59,7 +65,7 @@ logger = logging.getLogger(__name__)
 _FORWARD_HEADERS = ("content-type", "authorization", "accept")
 CLIENT_CLOSED = 499  # the status logged for a request whose client left first (nginx's)
 
-__all__ = ["CLIENT_CLOSED", "EXECUTOR_HEADER", "error", "forward", "stream_error_event"]
+__all__ = ["CLIENT_CLOSED", "EXECUTOR_HEADER", "error", "first_byte", "forward", "stream_error_event"]
 
 
 def error(message: str, status: int, type_: str = "service_unavailable") -> JSONResponse:
@@ -117,14 +123,67 @@ async def _forward(
         keys = await asyncio.to_thread(router.hasher.request_keys, chat, body if isinstance(body, dict) else {})
     stream = StreamRequest.of(chat, body)
     refusal = None if stream is None else _refusal(router, stream)
-    migrating = stream is not None and refusal is None
-    upstream_raw = stream.upstream_body() if migrating else raw  # type: ignore[union-attr]  # migrating implies a stream
+    upstream_raw = stream.upstream_body() if stream is not None and refusal is None else raw
     fwd = {k: v for k, v in headers.items() if k.lower() in _FORWARD_HEADERS}
     tried: list[str] = []
+    affinity = prompt_cache_key(body)
+    attempts = first_byte(router, path, upstream_raw, fwd, keys, affinity, tried, gone, stream=stream is not None)
+    if stream is None:
+        result = await attempts
+    else:
+        every_s = router.deadlines.keepalive_s
+        waiting = Waiting(attempts, every_s, orphan=_close)
+        if not await waiting.ready(every_s):  # no first byte yet: start the stream, keep-alives until it comes
+
+            async def then(late: Response | Upstream) -> AsyncGenerator[bytes, None]:
+                # its status (200) is sent already: what the request answered instead (an
+                # executor's 4xx, the 503 when no executor could take it) ends it as an error event
+                if isinstance(late, Upstream):
+                    async with aclosing(_events(router, late, stream, refusal, keys, path, fwd, tried)) as events:
+                        async for data in events:
+                            yield data
+                    return
+                if usage is not None:
+                    usage.response(late.status_code, bytes(late.body))
+                yield _answer_event(late)
+
+            events = kept_alive(waiting, then)
+            if usage is not None:
+                events = _tapped(events, usage)
+            return StreamingResponse(events, status_code=200, headers={"content-type": "text/event-stream"})
+        result = waiting.result()
+    if not isinstance(result, Upstream):
+        if usage is not None:
+            usage.response(result.status_code, bytes(result.body))
+        return result
+    headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: result.executor.url}
+    events = _events(router, result, stream, refusal, keys, path, fwd, tried)
+    if usage is not None:
+        events = _tapped(events, usage)
+    return StreamingResponse(events, status_code=result.status_code, headers=headers_out)
+
+
+async def first_byte(
+    router: Router,
+    path: str,
+    raw: bytes,
+    fwd: dict[str, str],
+    keys: RequestKeys,
+    affinity: str | None,
+    tried: list[str],
+    gone: asyncio.Future | None,
+    *,
+    stream: bool,
+) -> Response | Upstream:
+    """The first executor's answer to ``raw`` that is not a failure before its first byte
+    (``upstream.send``), trying executors not in ``tried`` (each failed one is added), or
+    the response the client gets instead: the last executor's own error, the 503 when none
+    could take it, the 499 when the client left (``gone``). ``affinity``: the request's
+    ``prompt_cache_key``."""
     last_error = "no healthy executor"
     last_answer: Response | None = None  # the last executor's own error, when it answered one
     while True:
-        routed = router.decide(keys, exclude=tried, affinity_key=prompt_cache_key(body))
+        routed = router.decide(keys, exclude=tried, affinity_key=affinity)
         if routed is None:
             if last_answer is not None:
                 return last_answer  # every executor failed it: the client gets the executor's words
@@ -134,16 +193,8 @@ async def _forward(
         executor.begin(blocks)
         router.metrics.decision(routed.decision, routed.candidates)
         try:
-            result = await send(
-                router.client,
-                executor,
-                path,
-                upstream_raw,
-                fwd,
-                blocks,
-                gone,
-                stream=stream is not None,
-                deadlines=router.deadlines,
+            return await send(
+                router.client, executor, path, raw, fwd, blocks, gone, stream=stream, deadlines=router.deadlines
             )
         except ClientGone:
             executor.end(blocks)
@@ -154,19 +205,41 @@ async def _forward(
             tried.append(executor.name)
             last_error, last_answer = str(exc), exc.response
             logger.info("retrying a request after %s failed before its first byte: %s", executor.url, exc)
-            continue
-        if not isinstance(result, Upstream):
-            if usage is not None:
-                usage.response(result.status_code, bytes(result.body))
-            return result
-        headers_out = {"content-type": result.content_type, EXECUTOR_HEADER: executor.url}
-        if migrating:
-            events = migrating_stream(router, result, stream, keys, path, fwd, tried)  # type: ignore[arg-type]  # migrating implies a stream
-        else:
-            events = _relay(router, result, refusal)
-        if usage is not None:
-            events = _tapped(events, usage)
-        return StreamingResponse(events, status_code=result.status_code, headers=headers_out)
+        except BaseException:  # cancelled: the client left while it was sent keep-alives
+            executor.end(blocks)
+            raise
+
+
+def _events(
+    router: Router,
+    upstream: Upstream,
+    stream: StreamRequest | None,
+    refusal: tuple[str, str] | None,
+    keys: RequestKeys,
+    path: str,
+    fwd: dict[str, str],
+    tried: list[str],
+) -> AsyncGenerator[bytes, None]:
+    """The client's events of ``upstream``: continued elsewhere if it fails, unless
+    ``refusal`` (or the request did not ask for a stream: passed through)."""
+    if stream is not None and refusal is None:
+        return migrating_stream(router, upstream, stream, keys, path, fwd, tried)
+    return _relay(router, upstream, refusal)
+
+
+def _answer_event(response: Response) -> bytes:
+    """``response`` (an error the router or an executor answered) as an SSE error event."""
+    content = bytes(response.body)
+    answer = payload(b"data: " + content + b"\n\n")
+    if answer is not None and isinstance(answer.get("error"), dict):
+        return encode(answer)
+    return error_event(f"the request failed with status {response.status_code}: {content[:200]!r}")
+
+
+async def _close(result: Response | Upstream) -> None:
+    """A first answer that came when nobody waited for it any more."""
+    if isinstance(result, Upstream):
+        await result.close()
 
 
 async def _tapped(events: AsyncGenerator[bytes, None], usage: UsageTap) -> AsyncGenerator[bytes, None]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import TypeVar
 
+import anyio
 import httpx
 from fastapi.responses import Response
 
@@ -94,12 +95,16 @@ async def unless_gone(aw: Awaitable[T], gone: asyncio.Future | None) -> T:
     """``await aw``, unless ``gone`` completes first: then ``aw`` is cancelled (and waited
     for, so nothing still reads the upstream response when it is closed) and
     ``ClientGone`` raised. A result that is ready wins over a disconnect, so a response
-    returned here is never lost unclosed."""
+    returned here is never lost unclosed. A ``gone`` cancelled is a watch that ended (the
+    client's response started, ``kvreuse.router.keepalive``), not a disconnect: ``aw`` is
+    then awaited alone."""
     if gone is None:
         return await aw
     task = asyncio.ensure_future(aw)
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and gone.cancelled():
+            await asyncio.wait({task})
     finally:
         if not task.done():
             task.cancel()
@@ -248,8 +253,9 @@ async def send(
     except Stalled as exc:
         await resp.aclose()
         raise _stalled(executor, exc) from None
-    except ClientGone:
-        await resp.aclose()
+    except BaseException:  # ClientGone, or the wait cancelled (its client left while it sent keep-alives)
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
         raise
     return Upstream(executor, resp, first, chunks, blocks, deadlines)
 
