@@ -288,3 +288,36 @@ def test_the_interval_flag_defaults_to_5_s_and_0_turns_the_comments_off():
         match=r"^--stream-keepalive-interval must be a finite number of seconds >= 0 \(0: no comments\), got -1",
     ):
         Deadlines.of(300.0, 10.0, -1.0)
+
+
+def test_a_body_closed_before_it_took_the_result_hands_it_to_orphan():
+    # the client leaves at the first comment; the wait's answer (an upstream stream, say) is
+    # then nobody's: it goes to ``orphan`` (which closes it), and a wait still running is cancelled
+    from kvreuse.router.keepalive import Waiting, kept_alive
+
+    async def answer(delay_s: float) -> str:
+        await asyncio.sleep(delay_s)
+        return "upstream"
+
+    async def never(result: str):
+        yield b"never sent"
+
+    async def scenario():
+        orphans: list[str] = []
+
+        async def orphan(result: str) -> None:
+            orphans.append(result)
+
+        done = Waiting(answer(0.0), 0.05, orphan=orphan)
+        await asyncio.sleep(0.01)  # its answer is in
+        body = kept_alive(done, never)
+        first = await anext(body)
+        await body.aclose()
+        running = Waiting(answer(60.0), 0.05, orphan=orphan)
+        body = kept_alive(running, never)
+        await anext(body)
+        await anext(body)  # the second comment, from the wait's beats
+        await body.aclose()
+        return first, orphans, running.task.cancelled()
+
+    assert asyncio.run(scenario()) == (KEEPALIVE, ["upstream"], True)

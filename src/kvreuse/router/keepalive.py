@@ -83,11 +83,19 @@ class Waiting(Generic[T]):
 async def kept_alive(
     waiting: Waiting[T], then: Callable[[T], AsyncGenerator[bytes, None]]
 ) -> AsyncGenerator[bytes, None]:
-    """An SSE body: ``KEEPALIVE`` every ``waiting.every_s`` until the wait is over, then
-    ``then(result)``'s bytes."""
-    async with aclosing(waiting.beats()) as beats:
-        async for beat in beats:
-            yield beat
-    async with aclosing(then(waiting.result())) as rest:
+    """An SSE body for a wait that has lasted an interval already: ``KEEPALIVE`` at once (the
+    client has waited that long for its headers) and every ``waiting.every_s`` until the wait
+    is over, then ``then(result)``'s bytes."""
+    taken = False
+    try:
+        yield KEEPALIVE
+        async with aclosing(waiting.beats()) as beats:
+            async for beat in beats:
+                yield beat
+        result, taken = waiting.result(), True
+    finally:
+        if not taken:  # closed first (the client left): nothing reads what the wait brings
+            await waiting.abandon()
+    async with aclosing(then(result)) as rest:
         async for data in rest:
             yield data
