@@ -14,9 +14,9 @@ per head row): ``scale = max|x| / qmax`` rounded to bf16 (``qmax`` 127 for int8,
 57344 for e5m2, the code's largest finite value); int8 ``q = round(x / scale)`` clamped to ±127,
 fp8 ``q = x / scale`` clamped to ±qmax then cast (round to nearest even): saturated, so finite
 input never gives inf or NaN. ``fp8`` is vLLM's name for ``fp8_e4m3``. The row keeps values and
-scale side by side, so a block is one contiguous byte range per (layer,
-K/V, head) and every mover of blocks (host tier, disk, Redis: ``kv_transfer.py``,
-``tiers/block_codec.py``) carries the compressed bytes unchanged. A slot is quantized once,
+scale side by side, so a block is one contiguous byte range per (layer, K/V, head) and every
+mover of blocks (host tier, disk, Redis: ``kv_transfer.py``, ``tiers/block_codec.py``) carries
+the compressed bytes unchanged. A slot is quantized once,
 when the forward writes it (``KVSide.write``); reads dequantize only the slots read (a run in
 place or a gather), in the model's dtype. Keys moved to other RoPE positions (documents) are
 dequantized, rotated and quantized into *new* slots (``KVStore.copy_shifted``): no shared slot is
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KV_CACHE_DTYPES", "KVFormat", "KVSide", "KVStore", "layer_sides", "quantize", "dequantize"]
+__all__ = ["KV_CACHE_DTYPES", "KVFormat", "KVSide", "KVStore", "layer_sides", "qmax", "quantize", "dequantize"]
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCALE_BYTES = 2  # one bf16 scale per row
