@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import kvreuse.models  # noqa: F401  (sets HF_HUB_OFFLINE=1 before transformers is imported)
-from kvreuse.models import gguf_blocks
+from kvreuse.models import gguf_blocks, huge_pages
 from kvreuse.models.kernels import native_kernels
 from kvreuse.models.kernels.native import ARITHMETIC_REVISION
 from kvreuse.models.placement import dtype_name, parse_device, parse_dtype
@@ -231,6 +231,7 @@ def finish_model(
     if quant is not QuantMode.NONE:
         model = quantize_model(model.to(device=device), quant, act_dtype=dtype, output_blocks=output_blocks)
     model = model.to(device=device, dtype=dtype).eval()
+    huge_pages.collapse([*model.parameters(), *model.buffers()])  # a decode step streams them all
     if attn_implementation is not None and model.config._attn_implementation != attn_implementation:
         model.set_attn_implementation(attn_implementation)
     if device.type == "cpu":

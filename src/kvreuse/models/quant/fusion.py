@@ -8,6 +8,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from kvreuse.models import huge_pages
 from kvreuse.models.kernels.packing import ROWS
 from kvreuse.models.quant.int4_linear import Int4Linear
 from kvreuse.models.quant.int4_pack import INT4_PACK_ROWS
@@ -82,6 +83,7 @@ def fuse_linears(layers: Sequence[nn.Module]) -> Projection | None:
         if fused.native:
             fused.bind_native_scales()
     fused.register_buffer("bias", None)
+    huge_pages.collapse([fused.qweight])  # a new allocation: a decode step streams it
     for m, rows in zip(quantized, _row_spans(quantized)):
         # a view: the codes are stored once (scales stay the part's own)
         m.qweight = fused.qweight[rows.start // per_row : rows.stop // per_row]
