@@ -117,7 +117,7 @@ def test_a_pool_in_another_float_dtype_turns_the_mode_off_or_is_refused(tiny_int
         llm = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype)
         assert not llm.engine.runner.deterministic
         assert "batch-invariant" not in llm.engine.model_id
-        with pytest.raises(ValueError, match=f"--deterministic needs --kv-cache-dtype auto or int8 .*got {dtype}"):
+        with pytest.raises(ValueError, match=f"--deterministic needs --kv-cache-dtype auto, int8 or fp8 .*got {dtype}"):
             LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype, deterministic=True)
     for dtype in ("bfloat16", "int8"):
         llm = LLM(loaded=tiny_int4, kv_cache_memory_gib=0.02, block_size=16, kv_cache_dtype=dtype)

@@ -190,7 +190,7 @@ def build_engine(
 
 def deterministic_with(kv_format: KVFormat, deterministic: bool, requested: bool | None) -> bool:
     """Whether the batch-invariant forward keeps its promise with this pool: it reads keys as the
-    pool holds them on every path only when the pool is in the model's dtype or int8 rows (a
+    pool holds them on every path only when the pool is in the model's dtype or 8-bit rows (a
     float16 / float32 pool under a bf16 model took one path on a miss and another on a hit, and
     the answers differed). The default (None) turns the mode off for such a pool; asking for it
     raises ValueError naming the settings."""
@@ -199,7 +199,7 @@ def deterministic_with(kv_format: KVFormat, deterministic: bool, requested: bool
     if requested:
         model_dtype = str(kv_format.compute_dtype).removeprefix("torch.")
         raise ValueError(
-            f"--deterministic needs --kv-cache-dtype auto or int8 for a {model_dtype} model "
+            f"--deterministic needs --kv-cache-dtype auto, int8 or fp8 for a {model_dtype} model "
             f"(got {kv_format.name}: its keys are read through another path on a cache hit)"
         )
     return False

@@ -44,8 +44,9 @@ _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
 _CHECKSUM_BYTES = 16
 _MAX_HEADER_BYTES = 1 << 20  # a block's token ids and names fit many times over
 
-# Names are stored, never pickled dtypes: only these types are KV. uint8: int8 rows, each
-# head_dim int8 values then their bf16 scale (engine/kv_quant.py, --kv-cache-dtype int8).
+# Names are stored, never pickled dtypes: only these types are KV. uint8: 8-bit rows, each
+# head_dim int8 or float8 values then their bf16 scale (engine/kv_quant.py, --kv-cache-dtype
+# int8 / fp8; the format itself is in the fingerprint, so rows are never read as another's).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -217,8 +218,8 @@ _EXPONENT_MASKS: dict[torch.dtype, tuple[type[np.unsignedinteger[Any]], int]] = 
 
 
 def _all_finite(buffer: bytearray, dtype: torch.dtype, row: int) -> bool:
-    """No inf / NaN among the values in ``buffer`` (rows of ``row`` elements); for int8 rows
-    (uint8) among their bf16 scales, the only floats there. Bit tests in numpy,
+    """No inf / NaN among the values in ``buffer`` (rows of ``row`` elements); for 8-bit rows
+    (uint8) among their bf16 scales (int8 values are never non-finite; fp8 writes saturate). Bit tests in numpy,
     single-threaded: an IO thread decoding blocks does not contend for torch's intra-op pool
     with the engine."""
     if dtype == torch.uint8:
